@@ -1,0 +1,3 @@
+"""async-vapo: asynchronous actor-learner RL with VAPO."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,40 @@
+"""Pure tensor math of VAPO and its baselines: GAE, losses, group advantages, DAPO shaping."""
+
+from async_vapo.algo.advantages import broadcast_to_tokens, group_normalized_advantages
+from async_vapo.algo.dapo import dynamic_sampling_keep, soft_overlong_punishment
+from async_vapo.algo.gae import compute_gae, length_adaptive_lambda
+from async_vapo.algo.losses import (
+    loss_normalizer,
+    microbatch_weight,
+    policy_loss,
+    positive_lm_loss,
+    value_loss,
+)
+from async_vapo.algo.utils import (
+    entropy_from_logits,
+    logprobs_from_logits,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
+
+__all__ = [
+    "broadcast_to_tokens",
+    "compute_gae",
+    "dynamic_sampling_keep",
+    "entropy_from_logits",
+    "group_normalized_advantages",
+    "length_adaptive_lambda",
+    "logprobs_from_logits",
+    "loss_normalizer",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "microbatch_weight",
+    "policy_loss",
+    "positive_lm_loss",
+    "soft_overlong_punishment",
+    "value_loss",
+]

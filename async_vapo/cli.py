@@ -1,0 +1,71 @@
+"""`async-vapo` command line.
+
+    async-vapo train --config configs/tiny_cpu.toml [key.sub=value ...] [--resume CKPT]
+    async-vapo make-base --config configs/tiny_cpu.toml [--force]
+    async-vapo config --config FILE [key.sub=value ...]      print the resolved config
+    async-vapo plot RUN_DIR [RUN_DIR ...] --out FILE.png     held-out accuracy and length curves
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _load(args: argparse.Namespace):
+    from async_vapo.config import load_config
+
+    return load_config(args.config or [], args.overrides)
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", action="append", help="TOML file (repeat to layer several)")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied after the files")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="async-vapo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p_train = sub.add_parser("train", help="one-process trainer (rollout -> verify -> learn)")
+    _add_config_args(p_train)
+    p_train.add_argument("--resume", help="checkpoint directory (runs/NAME/checkpoints/step_N)")
+    p_base = sub.add_parser("make-base", help="build (or reuse) the embedded tiny base model")
+    _add_config_args(p_base)
+    p_base.add_argument("--force", action="store_true", help="rebuild even if cached")
+    p_cfg = sub.add_parser("config", help="print the resolved config as JSON")
+    _add_config_args(p_cfg)
+    p_plot = sub.add_parser("plot", help="plot held-out accuracy / response length of runs")
+    p_plot.add_argument("runs", nargs="+")
+    p_plot.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+
+    from async_vapo.config import ConfigError
+
+    try:
+        if args.cmd == "config":
+            print(json.dumps(_load(args).model_dump(mode="json", by_alias=True), indent=2))
+        elif args.cmd == "make-base":
+            from async_vapo.models.base import base_model_path, ensure_base_model, make_base
+
+            cfg = _load(args)
+            path = make_base(cfg, base_model_path(cfg)) if args.force else ensure_base_model(cfg)
+            print(path)
+        elif args.cmd == "train":
+            from async_vapo.trainer import train
+
+            summary = train(_load(args), resume=args.resume)
+            print(json.dumps(summary, indent=2))
+        elif args.cmd == "plot":
+            from async_vapo.metrics.plots import plot_runs
+
+            print(plot_runs(args.runs, args.out))
+    except ConfigError as e:
+        print(f"async-vapo: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

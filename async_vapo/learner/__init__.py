@@ -1,0 +1,1 @@
+"""The learner: VAPO updates on torch, checkpoints."""

@@ -1,0 +1,299 @@
+"""The learner: VAPO updates (and the PPO / GRPO / DAPO baselines) on torch.
+
+One rollout step's groups become one ``RolloutBatch``; ``Learner.update`` then runs
+``ppo_epochs`` passes of mini-batches (one optimiser step each), each split into micro-batches whose
+losses are weighted by their share of the mini-batch's tokens (or sequences) — so the token-level loss
+is one mean over every valid token of the mini-batch however it is split.
+
+Log-probabilities of the behaviour policy (``old_logprobs``) are recomputed by the learner with the
+weights that generated the batch; the engine's own log-probs are kept only to report the
+engine/learner mismatch (``behavior_logprob_gap``).
+
+Advantages by algorithm (the math lives in ``async_vapo.algo``):
+- vapo / ppo: GAE on the critic's values; actor λ = ``lam_policy`` or, with length-adaptive GAE,
+  1 − 1/(α·l) per response; critic targets with ``lam_critic`` (decoupled GAE) or the actor's λ.
+- grpo / dapo: group-normalised terminal reward on every token; no critic.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from async_vapo.algo.advantages import broadcast_to_tokens, group_normalized_advantages
+from async_vapo.algo.dapo import soft_overlong_punishment
+from async_vapo.algo.gae import compute_gae, length_adaptive_lambda
+from async_vapo.algo.losses import (
+    loss_normalizer,
+    microbatch_weight,
+    policy_loss,
+    positive_lm_loss,
+    value_loss,
+)
+from async_vapo.algo.utils import entropy_from_logits, logprobs_from_logits, masked_mean, masked_whiten
+from async_vapo.config import Config
+from async_vapo.models.rl import (
+    TokenBatch,
+    load_critic,
+    load_policy,
+    make_token_batch,
+    response_logits,
+    response_values,
+)
+from async_vapo.rollout.types import Group
+
+
+@dataclass
+class RolloutBatch:
+    tokens: TokenBatch
+    rewards: torch.Tensor  # [B] verifier reward (+ overlong shaping)
+    correct: torch.Tensor  # [B] bool
+    group_ids: torch.Tensor  # [B] long
+    versions: torch.Tensor  # [B] long
+    behavior_logprobs: torch.Tensor  # [B, T]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.tokens.response_mask.sum(-1)
+
+
+def make_rollout_batch(groups: Sequence[Group], pad_id: int, *, overlong_max_len: int = 0,
+                       overlong_buffer: int = 0) -> RolloutBatch:
+    prompts, responses, rewards, correct, gids, versions, blp = [], [], [], [], [], [], []
+    for g_index, g in enumerate(groups):
+        for s in g.samples:
+            prompts.append(g.prompt_ids)
+            responses.append(s.response_ids)
+            rewards.append(s.reward)
+            correct.append(s.correct)
+            gids.append(g_index)
+            versions.append(g.version)
+            blp.append(s.behavior_logprobs)
+    tokens = make_token_batch(prompts, responses, pad_id)
+    behavior = torch.zeros(tokens.response_mask.shape)
+    for i, lp in enumerate(blp):
+        behavior[i, : len(lp)] = torch.as_tensor(lp, dtype=torch.float)
+    r = torch.tensor(rewards, dtype=torch.float)
+    if overlong_buffer > 0:
+        r = r + soft_overlong_punishment(tokens.response_mask.sum(-1), overlong_max_len, overlong_buffer).float()
+    return RolloutBatch(tokens, r, torch.tensor(correct), torch.tensor(gids), torch.tensor(versions), behavior)
+
+
+def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
+    acc: dict[str, list[float]] = defaultdict(list)
+    for row in rows:
+        for k, v in row.items():
+            acc[k].append(v)
+    return {k: sum(v) / len(v) for k, v in acc.items()}
+
+
+class Learner:
+    def __init__(self, cfg: Config, policy_path: str | Path, critic_path: str | Path | None = None):
+        self.cfg = cfg
+        self.algo = cfg.algo
+        torch.manual_seed(cfg.train.seed)
+        self.rng = random.Random(cfg.train.seed)
+        self.policy = load_policy(policy_path, cfg.model.dtype)
+        self.policy.train()
+        self.actor_opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optim.actor_lr,
+                                           betas=(cfg.optim.beta1, cfg.optim.beta2),
+                                           weight_decay=cfg.optim.weight_decay)
+        self.critic = self.critic_opt = None
+        if self.algo.uses_critic:
+            self.critic = load_critic(critic_path or policy_path, cfg.model.dtype)
+            self.critic.train()
+            self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.optim.critic_lr,
+                                                betas=(cfg.optim.beta1, cfg.optim.beta2),
+                                                weight_decay=cfg.optim.weight_decay)
+        self.version = 0  # policy updates published so far
+        self.optimizer_steps = 0
+        self.critic_steps = 0
+
+    # ---------------------------------------------------------------- helpers
+    def _lr_scale(self) -> float:
+        w = self.cfg.optim.warmup_steps
+        return 1.0 if w == 0 else min(1.0, (self.optimizer_steps + 1) / w)
+
+    def _minibatches(self, n: int) -> list[list[int]]:
+        order = list(range(n))
+        self.rng.shuffle(order)
+        mb = self.algo.mini_batch_size
+        return [order[i: i + mb] for i in range(0, n, mb)]
+
+    def _micro(self, idx: list[int]) -> list[list[int]]:
+        k = self.algo.micro_batch_size
+        return [idx[i: i + k] for i in range(0, len(idx), k)]
+
+    @torch.no_grad()
+    def _forward_old(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs of the policy that generated the batch and the critic's values, before any update."""
+        n, t = batch.tokens.response_mask.shape
+        old_lp = torch.zeros(n, t)
+        values = torch.zeros(n, t) if self.critic is not None else None
+        for idx in self._micro(list(range(n))):
+            tb = batch.tokens.select(idx)
+            w = tb.response_ids.shape[1]
+            old_lp[idx, :w] = logprobs_from_logits(response_logits(self.policy, tb), tb.response_ids)
+            if values is not None:
+                values[idx, :w] = response_values(self.critic, tb)
+        mask = batch.tokens.response_mask.bool()
+        return old_lp.masked_fill(~mask, 0.0), None if values is None else values.masked_fill(~mask, 0.0)
+
+    def _token_rewards(self, batch: RolloutBatch) -> torch.Tensor:
+        mask = batch.tokens.response_mask
+        last = (batch.lengths - 1).clamp(min=0)
+        r = torch.zeros(mask.shape)
+        r[torch.arange(len(last)), last] = batch.rewards
+        return r * mask
+
+    def _step(self, model: torch.nn.Module, opt: torch.optim.Optimizer, lr: float) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.algo.grad_clip)
+        for g in opt.param_groups:
+            g["lr"] = lr * self._lr_scale()
+        if torch.isfinite(norm):
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(norm)
+
+    # ---------------------------------------------------------------- critic-only (value pretraining)
+    def pretrain_critic(self, batch: RolloutBatch) -> dict[str, float]:
+        """One rollout batch of critic-only training with Monte-Carlo targets (λ = 1): VAPO §3.1."""
+        if self.critic is None:
+            raise RuntimeError(f"algorithm {self.algo.name!r} has no critic to pretrain")
+        mask = batch.tokens.response_mask
+        _, values = self._forward_old(batch)
+        _, returns = compute_gae(self._token_rewards(batch), values, mask, 1.0, self.algo.gamma)
+        rows = [self._critic_minibatch(batch, idx, returns, values) for idx in self._minibatches(len(mask))]
+        self.critic_steps += len(rows)
+        return _mean_metrics(rows)
+
+    def _critic_minibatch(self, batch: RolloutBatch, idx: list[int], returns: torch.Tensor,
+                          old_values: torch.Tensor) -> dict[str, float]:
+        mask = batch.tokens.response_mask
+        total = loss_normalizer(mask[idx], True)
+        rows = []
+        for mi in self._micro(idx):
+            tb = batch.tokens.select(mi)
+            w = tb.response_ids.shape[1]
+            v = response_values(self.critic, tb)
+            vl, m = value_loss(v, returns[mi, :w], tb.response_mask, old_values[mi, :w], self.algo.value_clip)
+            (self.algo.vf_coef * microbatch_weight(tb.response_mask, total, True) * vl).backward()
+            rows.append({"critic/value_loss": float(vl), **{f"critic/{k}": float(x) for k, x in m.items()}})
+        out = _mean_metrics(rows)
+        out["critic/grad_norm"] = self._step(self.critic, self.critic_opt, self.cfg.optim.critic_lr)
+        return out
+
+    # ---------------------------------------------------------------- advantages
+    def advantages(self, batch: RolloutBatch, values: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+        mask = batch.tokens.response_mask
+        stats: dict[str, float] = {}
+        if self.algo.uses_critic:
+            rewards = self._token_rewards(batch)
+            if self.algo.length_adaptive_gae:
+                lam_policy = length_adaptive_lambda(batch.lengths.float(), self.algo.alpha)
+            else:
+                lam_policy = torch.full((len(mask),), self.algo.lam_policy)
+            lam_critic = torch.full_like(lam_policy, self.algo.lam_critic) if self.algo.decoupled_gae else lam_policy
+            adv, _ = compute_gae(rewards, values, mask, lam_policy, self.algo.gamma)
+            _, returns = compute_gae(rewards, values, mask, lam_critic, self.algo.gamma)
+            stats.update({"lam_policy/mean": float(lam_policy.mean()), "lam_policy/min": float(lam_policy.min()),
+                          "lam_policy/max": float(lam_policy.max())})
+        else:
+            seq_adv = group_normalized_advantages(batch.rewards, batch.group_ids)
+            adv, returns = broadcast_to_tokens(seq_adv, mask), None
+        if self.algo.whiten_advantages:
+            adv = masked_whiten(adv, mask) * mask
+        stats["advantage/mean"] = float(masked_mean(adv, mask))
+        return adv, returns, stats
+
+    # ---------------------------------------------------------------- the update
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        """One rollout step's worth of policy (and critic) optimisation; publishes version + 1."""
+        mask = batch.tokens.response_mask
+        old_lp, values = self._forward_old(batch)
+        adv, returns, stats = self.advantages(batch, values)
+        stats["behavior_logprob_gap"] = float(masked_mean((old_lp - batch.behavior_logprobs).abs(), mask))
+        token_level = self.algo.token_level_loss
+        eps_high = self.algo.effective_eps_high
+        rows: list[dict[str, float]] = []
+        for _ in range(self.algo.ppo_epochs):
+            for idx in self._minibatches(len(mask)):
+                total = loss_normalizer(mask[idx], token_level)
+                pos_mask_all = mask[idx].bool() & batch.correct[idx, None]
+                pos_total = loss_normalizer(pos_mask_all, True)
+                mrows = []
+                for mi in self._micro(idx):
+                    tb = batch.tokens.select(mi)
+                    w = tb.response_ids.shape[1]
+                    logits = response_logits(self.policy, tb)
+                    lp = logprobs_from_logits(logits, tb.response_ids)
+                    with torch.no_grad():
+                        ent = entropy_from_logits(logits)
+                    pl, m = policy_loss(lp, old_lp[mi, :w], adv[mi, :w], tb.response_mask, self.algo.eps_low,
+                                        eps_high, token_level=token_level, entropy=ent)
+                    loss = microbatch_weight(tb.response_mask, total, token_level) * pl
+                    row = {"actor/pg_loss": float(pl), **{f"actor/{k}": float(x) for k, x in m.items()}}
+                    if self.algo.pos_lm_coef > 0:
+                        correct = batch.correct[mi]
+                        ll, lm = positive_lm_loss(lp, tb.response_mask, correct)
+                        pos_mask = tb.response_mask.bool() & correct[:, None]
+                        loss = loss + self.algo.pos_lm_coef * microbatch_weight(pos_mask, pos_total, True) * ll
+                        row.update({f"actor/{k}": float(x) for k, x in lm.items()})
+                    if self.algo.entropy_coef > 0:
+                        ent_g = entropy_from_logits(logits)
+                        loss = loss - self.algo.entropy_coef * microbatch_weight(
+                            tb.response_mask, total, token_level) * masked_mean(ent_g, tb.response_mask)
+                    loss.backward()
+                    mrows.append(row)
+                out = _mean_metrics(mrows)
+                out["actor/grad_norm"] = self._step(self.policy, self.actor_opt, self.cfg.optim.actor_lr)
+                if self.critic is not None:
+                    out.update(self._critic_minibatch(batch, idx, returns, values))
+                self.optimizer_steps += 1
+                rows.append(out)
+        self.version += 1
+        metrics = _mean_metrics(rows)
+        metrics.update(stats)
+        return metrics
+
+    # ---------------------------------------------------------------- weights and checkpoints
+    def policy_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.policy.state_dict().items()}
+
+    def save(self, path: str | Path, extra: dict | None = None) -> Path:
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.policy.save_pretrained(tmp / "policy", safe_serialization=True)
+        if self.critic is not None:
+            self.critic.save_pretrained(tmp / "critic", safe_serialization=True)
+        torch.save({
+            "actor_opt": self.actor_opt.state_dict(),
+            "critic_opt": None if self.critic_opt is None else self.critic_opt.state_dict(),
+            "version": self.version, "optimizer_steps": self.optimizer_steps, "critic_steps": self.critic_steps,
+            "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state(), "extra": extra or {},
+        }, tmp / "learner_state.pt")
+        if path.exists():
+            import shutil
+
+            shutil.rmtree(path)
+        tmp.rename(path)
+        return path
+
+    def load_state(self, path: str | Path) -> dict:
+        """Restore optimisers, counters and RNG from a checkpoint (models are loaded by the constructor)."""
+        state = torch.load(Path(path) / "learner_state.pt", weights_only=False)
+        self.actor_opt.load_state_dict(state["actor_opt"])
+        if self.critic_opt is not None and state["critic_opt"] is not None:
+            self.critic_opt.load_state_dict(state["critic_opt"])
+        self.version, self.optimizer_steps = state["version"], state["optimizer_steps"]
+        self.critic_steps = state["critic_steps"]
+        self.rng.setstate(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
+        return state["extra"]

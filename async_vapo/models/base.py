@@ -1,0 +1,122 @@
+"""`async-vapo make-base`: build the embedded default's tiny base model.
+
+A character tokenizer and a small Qwen2-architecture model are supervised on *imperfect*
+demonstrations of the chain-arithmetic task (each step wrong with probability
+``demo_step_error_rate``), so that the base model knows the format and how to compute, but samples
+mistakes often enough that its held-out accuracy starts low and non-zero — room for RL to show.
+Deterministic in ``base_model.seed``; built once into the cache and reused by later runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from async_vapo.config import Config
+from async_vapo.models.tiny import build_char_tokenizer, build_tiny_qwen2, save_hf
+from async_vapo.tasks import arith
+
+BUILD_VERSION = 1  # bump when the recipe changes, so cached models are rebuilt
+
+
+def base_model_key(cfg: Config) -> str:
+    spec = {"v": BUILD_VERSION, "base": cfg.base_model.model_dump(),
+            "task": {k: getattr(cfg.task, k) for k in ("seed", "min_ops", "max_ops", "num_train", "num_eval")}}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def base_model_path(cfg: Config) -> Path:
+    return Path(cfg.model.cache_dir).expanduser() / f"tiny-base-{base_model_key(cfg)}"
+
+
+def ensure_base_model(cfg: Config, *, progress: bool = True) -> Path:
+    """The policy's starting checkpoint: ``model.path`` if set, else the (cached) embedded base model."""
+    if cfg.model.path:
+        path = Path(cfg.model.path).expanduser()
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model.path {path} has no config.json (expected an HF model directory)")
+        return path
+    if cfg.task.kind != "arith":
+        raise ValueError("the embedded base model is built for task.kind='arith'; set model.path for other tasks")
+    path = base_model_path(cfg)
+    if (path / "BUILD_DONE").exists():
+        return path
+    return make_base(cfg, path, progress=progress)
+
+
+def make_base(cfg: Config, out: Path, *, progress: bool = True) -> Path:
+    bm = cfg.base_model
+    torch.manual_seed(bm.seed)
+    rng = random.Random(bm.seed)
+    tok = build_char_tokenizer()
+    model = build_tiny_qwen2(
+        len(tok), hidden_size=bm.hidden_size, num_layers=bm.num_layers, num_heads=bm.num_heads,
+        num_kv_heads=bm.num_kv_heads, intermediate_size=bm.intermediate_size,
+        max_position_embeddings=bm.max_position_embeddings, pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id, seed=bm.seed)
+    train, _ = arith.make_splits(cfg.task.num_train, cfg.task.num_eval, cfg.task.seed, cfg.task.min_ops,
+                                 cfg.task.max_ops)
+    prompt_ids = {p.uid: tok(cfg.task.prompt_template.format(prompt=p.prompt)).input_ids for p in train}
+    opt = torch.optim.AdamW(model.parameters(), lr=bm.sft_lr, weight_decay=0.01, betas=(0.9, 0.98))
+    warmup = max(1, bm.sft_steps // 20)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return bm.sft_lr * (step + 1) / warmup
+        frac = (step - warmup) / max(1, bm.sft_steps - warmup)
+        return bm.sft_lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    from tqdm import tqdm
+
+    model.train()
+    t0 = time.perf_counter()
+    bar = tqdm(range(bm.sft_steps), desc="make-base (SFT on imperfect demos)", disable=not progress,
+               dynamic_ncols=True)
+    ema = None
+    for step in bar:
+        batch = rng.sample(train, bm.sft_batch_size) if len(train) >= bm.sft_batch_size else train
+        seqs, loss_masks = [], []
+        for p in batch:
+            resp = tok(arith.demonstration(p, rng, bm.demo_step_error_rate)).input_ids + [tok.eos_token_id]
+            seqs.append(prompt_ids[p.uid] + resp)
+            loss_masks.append([0] * len(prompt_ids[p.uid]) + [1] * len(resp))
+        width = max(map(len, seqs))
+        ids = torch.full((len(seqs), width), tok.pad_token_id, dtype=torch.long)
+        lm = torch.zeros((len(seqs), width))
+        for i, (s, m) in enumerate(zip(seqs, loss_masks, strict=True)):
+            ids[i, : len(s)] = torch.tensor(s)
+            lm[i, : len(m)] = torch.tensor(m, dtype=torch.float)
+        attn = (torch.arange(width)[None, :] < torch.tensor([len(s) for s in seqs])[:, None]).long()
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                                reduction="none").view_as(lm[:, 1:])
+        loss = (nll * lm[:, 1:]).sum() / lm[:, 1:].sum()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        ema = float(loss) if ema is None else 0.98 * ema + 0.02 * float(loss)
+        if step % 20 == 0:
+            bar.set_postfix(loss=f"{ema:.3f}")
+    model.eval()
+    tmp = out.with_name(out.name + ".tmp")
+    save_hf(model, tok, tmp)
+    meta = {"key": base_model_key(cfg), "params": sum(p.numel() for p in model.parameters()),
+            "sft_seconds": round(time.perf_counter() - t0, 1), "final_sft_loss": ema,
+            "base_model": bm.model_dump()}
+    (tmp / "async_vapo_base.json").write_text(json.dumps(meta, indent=2) + "\n")
+    (tmp / "BUILD_DONE").write_text("ok\n")
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out

@@ -1,0 +1,106 @@
+"""Models for RL: the policy (a causal LM) and the critic (the same backbone with a scalar head).
+
+Both are plain transformers classes, so they save and load in HF format: the policy is
+``AutoModelForCausalLM``; the critic is ``AutoModelForTokenClassification`` with one label, whose
+``score`` head gives a value per position (as verl's critic does). A critic initialised from a causal-LM
+checkpoint gets a zero head (V = 0 everywhere before value pretraining); one loaded from a critic or
+reward checkpoint keeps its head, and with it whatever bias that head has, as in the paper.
+
+Sequences are laid out as a left-padded prompt followed by a right-padded response, so that every
+response starts at the same column and per-token tensors are ``[B, T]`` over response tokens only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_policy(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=_DTYPES[dtype])
+
+
+def load_critic(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
+    config = AutoConfig.from_pretrained(str(path))
+    is_critic = any(a.endswith("ForTokenClassification") for a in (config.architectures or []))
+    model = AutoModelForTokenClassification.from_pretrained(str(path), num_labels=1, dtype=_DTYPES[dtype])
+    if not is_critic:
+        torch.nn.init.zeros_(model.score.weight)
+        if model.score.bias is not None:
+            torch.nn.init.zeros_(model.score.bias)
+    return model
+
+
+@dataclass
+class TokenBatch:
+    """Prompt and response token ids laid out for one forward pass.
+
+    ``input_ids`` is ``[B, P + T]``: prompts left-padded to P, responses right-padded to T.
+    ``response_mask`` is ``[B, T]``: 1 on generated tokens (EOS included).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    prompt_len: int
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, idx: torch.Tensor | Sequence[int]) -> TokenBatch:
+        """Rows ``idx``, trimmed to their longest prompt and response."""
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        am = self.attention_mask[idx]
+        rm = self.response_mask[idx]
+        p_used = int(am[:, : self.prompt_len].sum(1).max())
+        t_used = max(1, int(rm.sum(1).max()))
+        cut = slice(self.prompt_len - p_used, self.prompt_len + t_used)
+        return TokenBatch(
+            input_ids=self.input_ids[idx][:, cut],
+            attention_mask=am[:, cut],
+            position_ids=self.position_ids[idx][:, cut],
+            response_ids=self.response_ids[idx][:, :t_used],
+            response_mask=rm[:, :t_used],
+            prompt_len=p_used,
+        )
+
+
+def make_token_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                     pad_id: int) -> TokenBatch:
+    b = len(prompts)
+    if b != len(responses) or b == 0:
+        raise ValueError(f"need as many prompts as responses, got {b} and {len(responses)}")
+    p = max(len(x) for x in prompts)
+    t = max(1, max(len(x) for x in responses))
+    input_ids = torch.full((b, p + t), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((b, p + t), dtype=torch.long)
+    for i, (pr, rs) in enumerate(zip(prompts, responses, strict=True)):
+        input_ids[i, p - len(pr): p] = torch.as_tensor(pr, dtype=torch.long)
+        input_ids[i, p: p + len(rs)] = torch.as_tensor(rs, dtype=torch.long)
+        attention_mask[i, p - len(pr): p + len(rs)] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    response_mask = attention_mask[:, p:].clone()
+    return TokenBatch(input_ids, attention_mask, position_ids, input_ids[:, p:].clone(), response_mask, p)
+
+
+def response_logits(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
+    """Policy logits predicting each response token: ``[B, T, V]``."""
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                use_cache=False)
+    p, t = batch.prompt_len, batch.response_ids.shape[1]
+    return out.logits[:, p - 1: p - 1 + t].float()
+
+
+def response_values(critic: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
+    """Critic value of the state before each response token: ``[B, T]``."""
+    out = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
+    p, t = batch.prompt_len, batch.response_ids.shape[1]
+    return out.logits[:, p - 1: p - 1 + t, 0].float()

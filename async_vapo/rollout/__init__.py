@@ -1,0 +1,1 @@
+"""Generation: the vLLM engine, version-tagged samples, in-place weight loading."""

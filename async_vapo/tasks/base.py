@@ -1,0 +1,42 @@
+"""The problem record shared by every task.
+
+A :class:`Problem` is what the rollout side turns into a prompt and what the verifier checks a
+response against. ``uid`` is stable across processes and runs (a content hash, never Python's
+salted ``hash``), so it can key replay entries, per-problem statistics and eval reports.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+UID_HEX_CHARS = 16
+"""Hex digits kept from the SHA-256 of the prompt (64 bits: collisions negligible below ~10^9 prompts)."""
+
+
+def prompt_uid(prompt: str) -> str:
+    """Stable id of a prompt: the first :data:`UID_HEX_CHARS` hex digits of its UTF-8 SHA-256."""
+    return hashlib.sha256(prompt.encode("utf-8")).hexdigest()[:UID_HEX_CHARS]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One verifiable problem.
+
+    ``answer`` is the reference final answer as a string (what ``\\boxed{...}`` should contain).
+    ``meta`` is task-specific and informational (e.g. ``n_ops`` for arith, source row for files);
+    it is excluded from ``hash`` so problems stay hashable although ``meta`` is a dict.
+    """
+
+    uid: str
+    prompt: str
+    answer: str
+    meta: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        for name in ("uid", "prompt", "answer"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise TypeError(f"Problem.{name} must be str, got {type(value).__name__}: {value!r}")

@@ -1,0 +1,178 @@
+"""Problems from local files: ``.jsonl``, ``.json`` (a list of objects) and ``.parquet``.
+
+Layouts recognised when no keys are given (decided from the first record, then required of all):
+
+* flat: ``{"prompt": str, "answer": str}``;
+* DAPO-Math-17k / verl: ``prompt`` is a list of chat messages (the last ``user`` message's content
+  is the prompt) and the answer is ``reward_model.ground_truth``;
+* AIME: ``{"Problem" | "problem": str, "Answer" | "answer": str | int}``.
+
+Explicit ``prompt_key`` / ``answer_key`` may be dotted paths into nested objects
+(``"reward_model.ground_truth"``). A record's ``id``, ``ID`` or ``extra_info.index`` becomes its
+``uid``; otherwise the uid is the prompt's hash (:func:`~async_vapo.tasks.base.prompt_uid`), so
+duplicated prompts share a uid.
+
+No record is ever skipped: a missing field, a wrong type, an empty prompt or answer, an invalid
+JSON line or an empty file raises :class:`ProblemFileError` naming the file and the 1-based line
+(JSONL: the physical line, blank lines counted), record (JSON) or row (Parquet). Blank JSONL lines
+are not records. ``pyarrow`` is imported only for Parquet files.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from async_vapo.tasks.base import Problem, prompt_uid
+
+PROMPT_KEYS = ("prompt", "problem", "Problem")
+"""Prompt fields tried in order when ``prompt_key`` is not given."""
+ANSWER_KEYS = ("answer", "Answer", "reward_model.ground_truth")
+"""Answer fields tried in order when ``answer_key`` is not given."""
+ID_KEYS = ("id", "ID", "extra_info.index")
+"""Fields that, when present, become the problem's uid (first match wins)."""
+
+_PARQUET_BATCH_ROWS = 4096
+
+
+class ProblemFileError(ValueError):
+    """A problem file that cannot be read as problems; the message names the file and the record."""
+
+
+_MISSING = object()
+
+
+def _get(record: Mapping[str, Any], key: str) -> Any:
+    """``record[key]``, else follow ``key`` as a dotted path; :data:`_MISSING` when absent."""
+    if key in record:
+        return record[key]
+    value: Any = record
+    for part in key.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def _detect(record: Mapping[str, Any], candidates: tuple[str, ...], what: str, where: str) -> str:
+    for key in candidates:
+        if _get(record, key) is not _MISSING:
+            return key
+    raise ProblemFileError(
+        f"{where}: no {what} field found (looked for {', '.join(map(repr, candidates))}; "
+        f"record keys: {sorted(record)}); pass {what}_key= to name it"
+    )
+
+
+def _prompt_text(value: Any, key: str, where: str) -> str:
+    if isinstance(value, str):
+        text = value
+    elif isinstance(value, list):
+        users = [m for m in value if isinstance(m, Mapping) and m.get("role") == "user"]
+        if not users:
+            raise ProblemFileError(f"{where}: field {key!r} is a message list without a 'user' message")
+        text = users[-1].get("content")
+        if not isinstance(text, str):
+            raise ProblemFileError(
+                f"{where}: field {key!r}: last user message content must be str, got {type(text).__name__}"
+            )
+    else:
+        raise ProblemFileError(
+            f"{where}: field {key!r} must be str or a list of chat messages, got {type(value).__name__}"
+        )
+    if not text.strip():
+        raise ProblemFileError(f"{where}: field {key!r} is empty")
+    return text
+
+
+def _answer_text(value: Any, key: str, where: str) -> str:
+    # bool is an int subclass but never a meaningful answer; floats would print as "3.0".
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise ProblemFileError(f"{where}: field {key!r} must be str or int, got {type(value).__name__}")
+    text = str(value)
+    if not text.strip():
+        raise ProblemFileError(f"{where}: field {key!r} is empty")
+    return text
+
+
+def _records(path: Path) -> Iterator[tuple[int, str, Any]]:
+    """``(number, location, record)`` in file order; records are not yet checked to be objects."""
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        with path.open(encoding="utf-8") as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{line_no}"
+                try:
+                    yield line_no, where, json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ProblemFileError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from e
+    elif suffix == ".json":
+        text = path.read_text(encoding="utf-8")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            hint = " (one object per line? name the file .jsonl)" if e.msg == "Extra data" else ""
+            raise ProblemFileError(f"{path}:{e.lineno}: invalid JSON: {e.msg}{hint}") from e
+        if not isinstance(data, list):
+            raise ProblemFileError(f"{path}: expected a JSON list of objects, got {type(data).__name__}")
+        for i, record in enumerate(data, start=1):
+            yield i, f"{path}: record {i}", record
+    elif suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise ImportError(f"reading {path} needs pyarrow (pip install pyarrow)") from e
+        row = 0
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=_PARQUET_BATCH_ROWS):
+            for record in batch.to_pylist():
+                row += 1
+                yield row, f"{path}: row {row}", record
+    else:
+        raise ProblemFileError(
+            f"{path}: unknown extension {path.suffix!r}; expected .jsonl, .json or .parquet"
+        )
+
+
+def load_problems(
+    path: str | Path,
+    *,
+    prompt_key: str | None = None,
+    answer_key: str | None = None,
+    limit: int | None = None,
+) -> list[Problem]:
+    """Every problem in ``path`` in file order (the first ``limit`` when given; reading stops there).
+
+    ``meta`` holds ``path`` and ``row`` (the 1-based line, record or row number).
+    """
+    path = Path(path)
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1 or None, got {limit}")
+    problems: list[Problem] = []
+    for row, where, record in _records(path):
+        if not isinstance(record, Mapping):
+            raise ProblemFileError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        if prompt_key is None:
+            prompt_key = _detect(record, PROMPT_KEYS, "prompt", where)
+        if answer_key is None:
+            answer_key = _detect(record, ANSWER_KEYS, "answer", where)
+        values = {}
+        for key in (prompt_key, answer_key):
+            values[key] = _get(record, key)
+            if values[key] is _MISSING:
+                raise ProblemFileError(f"{where}: missing field {key!r} (record keys: {sorted(record)})")
+        prompt = _prompt_text(values[prompt_key], prompt_key, where)
+        answer = _answer_text(values[answer_key], answer_key, where)
+        uid = next(
+            (str(v) for v in (_get(record, k) for k in ID_KEYS) if v is not _MISSING and v is not None),
+            prompt_uid(prompt),
+        )
+        problems.append(Problem(uid=uid, prompt=prompt, answer=answer, meta={"path": str(path), "row": row}))
+        if limit is not None and len(problems) >= limit:
+            break
+    if not problems:
+        raise ProblemFileError(f"{path}: no problems (empty file)")
+    return problems

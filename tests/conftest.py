@@ -1,0 +1,46 @@
+"""Shared fixtures. The vLLM engine is started once per test session and shared (it takes ~30 s)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from async_vapo.config import load_config
+
+# A small embedded model that still learns the format: built once per session into a temp cache.
+TINY_TEST_OVERRIDES = [
+    "base_model.hidden_size=64", "base_model.num_layers=2", "base_model.num_heads=2", "base_model.num_kv_heads=1",
+    "base_model.intermediate_size=128", "base_model.sft_steps=60", "base_model.sft_batch_size=32",
+    "base_model.sft_lr=1e-2",
+    "task.num_train=300", "task.num_eval=24", "task.max_ops=3", "rollout.max_response_tokens=40",
+    "algo.prompts_per_step=4", "algo.group_size=4", "algo.mini_batch_size=8", "algo.micro_batch_size=4",
+    "algo.value_pretrain_steps=1", "algo.alpha=1.0", "optim.actor_lr=1e-3", "optim.critic_lr=1e-3",
+    "rollout.kv_cache_gib=1", "train.total_steps=3", "train.eval_every=2", "train.checkpoint_every=2",
+    "train.threads=1", "verifier.num_workers=1",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("model-cache")
+    run = tmp_path_factory.mktemp("runs")
+    return load_config([], TINY_TEST_OVERRIDES + [f"model.cache_dir={cache}", f"train.output_dir={run}/{{name}}"])
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tiny_cfg):
+    from async_vapo.models.base import ensure_base_model
+
+    return ensure_base_model(tiny_cfg, progress=False)
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tiny_base):
+    """One real vLLM engine for the whole session, serving the tiny base model."""
+    from async_vapo.rollout.engine import EngineSpec, VLLMEngine
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    engine = VLLMEngine(EngineSpec(model_path=str(tiny_base), max_model_len=128, kv_cache_gib=1))
+    yield engine
+    engine.close()

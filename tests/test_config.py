@@ -1,0 +1,141 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from async_vapo.config import Config, ConfigError, load_config, parse_override, save_resolved
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.toml"))
+
+
+def test_configs_folder_is_not_empty():
+    names = {p.name for p in CONFIGS}
+    assert {"tiny_cpu.toml", "qwen2.5-32b_vapo.toml", "ppo.toml", "grpo.toml", "dapo.toml"} <= names
+    assert len([p for p in CONFIGS if p.parent.name == "ablations"]) == 7
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(p.parents[1])))
+def test_every_config_file_loads(path):
+    cfg = load_config([path])
+    assert isinstance(cfg, Config)
+
+
+def test_paper_settings_in_qwen_config():
+    cfg = load_config([p for p in CONFIGS if p.name == "qwen2.5-32b_vapo.toml"])
+    a, o = cfg.algo, cfg.optim
+    assert (a.prompts_per_step, a.group_size, a.batch_size, a.mini_batch_size) == (512, 16, 8192, 512)
+    assert (o.actor_lr, o.critic_lr) == (1e-6, 2e-6)
+    assert (a.value_pretrain_steps, a.lam_critic, a.alpha, a.pos_lm_coef, a.gamma) == (50, 1.0, 0.05, 0.1, 1.0)
+    assert (a.eps_low, a.eps_high) == (0.2, 0.28)
+    assert a.batch_size // a.mini_batch_size == 16  # optimiser steps per rollout step, as in the paper
+
+
+def test_baselines_and_ablations_flip_exactly_their_switch():
+    base = load_config([p for p in CONFIGS if p.name == "tiny_cpu.toml"]).algo.model_dump()
+    flips = {
+        "no_value_pretrain": {"value_pretrain_steps": 0},
+        "no_decoupled_gae": {"decoupled_gae": False},
+        "no_length_adaptive_gae": {"length_adaptive_gae": False},
+        "no_clip_higher": {"clip_higher": False},
+        "no_token_level_loss": {"token_level_loss": False},
+        "no_pos_lm_loss": {"pos_lm_coef": 0.0},
+        "no_group_sampling": {"group_size": 1, "prompts_per_step": 128},
+    }
+    for name, expected in flips.items():
+        algo = load_config([p for p in CONFIGS if p.stem == name]).algo
+        changed = {k: v for k, v in algo.model_dump().items() if base[k] != v}
+        assert changed == expected, name
+        assert algo.batch_size == 128  # same samples per step
+    ppo = load_config([p for p in CONFIGS if p.stem == "ppo"]).algo
+    assert (ppo.lam_policy, ppo.effective_eps_high, ppo.token_level_loss, ppo.value_pretrain_steps) == (
+        0.95, 0.2, False, 0)
+    assert not ppo.decoupled_gae and not ppo.length_adaptive_gae
+
+
+def _write(tmp_path: Path, name: str, text: str) -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_unknown_key_names_key_and_file(tmp_path):
+    p = _write(tmp_path, "bad.toml", "[algo]\neps_hgih = 0.3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config([p])
+    assert "algo.eps_hgih" in str(e.value) and "bad.toml" in str(e.value)
+
+
+def test_bad_value_names_key_and_file(tmp_path):
+    p = _write(tmp_path, "neg.toml", "[optim]\nactor_lr = -1.0\n")
+    with pytest.raises(ConfigError) as e:
+        load_config([p])
+    assert "optim.actor_lr" in str(e.value) and "neg.toml" in str(e.value)
+
+
+def test_unknown_section_and_wrong_type(tmp_path):
+    with pytest.raises(ConfigError, match="learnr"):
+        load_config([_write(tmp_path, "a.toml", "[learnr]\nx = 1\n")])
+    with pytest.raises(ConfigError, match="algo.group_size"):
+        load_config([_write(tmp_path, "b.toml", "[algo]\ngroup_size = 'eight'\n")])
+
+
+def test_cross_field_validation():
+    with pytest.raises(ConfigError, match="eps_high"):
+        load_config(overrides=["algo.eps_high=0.1", "algo.eps_low=0.2"])
+    with pytest.raises(ConfigError, match="mini_batch_size"):
+        load_config(overrides=["algo.mini_batch_size=48", "algo.micro_batch_size=32"])
+    with pytest.raises(ConfigError, match="group_size"):
+        load_config(overrides=["algo.name=grpo", "algo.group_size=1", "algo.prompts_per_step=128"])
+    with pytest.raises(ConfigError, match="max_response_tokens"):
+        load_config(overrides=["task.max_ops=10", "rollout.max_response_tokens=40"])
+    # symmetric clip is fine once clip-higher is off
+    assert load_config(overrides=["algo.clip_higher=false", "algo.eps_high=0.1"]).algo.effective_eps_high == 0.2
+
+
+def test_overrides_layer_over_files_and_extends(tmp_path):
+    _write(tmp_path, "parent.toml", "[algo]\nalpha = 2.0\ngroup_size = 16\n")
+    child = _write(tmp_path, "child.toml", 'extends = "parent.toml"\n[algo]\ngroup_size = 4\n')
+    cfg = load_config([child], ["algo.alpha=3.5", "train.name=x y"])
+    assert (cfg.algo.alpha, cfg.algo.group_size, cfg.train.name) == (3.5, 4, "x y")
+    assert load_config([child]).algo.alpha == 2.0
+
+
+def test_extends_cycle_and_missing_file(tmp_path):
+    a = _write(tmp_path, "a.toml", 'extends = "b.toml"\n')
+    _write(tmp_path, "b.toml", 'extends = "a.toml"\n')
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config([a])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config([tmp_path / "nope.toml"])
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config([_write(tmp_path, "c.toml", "[algo\n")])
+
+
+def test_parse_override():
+    assert parse_override("algo.eps_high=0.3") == (["algo", "eps_high"], 0.3)
+    assert parse_override("model.path=/x/y") == (["model", "path"], "/x/y")
+    assert parse_override("algo.value_clip=none") == (["algo", "value_clip"], None)
+    assert parse_override("train.max_minutes=5") == (["train", "max_minutes"], 5)
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        parse_override("algo.eps_high")
+    with pytest.raises(ConfigError):
+        parse_override("algo..x=1")
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(overrides=["algo.alpha=0.7", "async.max_staleness=2"])
+    out = save_resolved(cfg, tmp_path)
+    again = Config.model_validate(json.loads(out.read_text()))
+    assert again == cfg and again.async_.max_staleness == 2
+
+
+def test_every_field_is_documented():
+    def walk(model_cls, prefix=""):
+        for name, f in model_cls.model_fields.items():
+            ann = f.annotation
+            if isinstance(ann, type) and issubclass(ann, Config.__mro__[1]) and hasattr(ann, "model_fields"):
+                walk(ann, f"{prefix}{name}.")
+            else:
+                assert f.description, f"{prefix}{name} has no docstring"
+
+    walk(Config)
