@@ -132,10 +132,10 @@ def evaluate(rollout: Rollout, problems: Sequence[Problem], cfg: Config) -> tupl
 
 
 class JsonlLog:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, append: bool = False):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = path.open("a")
+        self._f = path.open("a" if append else "w")
 
     def write(self, row: dict) -> None:
         self._f.write(json.dumps(row) + "\n")
@@ -174,8 +174,8 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
     tokenizer = AutoTokenizer.from_pretrained(str(base_path))
     train_set, eval_set = load_task(cfg)
     sampler = PromptSampler(train_set, cfg.train.seed)
-    log = JsonlLog(run_dir / "metrics.jsonl")
-    samples_log = JsonlLog(run_dir / "samples.jsonl")
+    log = JsonlLog(run_dir / "metrics.jsonl", append=bool(resume))
+    samples_log = JsonlLog(run_dir / "samples.jsonl", append=bool(resume))
 
     learner = Learner(cfg, policy_path, critic_path)
     start_step = 0

@@ -32,20 +32,29 @@ def test_engine_samples_groups_with_logprobs(vllm_engine, tiny_base):
             assert s.finish_reason in ("stop", "length")
 
 
-def test_engine_logprobs_match_the_learner(vllm_engine, tiny_base):
-    """The engine and the learner compute the same policy: their log-probs of a sample agree."""
+@pytest.mark.parametrize("perturb", [False, True], ids=["base", "every-weight-perturbed"])
+def test_engine_logprobs_match_the_learner(vllm_engine, tiny_base, perturb):
+    """After a push, the engine serves exactly the learner's policy: their log-probs of a sample agree.
+    Perturbing every weight (tied embeddings included) catches a push that misses a parameter."""
     from async_vapo.algo.utils import logprobs_from_logits
     from async_vapo.models.rl import make_token_batch, response_logits
 
     tok = AutoTokenizer.from_pretrained(str(tiny_base))
-    vllm_engine.load_weights(load_policy(tiny_base).state_dict(), version=0)
+    policy = load_policy(tiny_base)
+    if perturb:
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+    vllm_engine.load_weights(policy.state_dict(), version=1)
     prompt = tok("5+5-3=").input_ids
-    sample = vllm_engine.generate([prompt], n=1, temperature=1.0, top_p=1.0, max_tokens=30,
-                                  stop_token_ids=[tok.eos_token_id], seed=3)[0][0]
-    batch = make_token_batch([prompt], [sample.token_ids], tok.pad_token_id)
-    with torch.no_grad():
-        lp = logprobs_from_logits(response_logits(load_policy(tiny_base), batch), batch.response_ids)[0]
-    torch.testing.assert_close(lp, torch.tensor(sample.logprobs), atol=2e-3, rtol=0)
+    samples = vllm_engine.generate([prompt], n=4, temperature=1.0, top_p=1.0, max_tokens=30,
+                                   stop_token_ids=[tok.eos_token_id], seed=3)[0]
+    for sample in samples:
+        batch = make_token_batch([prompt], [sample.token_ids], tok.pad_token_id)
+        with torch.no_grad():
+            lp = logprobs_from_logits(response_logits(policy, batch), batch.response_ids)[0]
+        torch.testing.assert_close(lp, torch.tensor(sample.logprobs), atol=1e-3, rtol=0)
 
 
 def test_weight_push_changes_outputs_in_place(vllm_engine, tiny_base):

@@ -46,6 +46,18 @@ def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
+def _unshared(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copy aliased tensors (tied embeddings) so safetensors can store them. Both names are sent: the CPU
+    backend keeps a separately packed lm_head even when the checkpoint ties it to the embeddings."""
+    seen: set[int] = set()
+    out = {}
+    for k, v in state.items():
+        ptr = v.untyped_storage().data_ptr()
+        out[k] = v.detach().cpu().clone() if ptr in seen else v.detach().contiguous().cpu()
+        seen.add(ptr)
+    return out
+
+
 class VLLMEngine:
     def __init__(self, spec: EngineSpec, version: int = 0):
         if not torch.cuda.is_available():
@@ -96,7 +108,7 @@ class VLLMEngine:
         fd, path = tempfile.mkstemp(prefix="async-vapo-weights-", suffix=".safetensors", dir=_shm_dir())
         os.close(fd)
         try:
-            save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, path)
+            save_file(_unshared(state), path)
             self.load_weights_from_file(path, version)
         finally:
             Path(path).unlink(missing_ok=True)

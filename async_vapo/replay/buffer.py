@@ -1,0 +1,297 @@
+"""The replay buffer between verifier and learner: whole groups in, staleness-bounded batches out.
+
+Versions. The learner at version ``v`` has published ``v`` optimiser updates and holds weights ``v``;
+the batch it asks for makes update ``v + 1``. A group's ``version`` is the version of the weights
+that generated it. Its *age* for the learner at ``v`` is ``v - version``: the number of updates
+published since the weights that generated it.
+
+Invariant: a batch for the learner at version v never holds a group with v − version > max_staleness
+(nor one with version > v). Every served group has 0 ≤ age ≤ max_staleness; with max_staleness = 0
+every batch comes from the learner's current weights only, i.e. synchronous on-policy PPO.
+
+How this maps to the spec's wording. VAPO_SPEC.md says "a batch used for update v+1 may only hold
+trajectories whose version ≥ v + 1 − max_staleness" and "max_staleness = 0 is synchronous on-policy
+PPO". Read with the tag = generating weights, the first sentence at max_staleness = 0 would demand
+data from weights v + 1, which do not exist until that very update is made; the two sentences are
+consistent only if the spec's tag counts the update a trajectory is generated *for* (data from
+weights v feeds update v + 1, so tag = generating version + 1). Under that reading the spec's
+``tag ≥ v + 1 − max_staleness`` is exactly ``version ≥ v − max_staleness`` here. We keep
+``Group.version`` = generating weights (what the rollout stamps) and state the bound as above.
+
+Selection. A batch is made of whole groups (never a split one: group-normalised advantages and the
+token-level loss both need every sample of a prompt). Groups are taken oldest admissible version
+first, then by arrival (seq), so that nothing goes stale while younger data is used. ``make_batch``
+first drops every stored group that can never be admissible again (age > max_staleness: "stale"; a
+version above the learner's, which only a learner restored from an older checkpoint can see:
+"future_version"), then returns None if fewer than ``num_groups`` admissible groups are left; the
+caller waits and asks again. A group that arrives already stale for the learner version of the last
+``make_batch`` is dropped at once. Above ``capacity_groups`` the oldest (same order) are dropped as
+"overflow". Every drop is recorded in the store with its reason and counted, so every group ever
+added is served exactly once or dropped with a reason.
+
+Invalid groups (not a Group, no samples, negative or non-integer version, wrong group size, token
+ids and behaviour log-probs of different lengths) are rejected: counted by reason and logged, and
+``add`` returns None; ``add(..., strict=True)`` raises ``InvalidGroupError`` instead. Store I/O
+errors always propagate: a group that was not stored was not acknowledged.
+
+Recovery. The buffer holds no state of its own beyond an index: constructing it over an existing
+store restores the unconsumed groups, the cursor (batch ids continue), the drop counters and the
+served-age histogram. Reject counts are per process (rejected groups are never stored).
+
+Thread-safe: every public method holds one lock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+import time
+
+import msgspec
+
+from async_vapo.replay.store import GroupStore
+from async_vapo.rollout.types import Group
+
+logger = logging.getLogger(__name__)
+
+DROP_STALE = "stale"
+DROP_OVERFLOW = "overflow"
+DROP_FUTURE = "future_version"
+
+REJECT_NOT_A_GROUP = "not_a_group"
+REJECT_EMPTY = "empty_samples"
+REJECT_BAD_VERSION = "bad_version"
+REJECT_NEGATIVE_VERSION = "negative_version"
+REJECT_GROUP_SIZE = "group_size_mismatch"
+REJECT_LOGPROBS_LENGTH = "logprobs_length_mismatch"
+
+
+class InvalidGroupError(ValueError):
+    """``add(..., strict=True)`` of a group that fails validation; ``reason`` is the counted label."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"invalid group: {reason}")
+        self.reason = reason
+
+
+class Batch(msgspec.Struct, frozen=True, kw_only=True):
+    """Whole groups for one update (replay -> learner)."""
+
+    batch_id: int
+    """Strictly increasing from 1, across restarts."""
+    groups: list[Group]
+    seqs: list[int]
+    """Store seq of each group."""
+    learner_version: int
+    """v: the batch makes update v + 1."""
+    min_version: int
+    versions: list[int]
+    ages: list[int]
+    """learner_version - version per group, in versions; each in [0, max_staleness]."""
+    assembly_seconds: float
+
+
+class ReplayStats(msgspec.Struct, frozen=True, kw_only=True):
+    stored_groups: int
+    added_total: int
+    """Groups ever stored (survives restarts)."""
+    batches_total: int
+    served_groups_total: int
+    stale_dropped_total: int
+    dropped_total: dict[str, int]
+    """By reason: stale, overflow, future_version (survives restarts)."""
+    rejected_total: dict[str, int]
+    """By reason, since this process started."""
+    age_histogram: dict[int, int]
+    """Served groups per age in versions, over every batch ever served."""
+    max_age_served: int | None
+    torn_tail_truncations: int
+
+
+def validate_group(group: object, group_size: int | None = None) -> str | None:
+    """The reject reason for ``group``, or None when it may be stored."""
+    if not isinstance(group, Group):
+        return REJECT_NOT_A_GROUP
+    if isinstance(group.version, bool) or not isinstance(group.version, int):
+        return REJECT_BAD_VERSION
+    if group.version < 0:
+        return REJECT_NEGATIVE_VERSION
+    if not group.samples:
+        return REJECT_EMPTY
+    if group_size is not None and len(group.samples) != group_size:
+        return REJECT_GROUP_SIZE
+    if any(len(s.response_ids) != len(s.behavior_logprobs) for s in group.samples):
+        return REJECT_LOGPROBS_LENGTH
+    return None
+
+
+class ReplayBuffer:
+    """Staleness-bounded FIFO-by-version group buffer over a ``GroupStore`` (see module docstring)."""
+
+    def __init__(
+        self,
+        store: GroupStore,
+        max_staleness: int,
+        group_size: int | None = None,
+        capacity_groups: int = 4096,
+        seed: int = 0,
+    ):
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        if capacity_groups < 1:
+            raise ValueError(f"capacity_groups must be >= 1, got {capacity_groups}")
+        if group_size is not None and group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        self.store = store
+        self.max_staleness = max_staleness
+        self.group_size = group_size
+        self.capacity_groups = capacity_groups
+        # Selection is deterministic (FIFO by version, then seq); the seed is kept for the
+        # interface's sake and for any future tie-breaking that needs randomness.
+        self.seed = seed
+        self._lock = threading.RLock()
+        self._rejected: dict[str, int] = {}
+        self._versions: list[int] = []
+        self._by_version: dict[int, dict[int, None]] = {}
+        for seq, group in store.live():
+            self._index_add(seq, group.version)
+        self._learner_version = store.cursor.learner_version
+        with self._lock:
+            self._enforce_capacity()
+
+    # --- public API ------------------------------------------------------------------------------
+
+    def add(self, group: Group, *, strict: bool = False) -> int | None:
+        """Validate and durably store ``group``; its seq, or None when rejected (see module docstring)."""
+        with self._lock:
+            reason = validate_group(group, self.group_size)
+            if reason is not None:
+                self._rejected[reason] = self._rejected.get(reason, 0) + 1
+                logger.warning("rejected group %s: %s", getattr(group, "uid", "?"), reason)
+                if strict:
+                    raise InvalidGroupError(reason)
+                return None
+            seq = self.store.append(group)
+            self._index_add(seq, group.version)
+            v = self._learner_version
+            if v is not None and v - group.version > self.max_staleness:
+                self._drop([seq], DROP_STALE)
+            else:
+                self._enforce_capacity()
+            return seq
+
+    def make_batch(self, num_groups: int, learner_version: int) -> Batch | None:
+        """``num_groups`` whole groups for the learner at ``learner_version``, or None if too few."""
+        if num_groups < 1:
+            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        if learner_version < 0:
+            raise ValueError(f"learner_version must be >= 0, got {learner_version}")
+        start = time.perf_counter()
+        with self._lock:
+            self._learner_version = learner_version
+            floor = learner_version - self.max_staleness
+            stale = [s for ver in self._versions if ver < floor for s in self._by_version[ver]]
+            future = [s for ver in self._versions if ver > learner_version for s in self._by_version[ver]]
+            self._drop(stale, DROP_STALE)
+            self._drop(future, DROP_FUTURE)
+            if sum(len(self._by_version[ver]) for ver in self._versions) < num_groups:
+                return None
+            seqs: list[int] = []
+            for ver in self._versions:
+                for s in self._by_version[ver]:
+                    seqs.append(s)
+                    if len(seqs) == num_groups:
+                        break
+                if len(seqs) == num_groups:
+                    break
+            groups = [self.store.get(s) for s in seqs]
+            batch_id = self.store.cursor.batch_id + 1
+            self.store.mark_consumed(seqs, batch_id, learner_version)
+            for s, g in zip(seqs, groups, strict=True):
+                self._index_remove(s, g.version)
+            versions = [g.version for g in groups]
+            return Batch(
+                batch_id=batch_id,
+                groups=groups,
+                seqs=seqs,
+                learner_version=learner_version,
+                min_version=min(versions),
+                versions=versions,
+                ages=[learner_version - ver for ver in versions],
+                assembly_seconds=time.perf_counter() - start,
+            )
+
+    def admission_floor(self, learner_version: int, lookahead: int = 0) -> int:
+        """Lowest version a group started now may carry and still be usable.
+
+        ``lookahead`` is how many updates the learner is expected to publish before the group
+        arrives; rollout should not start a group whose weights are older than this.
+        """
+        return max(0, learner_version + lookahead - self.max_staleness)
+
+    def num_admissible(self, learner_version: int) -> int:
+        """Stored groups a batch for ``learner_version`` could use now."""
+        with self._lock:
+            floor = learner_version - self.max_staleness
+            return sum(len(self._by_version[v]) for v in self._versions if floor <= v <= learner_version)
+
+    def stats(self) -> ReplayStats:
+        with self._lock:
+            store = self.store
+            ages = store.served_ages
+            dropped = store.dropped_counts
+            return ReplayStats(
+                stored_groups=len(store),
+                added_total=store.next_seq - 1,
+                batches_total=store.cursor.batch_id,
+                served_groups_total=store.cursor.consumed_total,
+                stale_dropped_total=dropped.get(DROP_STALE, 0),
+                dropped_total=dropped,
+                rejected_total=dict(self._rejected),
+                age_histogram=ages,
+                max_age_served=max(ages) if ages else None,
+                torn_tail_truncations=store.recovery.torn_tail_truncations,
+            )
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    # --- internals -------------------------------------------------------------------------------
+
+    def _index_add(self, seq: int, version: int) -> None:
+        bucket = self._by_version.get(version)
+        if bucket is None:
+            bucket = self._by_version[version] = {}
+            bisect.insort(self._versions, version)
+        bucket[seq] = None
+
+    def _index_remove(self, seq: int, version: int) -> None:
+        bucket = self._by_version[version]
+        del bucket[seq]
+        if not bucket:
+            del self._by_version[version]
+            self._versions.pop(bisect.bisect_left(self._versions, version))
+
+    def _drop(self, seqs: list[int], reason: str) -> None:
+        if not seqs:
+            return
+        versions = [self.store.get(s).version for s in seqs]
+        self.store.mark_dropped(seqs, reason)
+        for s, ver in zip(seqs, versions, strict=True):
+            self._index_remove(s, ver)
+        logger.info("dropped %d groups: %s", len(seqs), reason)
+
+    def _enforce_capacity(self) -> None:
+        excess = len(self.store) - self.capacity_groups
+        if excess <= 0:
+            return
+        oldest: list[int] = []
+        for ver in self._versions:
+            for s in self._by_version[ver]:
+                oldest.append(s)
+                if len(oldest) == excess:
+                    break
+            if len(oldest) == excess:
+                break
+        self._drop(oldest, DROP_OVERFLOW)

@@ -1,0 +1,67 @@
+"""Wire protocol (``messages``) and transports (``zmq_transport`` for deployments, ``inproc`` for one
+process and tests) behind the small interfaces of ``base``."""
+
+from __future__ import annotations
+
+from async_vapo.transport.base import (
+    DEFAULT_HWM,
+    BackpressureFull,
+    HeartbeatMonitor,
+    PeerDead,
+    PeerTimeout,
+    Publisher,
+    Receiver,
+    Replier,
+    Requester,
+    Sender,
+    Subscriber,
+    Transport,
+    connect_with_handshake,
+)
+from async_vapo.transport.inproc import InprocTransport
+from async_vapo.transport.messages import (
+    ALL_MESSAGES,
+    DEFAULT_MAX_BYTES,
+    PROTOCOL_VERSION,
+    REJECT_REASONS,
+    Ack,
+    BatchMsg,
+    BatchRequest,
+    Body,
+    Decoder,
+    Envelope,
+    GroupsMsg,
+    Heartbeat,
+    ProtocolError,
+    Ready,
+    RejectCounter,
+    Shutdown,
+    TensorHeader,
+    TransportError,
+    WeightsAck,
+    WeightsAnnounce,
+    WeightsFetch,
+    encode,
+    make_envelope,
+    new_message_id,
+)
+from async_vapo.transport.zmq_transport import (
+    ZmqTransport,
+    bind_to_random_port,
+    blob_checksum,
+    recv_tensor_blob,
+    send_tensor_blob,
+    shared_context,
+    verify_checksum,
+)
+
+__all__ = [
+    "ALL_MESSAGES", "DEFAULT_HWM", "DEFAULT_MAX_BYTES", "PROTOCOL_VERSION", "REJECT_REASONS",
+    "Ack", "BackpressureFull", "BatchMsg", "BatchRequest", "Body", "Decoder", "Envelope", "GroupsMsg",
+    "Heartbeat", "HeartbeatMonitor", "InprocTransport", "PeerDead", "PeerTimeout", "ProtocolError",
+    "Publisher", "Ready", "Receiver", "RejectCounter", "Replier", "Requester", "Sender", "Shutdown",
+    "Subscriber", "TensorHeader", "Transport", "TransportError", "WeightsAck", "WeightsAnnounce",
+    "WeightsFetch", "ZmqTransport", "bind_to_random_port", "blob_checksum", "connect_with_handshake",
+    "encode", "make_envelope", "new_message_id", "recv_tensor_blob", "send_tensor_blob", "shared_context",
+    "verify_checksum",
+]  # fmt: skip

@@ -1,0 +1,368 @@
+"""Small transport interfaces, their shared behaviour, and the named errors.
+
+Four shapes of link, each an ABC with one concrete level per transport (``zmq_transport``,
+``inproc``):
+
+* :class:`Sender` / :class:`Receiver` -- a PUSH/PULL pipe (fan-in or fan-out of envelopes).
+* :class:`Requester` / :class:`Replier` -- request/reply, matched by ``Envelope.reply_to``; a reply
+  that does not answer the request in flight (a late answer to one that timed out) is discarded, so
+  a dead or slow peer costs one ``PeerTimeout``, never a wedged socket.
+* :class:`Publisher` / :class:`Subscriber` -- one-to-many announcements (weights). A publisher never
+  blocks; it re-sends its latest envelope to each newly joined subscriber (see ``pump``).
+* :class:`Transport` -- the factory of all of the above for one transport.
+
+Every blocking call takes a finite ``timeout_s`` and either completes or raises a named error
+(:class:`BackpressureFull`, :class:`PeerTimeout`) or returns ``None`` (receives); nothing waits
+forever. Receivers skip frames the socket's :class:`~async_vapo.transport.messages.Decoder` rejects
+(counted by reason and logged) and keep receiving. Objects are not thread-safe: one thread per object.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from async_vapo.transport.messages import (
+    Decoder,
+    Envelope,
+    ProtocolError,
+    Ready,
+    TransportError,
+    encode,
+    make_envelope,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HWM = 100
+"""Default high-water mark, in messages, of each side of a link."""
+
+Frame = bytes | memoryview
+
+__all__ = [
+    "DEFAULT_HWM", "BackpressureFull", "HeartbeatMonitor", "PeerDead", "PeerTimeout", "ProtocolError",
+    "Publisher", "Receiver", "Replier", "Requester", "Sender", "Subscriber", "Transport", "TransportError",
+    "connect_with_handshake",
+]  # fmt: skip
+
+
+class PeerTimeout(TransportError):
+    """The peer did not answer (or could not be reached) within the timeout."""
+
+    def __init__(self, peer: str, timeout_s: float, what: str = "reply") -> None:
+        super().__init__(f"no {what} from {peer} within {timeout_s:.3g} s")
+        self.peer, self.timeout_s, self.what = peer, timeout_s, what
+
+
+class PeerDead(TransportError):
+    """A peer has been silent past its heartbeat deadline, or is gone from the socket."""
+
+    def __init__(self, peer: str, silent_s: float = math.inf) -> None:
+        super().__init__(f"peer {peer} is dead (silent for {silent_s:.3g} s)")
+        self.peer, self.silent_s = peer, silent_s
+
+
+class BackpressureFull(TransportError):
+    """The link stayed at its high-water mark for the whole send timeout."""
+
+    def __init__(self, endpoint: str, timeout_s: float) -> None:
+        super().__init__(f"{endpoint}: still at high-water mark after {timeout_s:.3g} s")
+        self.endpoint, self.timeout_s = endpoint, timeout_s
+
+
+def check_timeout(timeout_s: float) -> float:
+    if not (0 <= timeout_s < math.inf):
+        raise ValueError(f"timeout_s must be finite and >= 0, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+class _Endpoint(ABC):
+    endpoint: str
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Sender(_Endpoint):
+    """Sending end of a pipe."""
+
+    def send(self, env: Envelope, timeout_s: float) -> None:
+        """Raises BackpressureFull if the pipe stays full for ``timeout_s``."""
+        self.send_frame(encode(env), timeout_s)
+
+    @abstractmethod
+    def send_frame(self, frame: bytes, timeout_s: float) -> None:
+        """Send an already encoded frame (forwarding; tests of the receiving decoder)."""
+
+
+class Receiver(_Endpoint):
+    """Receiving end of a pipe; also the shape of a subscriber."""
+
+    decoder: Decoder
+
+    @abstractmethod
+    def recv_frame(self, timeout_s: float) -> Frame | None:
+        """One raw frame, or None after ``timeout_s``."""
+
+    def recv(self, timeout_s: float) -> Envelope | None:
+        """The next valid envelope, or None after ``timeout_s``; rejected frames are counted and skipped."""
+        deadline = time.monotonic() + check_timeout(timeout_s)
+        while True:
+            frame = self.recv_frame(max(0.0, deadline - time.monotonic()))
+            if frame is None:
+                return None
+            try:
+                return self.decoder.decode(frame)
+            except ProtocolError:
+                continue
+
+
+class Subscriber(Receiver):
+    """Receiving end of a publisher's announcements (subscribed to everything it publishes)."""
+
+
+class Publisher(_Endpoint):
+    """One-to-many; ``publish`` never blocks (a subscriber at its HWM misses the message)."""
+
+    subscribers_seen: int
+    """Subscriptions seen since creation (joins, not current members)."""
+
+    @abstractmethod
+    def publish(self, env: Envelope) -> None:
+        """Send to every subscriber, after :meth:`pump`; the envelope becomes the latest."""
+
+    @abstractmethod
+    def pump(self) -> int:
+        """Process subscriptions that arrived; re-send the latest envelope if any subscriber is new.
+        Returns the number of new subscriptions. Call it from the publishing loop when idle."""
+
+    @abstractmethod
+    def wait_for_subscribers(self, n: int, timeout_s: float) -> None:
+        """Handshake: return once ``n`` subscriptions have been seen, else raise PeerTimeout."""
+
+
+class Requester(_Endpoint):
+    """Request/reply client: one request in flight; replies matched by ``reply_to``."""
+
+    name: str
+    decoder: Decoder
+
+    @abstractmethod
+    def _send_request(self, frame: bytes, timeout_s: float) -> bool:
+        """Queue the frame to the peer; False if that was impossible within ``timeout_s``."""
+
+    @abstractmethod
+    def _recv_reply(self, timeout_s: float) -> Frame | None: ...
+
+    def request(self, env: Envelope, timeout_s: float) -> Envelope:
+        """The reply to ``env``; PeerTimeout if none arrives within ``timeout_s`` (send included)."""
+        deadline = time.monotonic() + check_timeout(timeout_s)
+        if not self._send_request(encode(env), timeout_s):
+            raise PeerTimeout(self.endpoint, timeout_s, "connection")
+        while True:
+            frame = self._recv_reply(max(0.0, deadline - time.monotonic()))
+            if frame is None:
+                raise PeerTimeout(self.endpoint, timeout_s)
+            try:
+                reply = self.decoder.decode(frame)
+            except ProtocolError:
+                continue
+            if reply.reply_to == env.id:
+                return reply
+            log.debug("%s: discarding reply to %s (waiting for %s)", self.endpoint, reply.reply_to, env.id)
+
+    def handshake(self, timeout_s: float) -> Envelope:
+        """Exchange READY with the replier: proves it is up and speaks our protocol version."""
+        return self.request(make_envelope(Ready(service=self.name), sender=self.name), timeout_s)
+
+
+class Replier(_Endpoint):
+    """Request/reply server: ``recv`` a request, later ``reply`` to it. READY requests are answered
+    here and never returned."""
+
+    MAX_PENDING = 10_000
+    name: str
+    decoder: Decoder
+
+    def __init__(self) -> None:
+        self._pending: OrderedDict[str, Any] = OrderedDict()
+
+    @abstractmethod
+    def _recv_request(self, timeout_s: float) -> tuple[Any, Frame] | None:
+        """(route back to the requester, frame), or None after ``timeout_s``."""
+
+    @abstractmethod
+    def _send_reply(self, route: Any, frame: bytes, timeout_s: float) -> None:
+        """Raises BackpressureFull (peer's queue full) or PeerDead (peer gone)."""
+
+    def recv(self, timeout_s: float) -> Envelope | None:
+        deadline = time.monotonic() + check_timeout(timeout_s)
+        while True:
+            got = self._recv_request(max(0.0, deadline - time.monotonic()))
+            if got is None:
+                return None
+            route, frame = got
+            try:
+                env = self.decoder.decode(frame)
+            except ProtocolError:
+                continue
+            if isinstance(env.body, Ready):
+                answer = make_envelope(Ready(service=self.name), sender=self.name, reply_to=env.id)
+                try:
+                    self._send_reply(route, encode(answer), 0.1)
+                except TransportError as exc:
+                    log.warning("%s: READY answer to %s lost: %s", self.endpoint, env.sender, exc)
+                continue
+            self._pending[env.id] = route
+            if len(self._pending) > self.MAX_PENDING:
+                old, _ = self._pending.popitem(last=False)
+                log.warning("%s: more than %d unanswered requests; forgot %s", self.endpoint, self.MAX_PENDING, old)
+            return env
+
+    def reply(self, request: Envelope, response: Envelope, timeout_s: float = 1.0) -> None:
+        """Send ``response`` (its ``reply_to`` set to ``request.id``) to whoever sent ``request``."""
+        try:
+            route = self._pending.pop(request.id)
+        except KeyError:
+            raise TransportError(f"{self.endpoint}: no pending request {request.id}") from None
+        if response.reply_to != request.id:
+            response = msgspec.structs.replace(response, reply_to=request.id)
+        self._send_reply(route, encode(response), check_timeout(timeout_s))
+
+
+class Transport(ABC):
+    """Factory of the endpoints of one transport; ``close`` closes every endpoint it made.
+
+    ``endpoint`` strings are transport addresses ("tcp://127.0.0.1:5555", "ipc:///tmp/x"); a trailing
+    ``*`` asks for a free one (random port), and the bound object's ``endpoint`` reports it.
+    """
+
+    @abstractmethod
+    def sender(self, endpoint: str, *, bind: bool = False, hwm: int = DEFAULT_HWM) -> Sender: ...
+
+    @abstractmethod
+    def receiver(self, endpoint: str, *, decoder: Decoder, bind: bool = True, hwm: int = DEFAULT_HWM) -> Receiver: ...
+
+    @abstractmethod
+    def requester(self, endpoint: str, *, decoder: Decoder, name: str, hwm: int = DEFAULT_HWM) -> Requester: ...
+
+    @abstractmethod
+    def replier(self, endpoint: str, *, decoder: Decoder, name: str, hwm: int = DEFAULT_HWM) -> Replier: ...
+
+    @abstractmethod
+    def publisher(self, endpoint: str, *, hwm: int = DEFAULT_HWM) -> Publisher: ...
+
+    @abstractmethod
+    def subscriber(self, endpoint: str, *, decoder: Decoder, hwm: int = DEFAULT_HWM) -> Subscriber: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect_with_handshake(
+    transport: Transport, endpoint: str, *, decoder: Decoder, name: str, timeout_s: float
+) -> Requester:
+    """A requester whose replier has answered READY; PeerTimeout (and nothing left open) otherwise."""
+    req = transport.requester(endpoint, decoder=decoder, name=name)
+    try:
+        req.handshake(timeout_s)
+    except BaseException:
+        req.close()
+        raise
+    return req
+
+
+class HeartbeatMonitor:
+    """Last time each peer (``Envelope.sender``) was heard from; silent past ``dead_after_s`` = dead.
+
+    Any envelope is proof of life (services send ``Heartbeat`` only when otherwise idle). A dead peer
+    becomes alive again on its next envelope. Thread-safe.
+    """
+
+    def __init__(self, dead_after_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+        if not dead_after_s > 0:
+            raise ValueError(f"dead_after_s must be positive, got {dead_after_s}")
+        self.dead_after_s = dead_after_s
+        self._clock = clock
+        self._last: dict[str, float] = {}
+        self._dead: set[str] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def peers(self) -> list[str]:
+        with self._lock:
+            return sorted(self._last)
+
+    def expect(self, peer: str) -> None:
+        """Start a peer's clock before it has spoken (so one that never speaks is declared dead)."""
+        with self._lock:
+            self._last.setdefault(peer, self._clock())
+
+    def observe(self, env_or_peer: Envelope | str) -> None:
+        peer = env_or_peer if isinstance(env_or_peer, str) else env_or_peer.sender
+        with self._lock:
+            self._last[peer] = self._clock()
+            revived = peer in self._dead
+            self._dead.discard(peer)
+        if revived:
+            log.info("peer %s is alive again", peer)
+
+    def forget(self, peer: str) -> None:
+        with self._lock:
+            self._last.pop(peer, None)
+            self._dead.discard(peer)
+
+    def silent_s(self, peer: str) -> float:
+        """Seconds since ``peer`` was last heard from (KeyError if never expected or seen)."""
+        with self._lock:
+            return self._clock() - self._last[peer]
+
+    def is_alive(self, peer: str) -> bool:
+        with self._lock:
+            last = self._last.get(peer)
+            return last is not None and self._clock() - last <= self.dead_after_s
+
+    def dead_peers(self) -> list[str]:
+        now = self._clock()
+        with self._lock:
+            dead = sorted(p for p, t in self._last.items() if now - t > self.dead_after_s)
+            newly = [p for p in dead if p not in self._dead]
+            self._dead.update(newly)
+        for p in newly:
+            log.warning("peer %s is dead (no envelope for %.3g s)", p, self.dead_after_s)
+        return dead
+
+    def check(self, peer: str | None = None) -> None:
+        """Raise PeerDead for ``peer`` (or for the first dead peer) if it is past its deadline."""
+        if peer is None:
+            dead = self.dead_peers()
+            if dead:
+                raise PeerDead(dead[0], self.silent_s(dead[0]))
+            return
+        with self._lock:
+            last = self._last.get(peer)
+            silent = math.inf if last is None else self._clock() - last
+        if silent > self.dead_after_s:
+            with self._lock:
+                self._dead.add(peer)
+            raise PeerDead(peer, silent)

@@ -1,0 +1,311 @@
+"""The one module of wire messages: every struct that crosses a process boundary, and its codec.
+
+Each frame on a socket is one msgpack-encoded :class:`Envelope`. The envelope carries the protocol
+version, a message id, the sender, the send time, the sender's policy version where it has one, the
+id of the request it answers (``reply_to``), and a ``body``: exactly one of the tagged structs below
+(tag field ``"type"``, explicit tag names so a class rename never changes the wire).
+
+Rollout data reuses :class:`async_vapo.rollout.types.Group` / ``Trajectory`` unchanged: the structs
+that the in-process trainer passes around are the ones on the wire.
+
+Invariants
+  * A frame is checked against its socket's ``max_bytes`` before a single byte is decoded.
+  * A frame decodes to an Envelope whose ``protocol == PROTOCOL_VERSION`` and whose body type is one
+    the socket allows, or it raises :class:`ProtocolError` with a reason in :data:`REJECT_REASONS`,
+    counted by the decoder's :class:`RejectCounter`. Nothing else escapes ``Decoder.decode``.
+  * Unknown *fields* are ignored on decode, so adding a field with a default is compatible; renaming
+    or retyping a field, or removing one without a default, bumps :data:`PROTOCOL_VERSION`.
+
+Flow control is the transports' high-water marks plus named errors (``BackpressureFull``), not
+credits: the replay -> learner leg is already pull-based (one :class:`BatchRequest` per batch), and
+on the rollout -> verifier -> replay legs a full pipe is a signal the sender handles by a named
+policy (hold generation / retry), so a ``Credit`` message would duplicate what the HWM does.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, Literal, Union
+
+import msgspec
+
+from async_vapo.rollout.types import Group
+
+log = logging.getLogger(__name__)
+
+REJECT_REASONS = ("oversized", "malformed", "unknown_type", "wrong_version", "not_allowed")
+"""Every reason a frame is rejected for (also the label values of services' reject counters)."""
+
+
+class TransportError(Exception):
+    """Base of every error a transport raises (defined beside the codec so ProtocolError can be one)."""
+
+
+class ProtocolError(TransportError):
+    """A frame that is not a valid envelope for this socket; ``reason`` is one of REJECT_REASONS."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        if reason not in REJECT_REASONS:
+            raise ValueError(f"unknown reject reason {reason!r}")
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+PROTOCOL_VERSION = 1
+"""Version of the envelope and every body below; a peer speaking another version is rejected."""
+
+DEFAULT_MAX_BYTES = 256 * 2**20
+"""Default size limit of one frame (a socket carrying batches of long responses may need more)."""
+
+TransferKind = Literal["file", "zmq", "nccl"]
+ServiceStatus = Literal["starting", "ready", "busy", "draining", "error"]
+
+
+class _Body(msgspec.Struct, tag_field="type", kw_only=True):
+    """Base of every envelope body; subclasses name their wire tag explicitly."""
+
+
+# rollout -> verifier (unscored groups), verifier -> replay (groups with rewards/verdicts)
+class GroupsMsg(_Body, tag="groups"):
+    groups: list[Group]
+
+
+# learner -> replay: "n groups for update for_version, none generated before min_version"
+class BatchRequest(_Body, tag="batch_request"):
+    n_groups: int
+    for_version: int
+    min_version: int
+
+
+# replay -> learner (reply to BatchRequest)
+class BatchMsg(_Body, tag="batch"):
+    groups: list[Group]
+    batch_id: str
+    cursor: int
+    """Replay's count of groups handed out so far (monotonic; lets the learner spot a replay restart)."""
+    stale_dropped: int = 0
+    """Groups discarded for this batch because they were older than min_version."""
+
+
+# any -> any: generic reply
+class Ack(_Body, tag="ack"):
+    acked_id: str
+    ok: bool = True
+    error: str = ""
+
+
+# learner -> rollout (PUB): weights of `version` are ready to fetch
+class WeightsAnnounce(_Body, tag="weights_announce"):
+    version: int
+    transfer: TransferKind
+    location: str
+    """File path ("file"), endpoint of the learner's blob socket ("zmq"), or rendezvous address ("nccl")."""
+    nbytes: int
+    checksum: str
+    """``"<algo>:<hex>"`` of the whole payload (see ``zmq_transport.blob_checksum``)."""
+    format: str = "safetensors"
+
+
+# rollout -> learner: "send me weights `version`" (transfer "zmq"; answered by TensorHeader+blob frames)
+class WeightsFetch(_Body, tag="weights_fetch"):
+    engine_id: str
+    version: int
+
+
+# learner -> rollout: header frame of one raw tensor frame (transfer "zmq"); nbytes is checked on receipt
+class TensorHeader(_Body, tag="tensor_header"):
+    version: int
+    name: str
+    dtype: str
+    shape: list[int]
+    nbytes: int
+    checksum: str
+    index: int = 0
+    count: int = 1
+
+
+# rollout -> learner: engine `engine_id` loaded (or failed to load) `version`
+class WeightsAck(_Body, tag="weights_ack"):
+    engine_id: str
+    version: int
+    ok: bool
+    load_seconds: float
+    error: str = ""
+
+
+# any -> any: liveness; the learner's heartbeat repeats its latest announce so a dropped PUB is recovered
+class Heartbeat(_Body, tag="heartbeat"):
+    service: str
+    instance: str
+    served_version: int | None = None
+    status: ServiceStatus = "ready"
+    weights: WeightsAnnounce | None = None
+
+
+# requester <-> replier, subscriber handshake: "I am up and speak PROTOCOL_VERSION"
+class Ready(_Body, tag="ready"):
+    service: str
+    instance: str = ""
+
+
+# controller/any -> any: stop after the message in progress
+class Shutdown(_Body, tag="shutdown"):
+    reason: str = ""
+
+
+Body = Union[  # noqa: UP007 - msgspec needs a runtime union object
+    GroupsMsg, BatchRequest, BatchMsg, Ack, WeightsAnnounce, WeightsFetch, TensorHeader, WeightsAck,
+    Heartbeat, Ready, Shutdown,
+]
+ALL_MESSAGES: tuple[type, ...] = Body.__args__
+MESSAGE_TAGS: dict[str, type] = {msgspec.inspect.type_info(t).tag: t for t in ALL_MESSAGES}
+
+
+class Envelope(msgspec.Struct, kw_only=True):
+    """One frame on the wire."""
+
+    protocol: int
+    """PROTOCOL_VERSION of the sender (required: a frame without it is malformed)."""
+    id: str
+    sender: str
+    """Service instance that built the envelope, e.g. ``"rollout-0"`` (heartbeat monitors key on it)."""
+    sent_at: float
+    """Unix time at construction."""
+    policy_version: int | None = None
+    """The sender's current weight version, where it has one."""
+    reply_to: str | None = None
+    """Id of the request this envelope answers (request/reply sockets match on it)."""
+    body: Body
+
+
+def new_message_id() -> str:
+    return uuid.uuid4().hex
+
+
+def make_envelope(
+    body: Any, *, sender: str, policy_version: int | None = None, reply_to: str | None = None
+) -> Envelope:
+    return Envelope(protocol=PROTOCOL_VERSION, id=new_message_id(), sender=sender, sent_at=time.time(),
+                    policy_version=policy_version, reply_to=reply_to, body=body)
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_ENVELOPE_DECODER = msgspec.msgpack.Decoder(Envelope)
+
+
+def encode(env: Envelope) -> bytes:
+    if not isinstance(env, Envelope):
+        raise TypeError(f"encode takes an Envelope, got {type(env).__name__}")
+    return _ENCODER.encode(env)
+
+
+class _Probe(msgspec.Struct):
+    """Loosest reading of a frame, used only to name why the strict decode failed."""
+
+    protocol: Any = None
+    body: Any = None
+
+
+_PROBE_DECODER = msgspec.msgpack.Decoder(_Probe)
+
+
+class RejectCounter:
+    """Counts rejected frames by reason, feeds an optional callback, logs at most once per
+    ``log_every_s`` per reason (with the number suppressed since). Thread-safe; may be shared."""
+
+    def __init__(
+        self, name: str = "", *, callback: Callable[[str], None] | None = None, log_every_s: float = 10.0
+    ) -> None:
+        self.name = name
+        self.callback = callback
+        self.log_every_s = log_every_s
+        self.counts: dict[str, int] = dict.fromkeys(REJECT_REASONS, 0)
+        self._lock = threading.Lock()
+        self._last_log: dict[str, float] = {}
+        self._suppressed: dict[str, int] = dict.fromkeys(REJECT_REASONS, 0)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def record(self, reason: str, detail: str = "") -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.counts[reason] += 1
+            last = self._last_log.get(reason)
+            emit = last is None or now - last >= self.log_every_s
+            if emit:
+                self._last_log[reason] = now
+                suppressed, self._suppressed[reason] = self._suppressed[reason], 0
+            else:
+                self._suppressed[reason] += 1
+        if emit:
+            log.warning("%s: rejected frame (%s): %s%s", self.name or "decoder", reason, detail,
+                        f" [{suppressed} more since last report]" if suppressed else "")
+        if self.callback is not None:
+            self.callback(reason)
+
+
+class Decoder:
+    """The decoder of one socket: size limit first, then strict decode, then the socket's allow-list."""
+
+    def __init__(
+        self,
+        allowed: tuple[type, ...],
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        *,
+        rejects: RejectCounter | None = None,
+        name: str = "",
+    ) -> None:
+        unknown = [t for t in allowed if t not in ALL_MESSAGES]
+        if unknown or not allowed:
+            raise ValueError(f"allowed must be a non-empty tuple of message types, got {allowed!r}")
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        self.allowed = tuple(allowed)
+        self.max_bytes = max_bytes
+        self.rejects = rejects if rejects is not None else RejectCounter(name)
+        self._decode = _ENVELOPE_DECODER.decode
+
+    def with_allowed(self, *extra: type) -> Decoder:
+        """The same limits and counter, allowing ``extra`` types too."""
+        allowed = self.allowed + tuple(t for t in extra if t not in self.allowed)
+        return Decoder(allowed, self.max_bytes, rejects=self.rejects)
+
+    def reject(self, reason: str, detail: str = "") -> ProtocolError:
+        """Count a rejection and return the error to raise (also used by blob receivers)."""
+        self.rejects.record(reason, detail)
+        return ProtocolError(reason, detail)
+
+    def decode(self, frame: bytes | bytearray | memoryview) -> Envelope:
+        nbytes = frame.nbytes if isinstance(frame, memoryview) else len(frame)
+        if nbytes > self.max_bytes:
+            raise self.reject("oversized", f"{nbytes} bytes > max_bytes {self.max_bytes}")
+        try:
+            env = self._decode(frame)
+        except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+            raise self.reject(*_classify(frame, exc)) from None
+        if env.protocol != PROTOCOL_VERSION:
+            raise self.reject("wrong_version", f"protocol {env.protocol} != {PROTOCOL_VERSION} from {env.sender!r}")
+        if not isinstance(env.body, self.allowed):
+            raise self.reject("not_allowed", f"{type(env.body).__name__} from {env.sender!r}")
+        return env
+
+
+def _classify(frame: bytes | bytearray | memoryview, exc: Exception) -> tuple[str, str]:
+    try:
+        probe = _PROBE_DECODER.decode(frame)
+    except msgspec.DecodeError:
+        return "malformed", str(exc)
+    if not isinstance(probe.protocol, int) or isinstance(probe.protocol, bool):
+        return "malformed", str(exc)
+    if probe.protocol != PROTOCOL_VERSION:
+        return "wrong_version", f"protocol {probe.protocol!r} != {PROTOCOL_VERSION}"
+    tag = probe.body.get("type") if isinstance(probe.body, dict) else None
+    if isinstance(tag, str) and tag not in MESSAGE_TAGS:
+        return "unknown_type", f"body type {tag[:64]!r}"
+    return "malformed", str(exc)

@@ -1,0 +1,442 @@
+"""ZeroMQ implementation of the transport interfaces, and the raw-bytes path for weights.
+
+Sockets of a deployment (HWM per side, in messages; the stable service binds, the others connect):
+
+=====================  ===========  ========  ===========================  ============================================
+link                   pattern      binds     at the HWM                   timeouts and liveness
+=====================  ===========  ========  ===========================  ============================================
+rollout -> verifier    PUSH/PULL    verifier  PUSH blocks -> send polls    send: timeout_s then BackpressureFull [1];
+(GroupsMsg)                                   POLLOUT, BackpressureFull    recv: poll timeout_s, None; Heartbeat on the
+                                                                           pipe when idle -> HeartbeatMonitor
+verifier -> replay     PUSH/PULL    replay    same                         same
+(GroupsMsg)
+learner <-> replay     DEALER/      replay    DEALER IMMEDIATE=1 [2];      request: one timeout_s for send + reply,
+(BatchRequest ->       ROUTER                 ROUTER_MANDATORY: reply to   PeerTimeout; late replies discarded by
+ BatchMsg, Ready)                             full/gone peer raises [3]    reply_to; READY handshake at start
+learner -> rollouts    XPUB/SUB     learner   PUB drops (learner never     recv: poll timeout_s; wait_for_subscribers
+(WeightsAnnounce,                             blocks on a slow rollout)    is the slow-joiner handshake; latest
+ Heartbeat, Shutdown)                         [4]                          re-sent to each new subscriber [4]
+rollout -> learner     PUSH/PULL    learner   as rollout -> verifier       as rollout -> verifier
+(WeightsAck)
+weights, "zmq"         DEALER/      learner   as learner <-> replay        [header, raw] frames: header <= max_bytes,
+(WeightsFetch ->       ROUTER                                              raw <= max_blob_bytes and == header nbytes,
+ TensorHeader + raw)                                                       checksum verified [5]
+=====================  ===========  ========  ===========================  ============================================
+
+[1] The sender handles BackpressureFull by a named policy (the rollout holds generation). A PUSH/PULL
+    pipe cannot lose a message to a slow joiner: a connected PUSH queues until its PULL is up.
+[2] Nothing is queued for a peer that is not connected, so a dead replay is a PeerTimeout, not a backlog
+    delivered later.
+[3] BackpressureFull (the requester's pipe is full) or PeerDead (it is gone), instead of a silent drop.
+[4] A dropped or missed announce is recovered: XPUB sees each join and re-sends the latest envelope, and
+    the learner's periodic Heartbeat repeats ``weights``.
+[5] ``send_tensor_blob`` / ``recv_tensor_blob``; the raw frame is sent zero-copy.
+
+Every socket: ``linger=0`` (close never waits, so it drops what is still queued: a sender that must
+deliver its last messages waits for the peer's Ack before closing), ZMTP heartbeats
+(``HEARTBEAT_IVL`` 1 s, ``HEARTBEAT_TIMEOUT`` 3 s) so a vanished TCP peer is disconnected instead of
+holding a pipe open, every receive behind a poll with a timeout, every send non-blocking plus a
+bounded poll. One shared :func:`shared_context` per process; sockets belong to one thread each.
+
+A hard cap at the ZMTP layer (``zmq.MAXMSGSIZE``) is deliberately not set: it disconnects the peer
+silently, whereas the decoder's size check rejects the frame, counts it and keeps the connection.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+import zlib
+
+import zmq
+
+from async_vapo.transport.base import (
+    DEFAULT_HWM,
+    BackpressureFull,
+    Frame,
+    PeerDead,
+    PeerTimeout,
+    Publisher,
+    Receiver,
+    Replier,
+    Requester,
+    Sender,
+    Subscriber,
+    Transport,
+    check_timeout,
+)
+from async_vapo.transport.messages import (
+    Decoder,
+    Envelope,
+    Ready,
+    TensorHeader,
+    TransportError,
+    WeightsAnnounce,
+    encode,
+)
+
+ZMTP_HEARTBEAT_IVL_MS = 1000
+ZMTP_HEARTBEAT_TIMEOUT_MS = 3000
+
+
+def shared_context() -> zmq.Context:
+    """The process's context (pyzmq makes a fresh one in a forked child)."""
+    return zmq.Context.instance()
+
+
+def make_socket(ctx: zmq.Context, kind: int, *, hwm: int = DEFAULT_HWM) -> zmq.Socket:
+    """A socket with this project's options: linger 0, HWMs, ZMTP heartbeats."""
+    if hwm < 1:
+        raise ValueError(f"hwm must be >= 1, got {hwm}")
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, ZMTP_HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMTP_HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, ZMTP_HEARTBEAT_TIMEOUT_MS)
+    return sock
+
+
+def bind(sock: zmq.Socket, endpoint: str) -> str:
+    """Bind and return the endpoint actually bound ("tcp://127.0.0.1:*" -> a free port)."""
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        raise TransportError(f"cannot bind {endpoint}: {exc}") from exc
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def bind_to_random_port(sock: zmq.Socket, host: str = "tcp://127.0.0.1") -> str:
+    """Bind to a port the OS picks (no probe-then-bind race) and return the full endpoint."""
+    return bind(sock, f"{host}:*")
+
+
+def connect(sock: zmq.Socket, endpoint: str) -> str:
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError as exc:
+        raise TransportError(f"cannot connect to {endpoint}: {exc}") from exc
+    return endpoint
+
+
+def _ms(seconds: float) -> int:
+    return max(0, math.ceil(seconds * 1000))
+
+
+def _attach(sock: zmq.Socket, endpoint: str, do_bind: bool) -> str:
+    try:
+        return bind(sock, endpoint) if do_bind else connect(sock, endpoint)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+
+
+def _send_until(sock: zmq.Socket, frames: list, deadline: float, *, track: bool = False):
+    """Send a (multipart) message without blocking past ``deadline``; None if it stayed full."""
+    while True:
+        try:
+            if len(frames) == 1:
+                return sock.send(frames[0], zmq.NOBLOCK, copy=False, track=track) or True
+            return sock.send_multipart(frames, zmq.NOBLOCK, copy=False, track=track) or True
+        except zmq.Again:
+            pass
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not sock.poll(_ms(remaining), zmq.POLLOUT):
+            return None
+
+
+def _recv_parts(sock: zmq.Socket, deadline: float) -> list[zmq.Frame] | None:
+    while True:
+        try:
+            return sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            pass
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not sock.poll(_ms(remaining), zmq.POLLIN):
+            return None
+
+
+def _recv_single(sock: zmq.Socket, decoder: Decoder, timeout_s: float, nparts: int = 1) -> list[Frame] | None:
+    """The next message with exactly ``nparts`` frames (others are counted as malformed and skipped)."""
+    deadline = time.monotonic() + check_timeout(timeout_s)
+    while True:
+        parts = _recv_parts(sock, deadline)
+        if parts is None:
+            return None
+        if len(parts) == nparts:
+            return [p.buffer for p in parts]
+        decoder.reject("malformed", f"{len(parts)} frames where {nparts} expected")
+
+
+class ZmqSender(Sender):
+    def __init__(self, ctx: zmq.Context, endpoint: str, *, bind: bool = False, hwm: int = DEFAULT_HWM) -> None:
+        self._sock = make_socket(ctx, zmq.PUSH, hwm=hwm)
+        self.endpoint = _attach(self._sock, endpoint, bind)
+
+    def send_frame(self, frame: bytes, timeout_s: float) -> None:
+        deadline = time.monotonic() + check_timeout(timeout_s)
+        if _send_until(self._sock, [frame], deadline) is None:
+            raise BackpressureFull(self.endpoint, timeout_s)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class ZmqReceiver(Receiver):
+    def __init__(
+        self, ctx: zmq.Context, endpoint: str, *, decoder: Decoder, bind: bool = True, hwm: int = DEFAULT_HWM
+    ) -> None:
+        self.decoder = decoder
+        self._sock = make_socket(ctx, zmq.PULL, hwm=hwm)
+        self.endpoint = _attach(self._sock, endpoint, bind)
+
+    def recv_frame(self, timeout_s: float) -> Frame | None:
+        parts = _recv_single(self._sock, self.decoder, timeout_s)
+        return None if parts is None else parts[0]
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class ZmqRequester(Requester):
+    """DEALER (not REQ): a request that times out leaves no send/recv state machine to wedge."""
+
+    def __init__(
+        self, ctx: zmq.Context, endpoint: str, *, decoder: Decoder, name: str, hwm: int = DEFAULT_HWM
+    ) -> None:
+        self.name = name
+        self.decoder = decoder.with_allowed(Ready)
+        self._sock = make_socket(ctx, zmq.DEALER, hwm=hwm)
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)
+        self.endpoint = _attach(self._sock, endpoint, False)
+
+    def _send_request(self, frame: bytes, timeout_s: float) -> bool:
+        return _send_until(self._sock, [frame], time.monotonic() + timeout_s) is not None
+
+    def _recv_reply(self, timeout_s: float) -> Frame | None:
+        parts = _recv_single(self._sock, self.decoder, timeout_s)
+        return None if parts is None else parts[0]
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class ZmqReplier(Replier):
+    def __init__(
+        self, ctx: zmq.Context, endpoint: str, *, decoder: Decoder, name: str, hwm: int = DEFAULT_HWM
+    ) -> None:
+        super().__init__()
+        self.name = name
+        self.decoder = decoder.with_allowed(Ready)
+        self._sock = make_socket(ctx, zmq.ROUTER, hwm=hwm)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.endpoint = _attach(self._sock, endpoint, True)
+
+    def _recv_request(self, timeout_s: float) -> tuple[bytes, Frame] | None:
+        parts = _recv_single(self._sock, self.decoder, timeout_s, nparts=2)
+        return None if parts is None else (bytes(parts[0]), parts[1])
+
+    def _send_reply(self, route: bytes, frame: bytes, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self._sock.send_multipart([route, frame], zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:  # ROUTER_MANDATORY: this requester's pipe is full
+                if time.monotonic() >= deadline:
+                    raise BackpressureFull(f"{self.endpoint} -> {route.hex()}", timeout_s) from None
+                time.sleep(0.001)
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EHOSTUNREACH:
+                    raise PeerDead(route.hex()) from None
+                raise
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class ZmqPublisher(Publisher):
+    """XPUB, so subscriptions are visible: they drive the READY handshake and the re-send of the latest."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, *, hwm: int = DEFAULT_HWM) -> None:
+        self.subscribers_seen = 0
+        self._latest: bytes | None = None
+        self._sock = make_socket(ctx, zmq.XPUB, hwm=hwm)
+        self._sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self.endpoint = _attach(self._sock, endpoint, True)
+
+    def _send(self, frame: bytes) -> None:
+        try:
+            self._sock.send(frame, zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # only with XPUB_NODROP, which is not set; PUB drops at HWM
+            pass
+
+    def pump(self) -> int:
+        new = 0
+        while True:
+            try:
+                event = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            new += event[:1] == b"\x01"
+        self.subscribers_seen += new
+        if new and self._latest is not None:
+            self._send(self._latest)
+        return new
+
+    def publish(self, env: Envelope) -> None:
+        self.pump()
+        self._latest = encode(env)
+        self._send(self._latest)
+
+    def wait_for_subscribers(self, n: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + check_timeout(timeout_s)
+        self.pump()
+        while self.subscribers_seen < n:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PeerTimeout(self.endpoint, timeout_s, f"{n} subscriptions (saw {self.subscribers_seen})")
+            self._sock.poll(_ms(remaining), zmq.POLLIN)
+            self.pump()
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class ZmqSubscriber(Subscriber):
+    def __init__(self, ctx: zmq.Context, endpoint: str, *, decoder: Decoder, hwm: int = DEFAULT_HWM) -> None:
+        self.decoder = decoder
+        self._sock = make_socket(ctx, zmq.SUB, hwm=hwm)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.endpoint = _attach(self._sock, endpoint, False)
+
+    def recv_frame(self, timeout_s: float) -> Frame | None:
+        parts = _recv_single(self._sock, self.decoder, timeout_s)
+        return None if parts is None else parts[0]
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class ZmqTransport(Transport):
+    """Makes ZeroMQ endpoints on one context (default: the process's shared one)."""
+
+    def __init__(self, ctx: zmq.Context | None = None) -> None:
+        self.ctx = ctx if ctx is not None else shared_context()
+        self._made: list = []
+
+    def _keep(self, obj):
+        self._made.append(obj)
+        return obj
+
+    def sender(self, endpoint: str, *, bind: bool = False, hwm: int = DEFAULT_HWM) -> ZmqSender:
+        return self._keep(ZmqSender(self.ctx, endpoint, bind=bind, hwm=hwm))
+
+    def receiver(
+        self, endpoint: str, *, decoder: Decoder, bind: bool = True, hwm: int = DEFAULT_HWM
+    ) -> ZmqReceiver:
+        return self._keep(ZmqReceiver(self.ctx, endpoint, decoder=decoder, bind=bind, hwm=hwm))
+
+    def requester(self, endpoint: str, *, decoder: Decoder, name: str, hwm: int = DEFAULT_HWM) -> ZmqRequester:
+        return self._keep(ZmqRequester(self.ctx, endpoint, decoder=decoder, name=name, hwm=hwm))
+
+    def replier(self, endpoint: str, *, decoder: Decoder, name: str, hwm: int = DEFAULT_HWM) -> ZmqReplier:
+        return self._keep(ZmqReplier(self.ctx, endpoint, decoder=decoder, name=name, hwm=hwm))
+
+    def publisher(self, endpoint: str, *, hwm: int = DEFAULT_HWM) -> ZmqPublisher:
+        return self._keep(ZmqPublisher(self.ctx, endpoint, hwm=hwm))
+
+    def subscriber(self, endpoint: str, *, decoder: Decoder, hwm: int = DEFAULT_HWM) -> ZmqSubscriber:
+        return self._keep(ZmqSubscriber(self.ctx, endpoint, decoder=decoder, hwm=hwm))
+
+    def close(self) -> None:
+        made, self._made = self._made, []
+        for obj in made:
+            obj.close()
+
+
+# ---- raw-bytes path for big payloads (weights) -------------------------------------------------
+
+_CHECKSUMS = {
+    "crc32": lambda b: f"{zlib.crc32(b) & 0xFFFFFFFF:08x}",
+    "blake2b": lambda b: hashlib.blake2b(b, digest_size=16).hexdigest(),
+}
+
+
+def blob_checksum(blob, algo: str = "crc32") -> str:
+    """``"<algo>:<hex>"`` of a buffer: crc32 (fast, catches corruption/mix-ups) or blake2b."""
+    return f"{algo}:{_CHECKSUMS[algo](memoryview(blob).cast('B'))}"
+
+
+def verify_checksum(blob, checksum: str) -> bool:
+    """Whether ``blob`` matches ``checksum``; ValueError on an unknown algorithm."""
+    algo, _, _ = checksum.partition(":")
+    if algo not in _CHECKSUMS:
+        raise ValueError(f"unknown checksum algorithm {algo!r}")
+    return blob_checksum(blob, algo) == checksum
+
+
+def _as_bytes_view(blob) -> memoryview:
+    view = memoryview(blob)
+    if not view.c_contiguous:
+        raise ValueError("blob must be C-contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def send_tensor_blob(
+    sock: zmq.Socket, header_env: Envelope, blob, *, timeout_s: float, route: bytes | None = None
+) -> zmq.MessageTracker:
+    """Send ``[header, raw]`` without copying ``blob``; ``route`` prefixes a ROUTER identity.
+
+    The header's body (TensorHeader or WeightsAnnounce) must declare ``nbytes == len(blob)``. Do not
+    modify ``blob`` until the returned tracker is done (zero-copy: ZeroMQ reads it in the background).
+    Raises BackpressureFull if the socket stays full for ``timeout_s``.
+    """
+    view = _as_bytes_view(blob)
+    body = header_env.body
+    if not isinstance(body, (TensorHeader, WeightsAnnounce)):
+        raise TypeError(f"a blob header is a TensorHeader or WeightsAnnounce, got {type(body).__name__}")
+    if body.nbytes != view.nbytes:
+        raise ValueError(f"header declares {body.nbytes} bytes, blob has {view.nbytes}")
+    frames = ([route] if route is not None else []) + [encode(header_env), view]
+    tracker = _send_until(sock, frames, time.monotonic() + check_timeout(timeout_s), track=True)
+    if tracker is None:
+        raise BackpressureFull(sock.getsockopt_string(zmq.LAST_ENDPOINT) or "blob socket", timeout_s)
+    return tracker
+
+
+def recv_tensor_blob(
+    sock: zmq.Socket, decoder: Decoder, *, timeout_s: float, max_blob_bytes: int, verify: bool = True
+) -> tuple[Envelope, memoryview] | None:
+    """The next ``(header, raw)``, or None after ``timeout_s``.
+
+    Checks, each counted in ``decoder.rejects`` and raised as ProtocolError: two frames ("malformed"),
+    raw frame <= max_blob_bytes ("oversized"), the header through ``decoder`` (its size limit first),
+    a blob header type ("not_allowed"), declared nbytes == received ("malformed"), checksum
+    ("malformed"). The returned view keeps the received frame alive without a copy.
+    """
+    deadline = time.monotonic() + check_timeout(timeout_s)
+    parts = _recv_parts(sock, deadline)
+    if parts is None:
+        return None
+    if len(parts) != 2:
+        raise decoder.reject("malformed", f"blob message of {len(parts)} frames")
+    header, raw = parts[0].buffer, parts[1].buffer
+    if raw.nbytes > max_blob_bytes:
+        raise decoder.reject("oversized", f"blob of {raw.nbytes} bytes > max_blob_bytes {max_blob_bytes}")
+    env = decoder.decode(header)
+    body = env.body
+    if not isinstance(body, (TensorHeader, WeightsAnnounce)):
+        raise decoder.reject("not_allowed", f"{type(body).__name__} as a blob header")
+    if body.nbytes != raw.nbytes:
+        raise decoder.reject("malformed", f"header declares {body.nbytes} bytes, blob frame has {raw.nbytes}")
+    if verify:
+        try:
+            ok = verify_checksum(raw, body.checksum)
+        except ValueError as exc:
+            raise decoder.reject("malformed", str(exc)) from None
+        if not ok:
+            raise decoder.reject("malformed", f"checksum mismatch (declared {body.checksum})")
+    return env, raw
