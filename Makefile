@@ -2,14 +2,18 @@
 CONFIG ?= configs/tiny_cpu.toml
 ARGS ?=
 
-.PHONY: setup train test lint
+.PHONY: setup test-deps train cluster test lint
 setup:
 	@bash deploy/setup.sh
+
+# Debian's prometheus server, for the end-to-end scrape test (installed when this user may apt-get).
+test-deps: setup
+	@bash .ci/install_prometheus.sh || echo "[test] prometheus not installed: the scrape test will be skipped" >&2
 
 train: setup
 	.venv/bin/async-vapo train --config $(CONFIG) $(ARGS)
 
-test: setup
+test: test-deps
 	.venv/bin/ruff check .
 	.venv/bin/python -m pytest -q $(ARGS)
 

@@ -20,6 +20,22 @@ def _greedy(engine, tok, prompts):
     return [g[0].token_ids for g in outs]
 
 
+def assert_engine_serves(engine, policy, tok, prompt="5+5-3="):
+    """The engine's log-probs of its own samples equal the given policy's: it serves exactly those weights.
+    (Parameter checksums inside vLLM are no proof: the CPU backend repacks weights after loading.)"""
+    from async_vapo.algo.utils import logprobs_from_logits
+    from async_vapo.models.rl import make_token_batch, response_logits
+
+    ids = tok(prompt).input_ids
+    samples = engine.generate([ids], n=4, temperature=1.0, top_p=1.0, max_tokens=30,
+                              stop_token_ids=[tok.eos_token_id], seed=3)[0]
+    for sample in samples:
+        batch = make_token_batch([ids], [sample.token_ids], tok.pad_token_id)
+        with torch.no_grad():
+            lp = logprobs_from_logits(response_logits(policy, batch), batch.response_ids)[0]
+        torch.testing.assert_close(lp, torch.tensor(sample.logprobs), atol=1e-3, rtol=0)
+
+
 def test_engine_samples_groups_with_logprobs(vllm_engine, tiny_base):
     tok = AutoTokenizer.from_pretrained(str(tiny_base))
     outs = vllm_engine.generate([tok("3+4=").input_ids, tok("9-2+1=").input_ids], n=5, temperature=1.0,
@@ -36,9 +52,6 @@ def test_engine_samples_groups_with_logprobs(vllm_engine, tiny_base):
 def test_engine_logprobs_match_the_learner(vllm_engine, tiny_base, perturb):
     """After a push, the engine serves exactly the learner's policy: their log-probs of a sample agree.
     Perturbing every weight (tied embeddings included) catches a push that misses a parameter."""
-    from async_vapo.algo.utils import logprobs_from_logits
-    from async_vapo.models.rl import make_token_batch, response_logits
-
     tok = AutoTokenizer.from_pretrained(str(tiny_base))
     policy = load_policy(tiny_base)
     if perturb:
@@ -47,14 +60,7 @@ def test_engine_logprobs_match_the_learner(vllm_engine, tiny_base, perturb):
             for p in policy.parameters():
                 p.add_(0.05 * torch.randn_like(p))
     vllm_engine.load_weights(policy.state_dict(), version=1)
-    prompt = tok("5+5-3=").input_ids
-    samples = vllm_engine.generate([prompt], n=4, temperature=1.0, top_p=1.0, max_tokens=30,
-                                   stop_token_ids=[tok.eos_token_id], seed=3)[0]
-    for sample in samples:
-        batch = make_token_batch([prompt], [sample.token_ids], tok.pad_token_id)
-        with torch.no_grad():
-            lp = logprobs_from_logits(response_logits(policy, batch), batch.response_ids)[0]
-        torch.testing.assert_close(lp, torch.tensor(sample.logprobs), atol=1e-3, rtol=0)
+    assert_engine_serves(vllm_engine, policy, tok)
 
 
 def test_weight_push_changes_outputs_in_place(vllm_engine, tiny_base):
@@ -65,11 +71,13 @@ def test_weight_push_changes_outputs_in_place(vllm_engine, tiny_base):
     vllm_engine.load_weights(base_state, version=0)
     before = _greedy(vllm_engine, tok, prompts)
     torch.manual_seed(0)
-    perturbed = {k: v + 0.5 * torch.randn_like(v) if v.dim() == 2 else v for k, v in base_state.items()}
-    seconds = vllm_engine.load_weights(perturbed, version=7)
+    with torch.no_grad():
+        for p in policy.parameters():  # tied embeddings stay tied
+            if p.dim() == 2:
+                p.add_(0.5 * torch.randn_like(p))
+    seconds = vllm_engine.load_weights(policy.state_dict(), version=7)
     assert vllm_engine.version == 7 and seconds > 0
-    name = "model.layers.0.mlp.down_proj.weight"
-    assert vllm_engine.weight_checksum(name) == pytest.approx(float(perturbed[name].double().sum()), rel=1e-5)
+    assert_engine_serves(vllm_engine, policy, tok)
     after = _greedy(vllm_engine, tok, prompts)
     assert after != before
     vllm_engine.load_weights(base_state, version=8)
@@ -98,10 +106,8 @@ def test_few_step_training_run(tiny_cfg, vllm_engine, tiny_base):
 
     # the checkpoint reloads to the very weights the engine is now serving
     ckpt = run / "checkpoints" / "step_3"
-    policy = load_policy(ckpt / "policy")
-    name = "model.layers.1.self_attn.q_proj.weight"
-    assert vllm_engine.weight_checksum(name) == pytest.approx(float(policy.state_dict()[name].double().sum()),
-                                                              rel=1e-6)
+    tok = AutoTokenizer.from_pretrained(str(tiny_base))
+    assert_engine_serves(vllm_engine, load_policy(ckpt / "policy"), tok)
     # ... and the learner resumes from it with its version and optimiser state
     learner = Learner(tiny_cfg, ckpt / "policy", ckpt / "critic")
     extra = learner.load_state(ckpt)

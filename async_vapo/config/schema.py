@@ -271,6 +271,74 @@ class AsyncConfig(_Section):
     """Devices given to learner ranks; rollout:learner ratio = rollout_devices:learner_devices."""
 
 
+class ClusterConfig(_Section):
+    """The four services of ``deploy/start_cluster.sh`` (rollout, verifier, replay, learner): where they
+    listen, how long they wait. Every wait is bounded: a missing peer becomes a log line and a metric."""
+
+    bind_host: str = "127.0.0.1"
+    """Interface every service binds (its ZeroMQ sockets and /metrics); `0.0.0.0` across machines."""
+    verifier_host: str = "127.0.0.1"
+    """Address the rollouts connect to for the verifier (start_cluster.sh --hostfile sets it)."""
+    replay_host: str = "127.0.0.1"
+    """Address the verifier and the learner connect to for the replay."""
+    learner_host: str = "127.0.0.1"
+    """Address the rollouts connect to for the learner's weight announcements and acks."""
+    rollout_hosts: list[str] = []
+    """Hosts of the rollout engines, engine i on entry i mod len (scrape targets, health checks); empty: this
+    machine. start_cluster.sh --hostfile sets it."""
+    verifier_port: int = Field(5701, ge=1, le=65535)
+    """Verifier's PULL socket: GroupsMsg from the rollouts."""
+    replay_port: int = Field(5702, ge=1, le=65535)
+    """Replay's PULL socket: verified GroupsMsg from the verifier."""
+    replay_batch_port: int = Field(5703, ge=1, le=65535)
+    """Replay's ROUTER socket: BatchRequest from the learner, answered by BatchMsg."""
+    weights_port: int = Field(5704, ge=1, le=65535)
+    """Learner's XPUB socket: WeightsAnnounce and Heartbeat (repeating the latest announce) to rollouts."""
+    acks_port: int = Field(5705, ge=1, le=65535)
+    """Learner's PULL socket: WeightsAck and Heartbeat from the rollouts."""
+    replay_metrics_port: int = Field(9201, ge=1, le=65535)
+    """Replay's /metrics and /health."""
+    verifier_metrics_port: int = Field(9202, ge=1, le=65535)
+    """Verifier's /metrics and /health."""
+    learner_metrics_port: int = Field(9203, ge=1, le=65535)
+    """Learner's /metrics and /health (rank 0)."""
+    rollout_metrics_port: int = Field(9210, ge=1, le=65535)
+    """Rollout engine i serves /metrics and /health on this port + i."""
+    weights_dir: str | None = None
+    """Where the learner writes each version's safetensors for the engines (CPU/file path); None:
+    /dev/shm when writable, else RUN_DIR/weights. Must be shared with the rollouts' host."""
+    keep_weight_versions: int = Field(3, ge=1)
+    """Weight files kept (the newest); older ones are deleted once every engine has moved on."""
+    weight_ack_timeout_s: float = Field(120.0, gt=0)
+    """A version counts once every engine in rotation acked it; an engine that has not acked within
+    this many seconds is taken out of rotation (it rejoins with its next ack of the latest version)."""
+    batch_request_timeout_s: float = Field(10.0, gt=0)
+    """Learner's wait for one reply of the replay (PeerTimeout, logged and counted, then it asks again)."""
+    batch_poll_s: float = Field(0.2, gt=0)
+    """Learner's pause between BatchRequests that found too few admissible groups."""
+    max_message_bytes: int = Field(256 * 2**20, ge=1024)
+    """Largest frame any service socket accepts; a bigger one is rejected ("oversized") before decoding."""
+    send_timeout_s: float = Field(5.0, gt=0)
+    """Bound on one push into a full pipe; past it the sender counts backpressure and retries."""
+    heartbeat_s: float = Field(1.0, gt=0)
+    """Period of the Heartbeats that services send when otherwise idle."""
+    peer_dead_s: float = Field(30.0, gt=0)
+    """A peer silent this long (no envelope at all) is logged as dead."""
+    admission_refill_s: float = Field(60.0, gt=0)
+    """Rollout admission: when an engine's per-version budget is spent and no new version came for this
+    long, it gets one more batch worth of budget (groups lost to a crash must not starve the learner)."""
+    rollout_prompts_per_call: int = Field(0, ge=0)
+    """Prompts per engine `generate` call; 0: ceil(algo.prompts_per_step / async.rollout_devices)."""
+    rollout_eval: bool = True
+    """Rollout 0 evaluates the held-out split at versions 0, k*train.eval_every and train.total_steps."""
+    health_timeout_s: float = Field(600.0, gt=0)
+    """start_cluster.sh: seconds to wait for each service's /health before giving up."""
+    stop_grace_s: float = Field(20.0, gt=0)
+    """stop_cluster.sh: seconds between SIGTERM and SIGKILL of each process group."""
+    fsync: Literal["always", "batch", "never"] = "batch"
+    """Replay store's fsync policy (see async_vapo.replay.store)."""
+
+
 class TrainConfig(_Section):
     total_steps: int = Field(100, ge=0)
     """Policy updates (rollout steps) after value pretraining."""
@@ -303,6 +371,8 @@ class Config(_Section):
     async_: AsyncConfig = Field(AsyncConfig(), alias="async")
     """Asynchronous actor-learner settings."""
     train: TrainConfig = TrainConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    """Services of the asynchronous cluster (ports, timeouts)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True,
                               use_attribute_docstrings=True)

@@ -98,15 +98,13 @@ class Learner:
         self.algo = cfg.algo
         torch.manual_seed(cfg.train.seed)
         self.rng = random.Random(cfg.train.seed)
-        self.policy = load_policy(policy_path, cfg.model.dtype)
-        self.policy.train()
+        self.policy = load_policy(policy_path, cfg.model.dtype)  # eval mode: no dropout anywhere
         self.actor_opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optim.actor_lr,
                                            betas=(cfg.optim.beta1, cfg.optim.beta2),
                                            weight_decay=cfg.optim.weight_decay)
         self.critic = self.critic_opt = None
         if self.algo.uses_critic:
             self.critic = load_critic(critic_path or policy_path, cfg.model.dtype)
-            self.critic.train()
             self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.optim.critic_lr,
                                                 betas=(cfg.optim.beta1, cfg.optim.beta2),
                                                 weight_decay=cfg.optim.weight_decay)
@@ -183,7 +181,7 @@ class Learner:
             v = response_values(self.critic, tb)
             vl, m = value_loss(v, returns[mi, :w], tb.response_mask, old_values[mi, :w], self.algo.value_clip)
             (self.algo.vf_coef * microbatch_weight(tb.response_mask, total, True) * vl).backward()
-            rows.append({"critic/value_loss": float(vl), **{f"critic/{k}": float(x) for k, x in m.items()}})
+            rows.append({"critic/value_loss": float(vl.detach()), **{f"critic/{k}": float(x) for k, x in m.items()}})
         out = _mean_metrics(rows)
         out["critic/grad_norm"] = self._step(self.critic, self.critic_opt, self.cfg.optim.critic_lr)
         return out
@@ -238,7 +236,7 @@ class Learner:
                     pl, m = policy_loss(lp, old_lp[mi, :w], adv[mi, :w], tb.response_mask, self.algo.eps_low,
                                         eps_high, token_level=token_level, entropy=ent)
                     loss = microbatch_weight(tb.response_mask, total, token_level) * pl
-                    row = {"actor/pg_loss": float(pl), **{f"actor/{k}": float(x) for k, x in m.items()}}
+                    row = {"actor/pg_loss": float(pl.detach()), **{f"actor/{k}": float(x) for k, x in m.items()}}
                     if self.algo.pos_lm_coef > 0:
                         correct = batch.correct[mi]
                         ll, lm = positive_lm_loss(lp, tb.response_mask, correct)

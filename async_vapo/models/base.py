@@ -52,6 +52,8 @@ def ensure_base_model(cfg: Config, *, progress: bool = True) -> Path:
 
 def make_base(cfg: Config, out: Path, *, progress: bool = True) -> Path:
     bm = cfg.base_model
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(bm.seed)
     rng = random.Random(bm.seed)
     tok = build_char_tokenizer()
@@ -103,7 +105,7 @@ def make_base(cfg: Config, out: Path, *, progress: bool = True) -> Path:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        ema = float(loss) if ema is None else 0.98 * ema + 0.02 * float(loss)
+        ema = float(loss.detach()) if ema is None else 0.98 * ema + 0.02 * float(loss.detach())
         if step % 20 == 0:
             bar.set_postfix(loss=f"{ema:.3f}")
     model.eval()

@@ -23,13 +23,16 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def load_policy(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=_DTYPES[dtype])
+    # eval(): RL fine-tuning runs without dropout, so that recomputed log-probs and values are exact
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=_DTYPES[dtype]).eval()
 
 
 def load_critic(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
-    config = AutoConfig.from_pretrained(str(path))
+    config = AutoConfig.from_pretrained(str(path), num_labels=1)
     is_critic = any(a.endswith("ForTokenClassification") for a in (config.architectures or []))
-    model = AutoModelForTokenClassification.from_pretrained(str(path), num_labels=1, dtype=_DTYPES[dtype])
+    # no dropout before the value head: a noisy V would leak straight into every GAE advantage
+    config.classifier_dropout = 0.0
+    model = AutoModelForTokenClassification.from_pretrained(str(path), config=config, dtype=_DTYPES[dtype]).eval()
     if not is_critic:
         torch.nn.init.zeros_(model.score.weight)
         if model.score.bias is not None:

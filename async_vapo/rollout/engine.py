@@ -119,9 +119,6 @@ class VLLMEngine:
         self.llm.collective_rpc("async_vapo_load_weights", args=(path,))
         self.version = version
 
-    def weight_checksum(self, name: str) -> float:
-        return self.llm.collective_rpc("async_vapo_weight_checksum", args=(name,))[0]
-
     def close(self) -> None:
         llm = getattr(self, "llm", None)
         if llm is not None:

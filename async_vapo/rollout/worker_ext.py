@@ -16,9 +16,3 @@ class WeightSyncExtension:
         self.model_runner.reload_weights(weights_iterator=iter(state.items()))  # type: ignore[attr-defined]
         return len(state)
 
-    def async_vapo_weight_checksum(self, name: str) -> float:
-        """Sum of one parameter as the engine holds it (used by tests to see a push landed)."""
-        for n, p in self.model_runner.get_model().named_parameters():  # type: ignore[attr-defined]
-            if n == name:
-                return float(p.detach().double().sum())
-        raise KeyError(name)

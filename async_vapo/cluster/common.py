@@ -1,0 +1,297 @@
+"""What every service of the cluster shares: arguments, config, logging, metrics server, signals, pipes.
+
+A service process is ``services/<name>.py``: it parses :func:`service_arg_parser`'s arguments, calls
+:func:`make_context` (config with the run directory applied, logging to stderr, which start_cluster.sh
+sends to ``RUN_DIR/logs/<service>.log``, a :class:`~async_vapo.metrics.prom.MetricsServer`, SIGTERM /
+SIGINT turned into ``ctx.stop``) and runs one loop from this package. Loops poll with timeouts and
+check ``ctx.stop`` between polls, so a signal ends a service within about one poll period (plus the
+step in progress: a generate call or a learner update).
+
+Policies at the service boundary (STYLE.md "errors propagate, except at a service boundary"):
+
+* a frame a decoder rejects is counted in ``async_vapo_<service>_wire_rejects_total{reason}`` and
+  logged (rate-limited) by the transport; the service keeps serving;
+* a message that decodes but fails while being processed (one bad group) is counted in
+  ``async_vapo_<service>_processing_errors_total{stage}`` and logged with its traceback; the service
+  keeps serving;
+* a push into a full pipe (``BackpressureFull``) is retried until it goes through or the service is
+  stopped, counted in ``async_vapo_<service>_backpressure_total`` — the sender holds its own work
+  meanwhile, which is how backpressure travels upstream instead of queues growing.
+
+``python -m async_vapo.cluster.common plan ...`` and ``... wait-health ...`` are the two helpers that
+``deploy/start_cluster.sh`` calls (no torch import: they take well under a second).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from async_vapo.config import Config, load_config, save_resolved
+from async_vapo.metrics.prom import MetricsServer, ServiceMetrics, render_prometheus_config, write_file_sd_targets
+from async_vapo.transport import BackpressureFull, Decoder, Envelope, RejectCounter, Sender
+
+SERVICES = ("replay", "verifier", "rollout", "learner")
+T0_ENV = "ASYNC_VAPO_T0"
+"""Unix time the cluster was started (set by start_cluster.sh): the origin of every ``wall_s``."""
+
+
+def service_arg_parser(service: str, doc: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"services/{service}.py", description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", action="append", default=[], help="TOML file (repeat to layer several)")
+    p.add_argument("--run-dir", help="run directory (default: the config's train.output_dir)")
+    p.add_argument("--instance", type=int, default=0, help="replica index (rollout engines: 0..N-1)")
+    p.add_argument("--metrics-port", type=int, help="port of /metrics and /health (default: from cluster.*)")
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides (ports: cluster.replay_port=...)")
+    return p
+
+
+def metrics_port(cfg: Config, service: str, instance: int = 0) -> int:
+    c = cfg.cluster
+    return {"replay": c.replay_metrics_port, "verifier": c.verifier_metrics_port,
+            "learner": c.learner_metrics_port + instance, "rollout": c.rollout_metrics_port + instance}[service]
+
+
+def service_host(cfg: Config, service: str, instance: int = 0) -> str:
+    """The address other machines (and Prometheus) reach ``service`` replica ``instance`` at."""
+    c = cfg.cluster
+    if service == "rollout":
+        return c.rollout_hosts[instance % len(c.rollout_hosts)] if c.rollout_hosts else "127.0.0.1"
+    return {"replay": c.replay_host, "verifier": c.verifier_host, "learner": c.learner_host}[service]
+
+
+def wall_origin() -> float:
+    try:
+        return float(os.environ[T0_ENV])
+    except (KeyError, ValueError):
+        return time.time()
+
+
+@dataclass
+class ServiceContext:
+    cfg: Config
+    run_dir: Path
+    service: str
+    instance: int
+    metrics: ServiceMetrics
+    server: MetricsServer | None = None
+    stop: threading.Event = field(default_factory=threading.Event)
+    t0: float = field(default_factory=wall_origin)
+    log: logging.Logger = field(default_factory=lambda: logging.getLogger("async_vapo.cluster"))
+    serving: bool = False
+    """Set by :meth:`ready`; before it a stop signal exits at once (e.g. in the middle of an engine start)."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.service}-{self.instance}"
+
+    def elapsed(self) -> float:
+        return time.time() - self.t0
+
+    def endpoint(self, host: str, port: int | str) -> str:
+        return f"tcp://{host}:{port}"
+
+    def decoder(self, allowed: tuple[type, ...], socket_name: str) -> Decoder:
+        """The socket's decoder; its rejects feed ``wire_rejects_total{reason}``."""
+        counter = self.metrics.wire_rejects_total
+        rejects = RejectCounter(f"{self.name}/{socket_name}", callback=lambda r: counter.labels(reason=r).inc())
+        return Decoder(allowed, self.cfg.cluster.max_message_bytes, rejects=rejects, name=f"{self.name}/{socket_name}")
+
+    def processing_error(self, stage: str, what: str) -> None:
+        """Count and log one message whose processing failed; the caller goes on with the next one."""
+        self.metrics.counter("processing_errors_total", "Messages that decoded but failed while being processed.",
+                             labels=("stage",)).labels(stage=stage).inc()
+        self.log.error("%s: %s failed (skipped):\n%s", self.name, what, traceback.format_exc())
+
+    def send(self, sender: Sender, env: Envelope, what: str) -> bool:
+        """Push ``env``, holding on while the pipe is full; False only if the service was stopped first."""
+        backpressure = self.metrics.counter("backpressure_total",
+                                            "Sends that found the downstream pipe full for a whole timeout.")
+        while not self.stop.is_set():
+            try:
+                sender.send(env, self.cfg.cluster.send_timeout_s)
+                return True
+            except BackpressureFull as exc:
+                backpressure.inc()
+                self.log.warning("%s: %s held: %s", self.name, what, exc)
+        return False
+
+    def ready(self, **health) -> None:
+        """The service is up: /health answers 200 from now on; a stop signal now ends the loop gracefully."""
+        self.serving = True
+        self.metrics.set_health(status="ok", **health)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+def make_context(service: str, args: argparse.Namespace | None = None, *, cfg: Config | None = None,
+                 run_dir: str | Path | None = None, instance: int = 0, serve_metrics: bool = True,
+                 install_signals: bool = True) -> ServiceContext:
+    """Load the config (``args`` from :func:`service_arg_parser`, or ``cfg`` directly in tests), apply the run
+    directory, set up logging, start /metrics + /health (status "starting") and the signal handlers."""
+    if args is not None:
+        cfg = load_config(args.config, args.overrides)
+        run_dir, instance = args.run_dir, args.instance
+        logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                            format=f"%(asctime)s {service}-{instance} %(levelname)s %(name)s: %(message)s",
+                            stream=sys.stderr)
+    if cfg is None:
+        raise ValueError("make_context needs args or cfg")
+    if run_dir is not None:
+        cfg.train.output_dir = str(Path(run_dir).resolve())
+    rd = cfg.run_dir()
+    rd.mkdir(parents=True, exist_ok=True)
+    if service == "learner" and instance == 0:
+        save_resolved(cfg, rd)
+    metrics = ServiceMetrics(service, str(instance))
+    ctx = ServiceContext(cfg=cfg, run_dir=rd, service=service, instance=instance, metrics=metrics)
+    if serve_metrics:
+        port = args.metrics_port if args is not None and args.metrics_port is not None else metrics_port(
+            cfg, service, instance)
+        ctx.server = MetricsServer(metrics, host=cfg.cluster.bind_host, port=port)
+        ctx.server.start()
+        ctx.log.info("%s: /metrics and /health on %s", ctx.name, ctx.server.url)
+    metrics.set_health(status="starting", pid=os.getpid())
+    if install_signals and threading.current_thread() is threading.main_thread():
+        def _stop(signum: int, frame: object) -> None:
+            ctx.log.info("%s: %s received, stopping", ctx.name, signal.Signals(signum).name)
+            ctx.stop.set()
+            if not ctx.serving:
+                raise SystemExit(128 + signum)
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
+    return ctx
+
+
+def run_service(service: str, argv: Sequence[str] | None, body: Callable[[ServiceContext, argparse.Namespace], None],
+                parser: argparse.ArgumentParser | None = None) -> int:
+    """Entry point shared by ``services/*.py``: parse, build the context, run ``body``; exit code 1 on a crash
+    (logged with its traceback, health set to degraded first so a scrape sees it)."""
+    args = (parser or service_arg_parser(service)).parse_args(argv)
+    ctx = make_context(service, args)
+    try:
+        body(ctx, args)
+        return 0
+    except Exception:
+        ctx.log.exception("%s: crashed", ctx.name)
+        ctx.metrics.set_health(status="degraded", reason="crashed")
+        return 1
+    finally:
+        ctx.close()
+
+
+class JsonlAppender:
+    """One JSON object per line, each appended with a single ``write(2)`` on an ``O_APPEND`` descriptor,
+    so two processes (learner: pretrain/train rows, rollout 0: eval rows) can share ``metrics.jsonl``
+    without interleaving inside a line (rows are far below the size where that could happen)."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, row: dict) -> None:
+        os.write(self._fd, (json.dumps(row) + "\n").encode())
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+# -- start_cluster.sh helpers ----------------------------------------------------------------------------------
+
+def _plan(argv: Sequence[str]) -> int:
+    """Print the cluster plan as shell assignments and write RUN_DIR/prometheus/{targets.json,prometheus.yml}."""
+    p = argparse.ArgumentParser(prog="plan")
+    p.add_argument("--config", action="append", default=[])
+    p.add_argument("--run-dir")
+    p.add_argument("--scrape-interval", default="5s")
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    if args.run_dir:
+        cfg.train.output_dir = str(Path(args.run_dir).resolve())
+    rd = cfg.run_dir().resolve()
+    c = cfg.cluster
+    n_roll = cfg.async_.rollout_devices
+    targets = {s: [f"{service_host(cfg, s, i)}:{metrics_port(cfg, s, i)}"
+                   for i in range(n_roll if s == "rollout" else 1)] for s in SERVICES}
+    prom = rd / "prometheus"
+    write_file_sd_targets(prom / "targets.json", targets)
+    interval = args.scrape_interval
+    # Prometheus durations are integers with a unit: 80 % of an interval in seconds, in milliseconds
+    timeout = f"{max(500, int(float(interval[:-1]) * 800))}ms" if interval[-1:] == "s" and interval[-2:] != "ms" \
+        else interval
+    tmpl = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "prometheus.yml.tmpl"
+    render_prometheus_config(tmpl, prom / "prometheus.yml", scrape_interval=interval, scrape_timeout=timeout,
+                             run_name=cfg.train.name)
+    out = {"RUN_DIR": str(rd), "N_ROLLOUT": n_roll, "N_LEARNER": cfg.async_.learner_devices,
+           "HEALTH_TIMEOUT": int(math.ceil(c.health_timeout_s)), "STOP_GRACE": int(math.ceil(c.stop_grace_s)),
+           "POLICY_PATH": cfg.model.path or ""}
+    for s in SERVICES:
+        for i, t in enumerate(targets[s]):
+            out[f"HEALTH_{s.upper()}_{i}"] = f"http://{t}/health"
+    for k, v in out.items():
+        print(f"{k}={_shell_quote(str(v))}")
+    return 0
+
+
+def _shell_quote(s: str) -> str:
+    return "'" + s.replace("'", "'\"'\"'") + "'"
+
+
+def _wait_health(argv: Sequence[str]) -> int:
+    """``wait-health URL TIMEOUT_S [PID]``: 0 once URL answers 200; 1 on timeout or when PID has exited."""
+    import urllib.error
+    import urllib.request
+
+    url, timeout_s = argv[0], float(argv[1])
+    pid = int(argv[2]) if len(argv) > 2 else None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return 0
+        except (urllib.error.URLError, OSError):
+            pass
+        if pid is not None:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                print(f"process {pid} exited before {url} became healthy", file=sys.stderr)
+                return 1
+            except PermissionError:
+                pass
+        time.sleep(0.5)
+    print(f"{url} not healthy after {timeout_s:g} s", file=sys.stderr)
+    return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("plan", "wait-health"):
+        print("usage: python -m async_vapo.cluster.common {plan [--config F] [--run-dir D] [overrides]"
+              " | wait-health URL TIMEOUT_S [PID]}", file=sys.stderr)
+        return 2
+    return _plan(argv[1:]) if argv[0] == "plan" else _wait_health(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,487 @@
+"""The learner service: value pretraining, then VAPO updates on batches from the replay; publishes weights.
+
+Sockets (rank 0 only)
+  * ``batches``: DEALER (IMMEDIATE), connects to the replay's ROUTER (``cluster.replay_host:replay_batch_port``);
+    READY handshake at start, then one BatchRequest(n_groups = prompts_per_step, for_version = v,
+    min_version = v − max_staleness) at a time, each bounded by ``cluster.batch_request_timeout_s``
+    (PeerTimeout: counted in ``replay_timeouts_total``, logged, asked again). An empty BatchMsg means
+    "not enough admissible groups yet": the learner services acks for ``cluster.batch_poll_s`` and asks again.
+  * ``weights``: XPUB, binds ``cluster.weights_port``; WeightsAnnounce after each update, and every
+    ``cluster.heartbeat_s`` a Heartbeat repeating the latest announce. Never blocks (PUB drops at HWM;
+    the heartbeat recovers a dropped announce).
+  * ``acks``: PULL, binds ``cluster.acks_port``; WeightsAck and Heartbeat from every engine.
+
+Weight broadcast (CPU / file path): the policy's state dict is written as one safetensors file under
+``cluster.weights_dir`` (default ``/dev/shm``), atomically (temp file + rename), and announced with its
+size and crc32; the newest ``cluster.keep_weight_versions`` files are kept, the directory is removed at
+exit. ``broadcast_seconds`` is the time from the start of the write to the last ack of the engines in
+rotation. Rotation (:class:`Rotation`): an engine joins with an ok ack of the latest version; a version
+counts once every engine in rotation acked it; an engine that has not within ``cluster.weight_ack_timeout_s``
+is taken out of rotation (logged, ``engines_dropped_total``). Its groups need no special treatment: once
+their version is older than the replay's floor they are dropped as stale. It rejoins with its next ack
+of the latest version (engines always load the latest). The learner never waits for acks: they are
+serviced between batch requests, so a dead engine costs nothing but its share of the groups.
+
+torch.distributed: a process group is always initialised (gloo on CPU, NCCL on GPUs): from torchrun's
+environment when present, else a world of one over a loopback TCPStore. With several ranks, rank 0 does
+all I/O and broadcasts each batch (``broadcast_object_list``); every rank then runs the same full update,
+so the replicas stay identical. This is replication, not data parallelism: sharding micro-batches with a
+gradient all-reduce needs a hook inside ``Learner.update`` and is not done here.
+
+Outputs in the run directory, as the one-process trainer: ``metrics.jsonl`` (``kind`` = pretrain / train;
+eval rows come from rollout 0), ``checkpoints/step_N/`` (policy, critic, optimisers, version, and in
+``extra`` the step, the replay cursor and samples seen) every ``train.checkpoint_every`` updates, at the end
+and when stopped mid-run (``--resume auto`` continues from the latest), ``summary.json`` and a ``DONE``
+marker. After the last update the service keeps serving /metrics and heartbeats until it is stopped
+(start_cluster.sh --wait stops the cluster on DONE).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from async_vapo.cluster.common import JsonlAppender, ServiceContext
+from async_vapo.transport import (
+    BatchMsg,
+    BatchRequest,
+    Heartbeat,
+    PeerTimeout,
+    WeightsAck,
+    WeightsAnnounce,
+    ZmqTransport,
+    blob_checksum,
+    make_envelope,
+)
+
+
+@dataclass
+class Rotation:
+    """Engines in rotation and the versions still waiting for their acks (pure bookkeeping, no I/O)."""
+
+    ack_timeout_s: float
+    latest: int = 0
+    acked: dict[str, int] = field(default_factory=dict)
+    """Latest version each engine acked ok."""
+    members: set[str] = field(default_factory=set)
+    pending: dict[int, float] = field(default_factory=dict)
+    """version -> monotonic time it was published."""
+
+    def published(self, version: int, now: float) -> None:
+        self.latest = version
+        self.pending[version] = now
+
+    def on_ack(self, engine: str, version: int, ok: bool, now: float) -> tuple[list[tuple[int, float]], bool]:
+        """Record an ack; returns (versions that now count with their broadcast seconds, engine rejoined)."""
+        rejoined = False
+        if ok:
+            self.acked[engine] = max(version, self.acked.get(engine, -1))
+            if engine not in self.members and self.acked[engine] >= self.latest:
+                self.members.add(engine)
+                rejoined = True
+        return self._complete(now), rejoined
+
+    def _complete(self, now: float) -> list[tuple[int, float]]:
+        done = [v for v in self.pending
+                if self.members and all(self.acked.get(e, -1) >= v for e in self.members)]
+        return [(v, now - self.pending.pop(v)) for v in sorted(done)]
+
+    def expire(self, now: float) -> list[str]:
+        """Take engines that missed a version's deadline out of rotation; returns them."""
+        dropped: list[str] = []
+        for v, t in sorted(self.pending.items()):
+            if now - t > self.ack_timeout_s:
+                late = sorted(e for e in self.members if self.acked.get(e, -1) < v)
+                self.members.difference_update(late)
+                dropped += late
+                del self.pending[v]
+        return dropped
+
+
+def default_weights_dir(ctx: ServiceContext) -> Path:
+    if ctx.cfg.cluster.weights_dir:
+        return Path(ctx.cfg.cluster.weights_dir).expanduser() / f"async-vapo-{ctx.cfg.train.name}-{os.getpid()}"
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        return shm / f"async-vapo-{ctx.cfg.train.name}-{os.getpid()}"
+    return ctx.run_dir / "weights"
+
+
+class WeightSync:
+    """The learner's side of the weight broadcast: files, announces, heartbeats, acks, rotation."""
+
+    def __init__(self, ctx: ServiceContext, transport: ZmqTransport, *, pub_endpoint: str | None = None,
+                 acks_endpoint: str | None = None, weights_dir: Path | None = None):
+        c = ctx.cfg.cluster
+        self.ctx = ctx
+        self.pub = transport.publisher(pub_endpoint or ctx.endpoint(c.bind_host, c.weights_port))
+        self.acks = transport.receiver(acks_endpoint or ctx.endpoint(c.bind_host, c.acks_port),
+                                       decoder=ctx.decoder((WeightsAck, Heartbeat), "acks"), bind=True)
+        self.dir = weights_dir or default_weights_dir(ctx)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.rotation = Rotation(c.weight_ack_timeout_s)
+        self.latest: WeightsAnnounce | None = None
+        self.files: list[Path] = []
+        self._last_beat = 0.0
+        m = ctx.metrics
+        self.in_rotation = m.gauge("engines_in_rotation", "Rollout engines whose acks a new version waits for.")
+        self.dropped = m.counter("engines_dropped_total", "Engines taken out of rotation for missing an ack.")
+        self.rejoined = m.counter("engines_rejoined_total", "Engines back in rotation after acking the latest.")
+        self.failed_loads = m.counter("weight_load_failures_total", "Acks reporting a failed weight load.")
+
+    def publish(self, version: int, state) -> float:
+        """Write and announce ``state`` as ``version``; returns the seconds spent writing."""
+        from safetensors.torch import save
+
+        from async_vapo.rollout.engine import _unshared
+
+        t0 = time.perf_counter()
+        data = save(_unshared(state))
+        path = self.dir / f"policy-v{version}.safetensors"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+        self.latest = WeightsAnnounce(version=version, transfer="file", location=str(path), nbytes=len(data),
+                                      checksum=blob_checksum(data))
+        self.rotation.published(version, time.monotonic())
+        self.pub.publish(make_envelope(self.latest, sender=self.ctx.name, policy_version=version))
+        self.files.append(path)
+        keep = self.ctx.cfg.cluster.keep_weight_versions
+        while len(self.files) > keep:
+            self.files.pop(0).unlink(missing_ok=True)
+        return time.perf_counter() - t0
+
+    def heartbeat(self, version: int) -> None:
+        now = time.monotonic()
+        self.pub.pump()
+        if now - self._last_beat >= self.ctx.cfg.cluster.heartbeat_s:
+            self._last_beat = now
+            self.pub.publish(make_envelope(Heartbeat(service="learner", instance=str(self.ctx.instance),
+                                                     served_version=version, weights=self.latest),
+                                           sender=self.ctx.name, policy_version=version))
+
+    def poll(self, timeout_s: float) -> None:
+        """Service acks for up to ``timeout_s`` (returns early once the pipe is drained after the first)."""
+        env = self.acks.recv(timeout_s)
+        while env is not None:
+            body = env.body
+            if isinstance(body, WeightsAck):
+                if not body.ok:
+                    self.failed_loads.inc()
+                    self.ctx.log.warning("learner: %s failed to load version %d: %s", body.engine_id,
+                                         body.version, body.error)
+                counted, rejoined = self.rotation.on_ack(body.engine_id, body.version, body.ok, time.monotonic())
+                if rejoined:
+                    self.rejoined.inc()
+                    self.ctx.log.info("learner: %s in rotation (acked version %d)", body.engine_id, body.version)
+                for v, seconds in counted:
+                    self.ctx.metrics.learner.broadcast_seconds.observe(seconds)
+                    self.ctx.log.info("learner: version %d acked by every engine in rotation in %.2f s", v, seconds)
+            env = self.acks.recv(0)
+        for e in self.rotation.expire(time.monotonic()):
+            self.dropped.inc()
+            self.ctx.log.warning("learner: %s missed the ack deadline of %.0f s: out of rotation", e,
+                                 self.rotation.ack_timeout_s)
+        self.in_rotation.set(len(self.rotation.members))
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def init_process_group():
+    """(rank, world size): torchrun's env:// when set, else a world of one over a loopback TCPStore."""
+    import torch
+    import torch.distributed as dist
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        store = dist.TCPStore("127.0.0.1", 0, 1, True)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    steps = [(int(p.name.split("_")[1]), p) for p in (run_dir / "checkpoints").glob("step_*")
+             if p.name.split("_")[1].isdigit() and (p / "learner_state.pt").exists()]
+    return max(steps)[1] if steps else None
+
+
+class LearnerService:
+    def __init__(self, ctx: ServiceContext, resume: str | None = None):
+        import torch
+        from transformers import AutoTokenizer
+
+        from async_vapo.learner.vapo import Learner
+        from async_vapo.models.base import ensure_base_model
+
+        self.ctx = ctx
+        cfg = ctx.cfg
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        self.rank, self.world = init_process_group()
+        base = ensure_base_model(cfg, progress=False)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(base))
+        policy_path, critic_path = base, cfg.model.critic_path
+        ckpt = latest_checkpoint(ctx.run_dir) if resume == "auto" else (Path(resume) if resume else None)
+        if ckpt is not None:
+            policy_path = ckpt / "policy"
+            critic_path = ckpt / "critic" if (ckpt / "critic").exists() else critic_path
+        self.learner = Learner(cfg, policy_path, critic_path)
+        self.start_step, self.replay_cursor, self.samples_seen = 0, 0, 0
+        self.step = self.last_checkpoint = 0
+        self.resumed = ckpt is not None
+        if ckpt is not None:
+            extra = self.learner.load_state(ckpt)
+            self.start_step = self.step = self.last_checkpoint = extra.get("step", self.learner.version)
+            self.replay_cursor = extra.get("replay_cursor", 0)
+            self.samples_seen = extra.get("samples_seen", 0)
+            ctx.log.info("learner: resumed from %s at version %d", ckpt, self.learner.version)
+        self.transport = self.sync = self.req = self.log = None
+        if self.rank == 0:
+            c = cfg.cluster
+            self.transport = ZmqTransport()
+            self.sync = WeightSync(ctx, self.transport)
+            self.req = self.transport.requester(ctx.endpoint(c.replay_host, c.replay_batch_port),
+                                                decoder=ctx.decoder((BatchMsg,), "batches"), name=ctx.name)
+            self.log = JsonlAppender(ctx.run_dir / "metrics.jsonl")
+        lm = ctx.metrics.learner
+        self.lm = lm
+        self.replay_timeouts = ctx.metrics.counter("replay_timeouts_total", "Batch requests the replay did not answer.")
+        self.stale_rejected = ctx.metrics.counter("stale_groups_rejected_total",
+                                                  "Groups in a batch beyond the staleness bound (never used).")
+        self.wait_seconds = ctx.metrics.counter("batch_wait_seconds_total", "Time spent waiting for batches.")
+        lm.version.set(self.learner.version)
+
+    # -- batches -------------------------------------------------------------------------------------------------
+    def _make_batch(self, groups):
+        from async_vapo.learner.vapo import make_rollout_batch
+
+        cfg = self.ctx.cfg
+        return make_rollout_batch(groups, self.tokenizer.pad_token_id, overlong_max_len=cfg.rollout.max_response_tokens,
+                                  overlong_buffer=cfg.algo.overlong_buffer)
+
+    def handshake(self) -> bool:
+        while not self.ctx.stop.is_set():
+            try:
+                self.req.handshake(self.ctx.cfg.cluster.batch_request_timeout_s)
+                return True
+            except PeerTimeout as exc:
+                self.replay_timeouts.inc()
+                self.ctx.log.warning("learner: replay not answering READY yet: %s", exc)
+                self.sync.heartbeat(self.learner.version)
+                self.sync.poll(0)
+        return False
+
+    def fetch(self, n_groups: int) -> list | None:
+        """``n_groups`` whole groups admissible for the current version; None when stopped first."""
+        c, v = self.ctx.cfg.cluster, self.learner.version
+        floor = v - self.ctx.cfg.async_.max_staleness
+        t0 = time.perf_counter()
+        try:
+            while not self.ctx.stop.is_set():
+                self.sync.heartbeat(v)
+                self.sync.poll(0)
+                env = make_envelope(BatchRequest(n_groups=n_groups, for_version=v, min_version=floor),
+                                    sender=self.ctx.name, policy_version=v)
+                try:
+                    reply = self.req.request(env, c.batch_request_timeout_s)
+                except PeerTimeout as exc:
+                    self.replay_timeouts.inc()
+                    self.ctx.log.warning("learner: %s", exc)
+                    continue
+                batch: BatchMsg = reply.body
+                if batch.cursor < self.replay_cursor:
+                    self.ctx.log.warning("learner: replay cursor %d is behind the checkpoint's %d (replay store "
+                                         "replaced?)", batch.cursor, self.replay_cursor)
+                self.replay_cursor = batch.cursor
+                ok = [g for g in batch.groups if floor <= g.version <= v]
+                if len(ok) != len(batch.groups):  # the replay enforces the bound; never use what breaks it
+                    self.stale_rejected.inc(len(batch.groups) - len(ok))
+                if ok:
+                    return ok
+                self.sync.poll(c.batch_poll_s)
+            return None
+        finally:
+            self.wait_seconds.inc(time.perf_counter() - t0)
+
+    def _broadcast(self, kind: str, groups) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.broadcast_object_list([(kind, groups)], src=0)
+
+    # -- metrics -------------------------------------------------------------------------------------------------
+    def _export(self, row: dict) -> None:
+        lm = self.lm
+        for kind, key in (("policy", "actor/pg_loss"), ("value", "critic/value_loss"), ("pos_lm", "actor/pos_lm_nll")):
+            if key in row:
+                lm.loss.labels(kind=kind).set(row[key])
+        for gauge, key in ((lm.reward, "rollout/reward"), (lm.accuracy, "rollout/accuracy"),
+                           (lm.entropy, "actor/entropy"), (lm.explained_variance, "critic/explained_variance")):
+            if key in row:
+                gauge.set(row[key])
+        for side in ("low", "high"):
+            if f"actor/clipfrac_{side}" in row:
+                lm.clipfrac.labels(side=side).set(row[f"actor/clipfrac_{side}"])
+        lm.version.set(self.learner.version)
+        if "time/step_s" in row:
+            lm.step_seconds.observe(row["time/step_s"])
+        self.ctx.metrics.set_health(policy_version=self.learner.version, step=row.get("step", 0),
+                                    phase=row["kind"])
+
+    # -- phases -------------------------------------------------------------------------------------------------
+    def pretrain(self) -> bool:
+        from async_vapo.trainer import group_stats
+
+        a = self.ctx.cfg.algo
+        if not a.uses_critic or a.value_pretrain_steps == 0 or self.resumed:
+            return True
+        for k in range(a.value_pretrain_steps):
+            t0 = time.perf_counter()
+            groups = self.fetch(a.prompts_per_step)
+            if groups is None:
+                return False
+            t1 = time.perf_counter()
+            self._broadcast("pretrain", groups)
+            m = self.learner.pretrain_critic(self._make_batch(groups))
+            self.lm.value_pretrain_steps_total.inc()
+            row = {"kind": "pretrain", "step": k, "version": self.learner.version, "wall_s": self.ctx.elapsed(),
+                   **group_stats(groups, "rollout"), **m, "time/wait_batch_s": t1 - t0,
+                   "time/learn_s": time.perf_counter() - t1, "time/step_s": time.perf_counter() - t0}
+            self.log.write(row)
+            self._export(row)
+        return True
+
+    def train(self) -> int:
+        from async_vapo.trainer import group_stats
+
+        cfg, a = self.ctx.cfg, self.ctx.cfg.algo
+        t_start = time.perf_counter()
+        step = self.start_step
+        while step < cfg.train.total_steps and not self.ctx.stop.is_set():
+            t0 = time.perf_counter()
+            groups = self.fetch(a.prompts_per_step)
+            if groups is None:
+                break
+            kept = groups
+            if a.dynamic_sampling:
+                kept = [g for g in groups if len(set(g.rewards)) > 1]
+                for _ in range(a.max_resample_rounds):
+                    if len(kept) >= a.prompts_per_step:
+                        break
+                    more = self.fetch(a.prompts_per_step)
+                    if more is None:
+                        break
+                    groups += more
+                    kept += [g for g in more if len(set(g.rewards)) > 1]
+                kept = kept[: a.prompts_per_step]
+            self.samples_seen += sum(len(g.samples) for g in groups)
+            t1 = time.perf_counter()
+            self._broadcast("train", kept)
+            if kept:
+                m = self.learner.update(self._make_batch(kept))
+            else:  # every group degenerate: nothing to learn from, still a version (as the one-process trainer)
+                m, self.learner.version = {"dapo/empty_batch": 1.0}, self.learner.version + 1
+            t2 = time.perf_counter()
+            push_s = self.sync.publish(self.learner.version, self.learner.policy_state())
+            step += 1
+            self.step = step
+            versions = [g.version for g in kept] or [self.learner.version - 1]
+            row = {"kind": "train", "step": step, "version": self.learner.version, "wall_s": self.ctx.elapsed(),
+                   "samples_seen": self.samples_seen, "groups_kept": len(kept), **group_stats(groups, "rollout"),
+                   **m, "replay/max_age": (self.learner.version - 1) - min(versions),
+                   "replay/cursor": self.replay_cursor,
+                   "cluster/engines_in_rotation": len(self.sync.rotation.members), "time/wait_batch_s": t1 - t0,
+                   "time/learn_s": t2 - t1, "time/weight_push_s": push_s, "time/step_s": time.perf_counter() - t0}
+            self.log.write(row)
+            self._export(row)
+            self.ctx.log.info("learner: step %d version %d acc %.3f (%.1f s, waited %.1f s)", step,
+                              self.learner.version, row.get("rollout/accuracy", float("nan")), row["time/step_s"],
+                              t1 - t0)
+            limit = cfg.train.max_minutes
+            out_of_time = limit is not None and time.perf_counter() - t_start > 60 * limit
+            done = step >= cfg.train.total_steps or out_of_time
+            if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or done:
+                self.checkpoint(step)
+            if out_of_time:
+                break
+        return step
+
+    def checkpoint(self, step: int) -> Path:
+        self.last_checkpoint = step
+        path = self.learner.save(self.ctx.run_dir / "checkpoints" / f"step_{step}",
+                                 extra={"step": step, "replay_cursor": self.replay_cursor,
+                                        "samples_seen": self.samples_seen})
+        self.ctx.log.info("learner: checkpoint %s", path)
+        return path
+
+    def run(self) -> None:
+        if self.rank != 0:
+            return self.follow()
+        v = self.learner.version
+        self.sync.publish(v, self.learner.policy_state())
+        self.ctx.ready(policy_version=v, phase="handshake")
+        if not self.handshake():
+            return None
+        finished = False
+        if self.pretrain():
+            step = self.train()
+            finished = not self.ctx.stop.is_set()  # train() returned because it was done or out of time
+            if finished:
+                summary = {"run_dir": str(self.ctx.run_dir), "steps": step, "version": self.learner.version,
+                           "wall_s": self.ctx.elapsed(), "samples_seen": self.samples_seen,
+                           "replay_cursor": self.replay_cursor}
+                (self.ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+                (self.ctx.run_dir / "DONE").write_text(f"{step}\n")
+                self.ctx.metrics.set_health(phase="done")
+                self.ctx.log.info("learner: done after %d updates", step)
+        if not finished and self.step > self.last_checkpoint:  # stopped mid-run: keep what was learned
+            self.checkpoint(self.step)
+        self._broadcast("stop", None)
+        while not self.ctx.stop.is_set():  # keep heartbeats and /metrics up until stopped
+            self.sync.heartbeat(self.learner.version)
+            self.sync.poll(0.5)
+        return None
+
+    def follow(self) -> None:
+        """Ranks > 0: replay rank 0's steps on the broadcast batches (replicated, see the module docstring)."""
+        import torch.distributed as dist
+
+        while True:
+            obj = [None]
+            dist.broadcast_object_list(obj, src=0)
+            kind, groups = obj[0]
+            if kind == "stop":
+                return
+            if kind == "pretrain":
+                self.learner.pretrain_critic(self._make_batch(groups))
+            elif groups:
+                self.learner.update(self._make_batch(groups))
+            else:
+                self.learner.version += 1
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        if self.sync is not None:
+            self.sync.close()
+        if self.log is not None:
+            self.log.close()
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_learner(ctx: ServiceContext, resume: str | None = None) -> None:
+    svc = LearnerService(ctx, resume)
+    try:
+        svc.run()
+    finally:
+        svc.close()

@@ -1,0 +1,341 @@
+"""The rollout service: one vLLM engine per process, generating groups continuously, stamped with the
+weight version that generated them.
+
+Sockets (engine ``rollout-i``)
+  * ``groups``: PUSH, connects to the verifier (``cluster.verifier_host:verifier_port``); GroupsMsg of the
+    groups of one ``generate`` call. At the HWM the push holds and so does generation (backpressure).
+  * ``weights``: SUB, connects to the learner's XPUB (``cluster.learner_host:weights_port``);
+    WeightsAnnounce, and Heartbeat whose ``weights`` repeats the latest announce (a missed announce is
+    recovered within ``cluster.heartbeat_s``; XPUB also re-sends the latest to a new subscriber).
+  * ``acks``: PUSH, connects to the learner's PULL (``cluster.acks_port``); one WeightsAck per load
+    (ok or not, with load seconds) — the first one, for the served version at start, registers the
+    engine — and a Heartbeat every ``cluster.heartbeat_s`` between generate calls.
+
+Weight sync (CPU / file path): the learner writes the version's safetensors (``/dev/shm`` by default) and
+announces path, version, size and checksum; the engine verifies the checksum, calls
+``VLLMEngine.load_weights_from_file`` between two generate calls (the engine is not restarted) and acks.
+An engine always moves to the *latest* announced version (down too, after a learner resumed from an older
+checkpoint), so one that fell behind (and was taken out of rotation by the learner) rejoins with its next ack.
+
+Admission control (:class:`Admission`): nothing is generated before the first announce of the learner
+arrives (reason ``no_learner``: a resumed learner may be far ahead of the base weights). Before a generate
+call the engine knows its served version ``s`` and the learner's latest announced version ``L``. A group
+started now is consumed at a learner version ≥ L, so it is usable only if L − s ≤ max_staleness:
+
+  * ``s < L − max_staleness`` -> do not generate, wait for weights (reason ``stale_weights``);
+  * a group of version s can only feed updates made at learner versions s .. s + max_staleness, each
+    taking ``prompts_per_step`` groups (plus the value-pretraining batches, all at version 0, and DAPO's
+    resampling rounds), so each engine generates at most its 1/N share of that per served version
+    (reason ``version_budget``). With max_staleness = 0 every engine generates exactly its share of one
+    batch per version and then waits for the next weights: synchronous on-policy training. Fast problems
+    are not favoured: a generate call takes its prompts in sampler order and ships all of them together.
+  * a budget that is spent while no new version arrives for ``cluster.admission_refill_s`` is topped up by
+    one share (groups lost to a crash elsewhere must not starve the learner forever).
+
+Evaluation: rollout 0 evaluates the held-out split (``trainer.evaluate``, with its own one-worker
+``VerifierPool``) whenever it serves the learner's latest version and that is a multiple of
+``train.eval_every`` or the last one (``train.total_steps``), and appends ``kind="eval"`` rows, in the
+one-process trainer's format, to ``RUN_DIR/metrics.jsonl`` (shared with the learner, see
+:class:`~async_vapo.cluster.common.JsonlAppender`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from async_vapo.cluster.common import JsonlAppender, ServiceContext
+from async_vapo.rollout.types import Group, Trajectory
+from async_vapo.transport import (
+    GroupsMsg,
+    Heartbeat,
+    Shutdown,
+    WeightsAck,
+    WeightsAnnounce,
+    ZmqTransport,
+    make_envelope,
+    verify_checksum,
+)
+
+
+@dataclass
+class Admission:
+    """Whether an engine may start a generate call now (see the module docstring); pure bookkeeping."""
+
+    max_staleness: int
+    prompts_per_step: int
+    num_engines: int
+    pretrain_batches: int = 0
+    """Value-pretraining batches the learner takes at version 0 (0 when it resumes or has no critic)."""
+    rounds_per_batch: int = 1
+    """Generation rounds one update may consume (1 + DAPO's max_resample_rounds with dynamic sampling)."""
+    refill_s: float = 60.0
+    used: dict[int, int] = field(default_factory=dict)
+    refills: dict[int, int] = field(default_factory=dict)
+    last_change: float = field(default_factory=time.monotonic)
+
+    def share(self) -> int:
+        return math.ceil(self.prompts_per_step * self.rounds_per_batch / self.num_engines)
+
+    def budget(self, version: int) -> int:
+        batches = self.max_staleness + 1 + (self.pretrain_batches if version == 0 else 0)
+        return batches * self.share() + self.refills.get(version, 0) * self.share()
+
+    def versions_changed(self, now: float | None = None) -> None:
+        self.last_change = time.monotonic() if now is None else now
+
+    def check(self, served: int, learner: int, now: float | None = None) -> str | None:
+        """None when a group may start; else the reason it may not."""
+        if served < learner - self.max_staleness:
+            return "stale_weights"
+        if self.used.get(served, 0) >= self.budget(served):
+            now = time.monotonic() if now is None else now
+            if now - self.last_change < self.refill_s:
+                return "version_budget"
+            self.refills[served] = self.refills.get(served, 0) + 1
+            self.last_change = now
+        return None
+
+    def record(self, version: int, groups: int) -> None:
+        self.used[version] = self.used.get(version, 0) + groups
+
+
+def generate_groups(engine, encode: Callable, problems: Sequence, *, version: int, n: int, temperature: float,
+                    top_p: float, max_tokens: int, eos_id: int) -> list[Group]:
+    """The unscored groups of ``problems`` (G = ``n`` samples each), stamped with ``version``."""
+    prompts = [encode(p) for p in problems]
+    outs = engine.generate(prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                           stop_token_ids=[eos_id])
+    return [Group(uid=p.uid, prompt=p.prompt, answer=p.answer, prompt_ids=ids, version=version,
+                  samples=[Trajectory(response_ids=s.token_ids, behavior_logprobs=s.logprobs,
+                                      finish_reason=s.finish_reason) for s in samples])
+            for p, ids, samples in zip(problems, prompts, outs, strict=True)]
+
+
+class RolloutService:
+    def __init__(self, ctx: ServiceContext, engine, tokenizer, train_set, eval_set, *, pretrain_batches: int):
+        from async_vapo.trainer import PromptSampler
+
+        self.ctx, self.engine, self.tokenizer = ctx, engine, tokenizer
+        cfg, c = ctx.cfg, ctx.cfg.cluster
+        self.train_set, self.eval_set = train_set, eval_set
+        self.engine_id = ctx.name
+        # Each engine walks its own seeded order of the training problems.
+        self.sampler = PromptSampler(train_set, cfg.train.seed + 7919 * ctx.instance)
+        n_engines = cfg.async_.rollout_devices
+        a = cfg.algo
+        self.per_call = c.rollout_prompts_per_call or math.ceil(a.prompts_per_step / n_engines)
+        self.admission = Admission(cfg.async_.max_staleness, a.prompts_per_step, n_engines,
+                                   pretrain_batches=pretrain_batches,
+                                   rounds_per_batch=1 + (a.max_resample_rounds if a.dynamic_sampling else 0),
+                                   refill_s=c.admission_refill_s)
+        self.transport = ZmqTransport()
+        self.groups_out = self.transport.sender(ctx.endpoint(c.verifier_host, c.verifier_port))
+        self.acks = self.transport.sender(ctx.endpoint(c.learner_host, c.acks_port))
+        self.sub = self.transport.subscriber(ctx.endpoint(c.learner_host, c.weights_port),
+                                             decoder=ctx.decoder((WeightsAnnounce, Heartbeat, Shutdown), "weights"))
+        self.m = ctx.metrics.rollout
+        self.latest: WeightsAnnounce | None = None
+        self.learner_version = 0
+        self.failed_versions: set[int] = set()
+        self.prompt_cache: dict[str, list[int]] = {}
+        self.evaluated: set[int] = set()
+        self.metrics_log = JsonlAppender(ctx.run_dir / "metrics.jsonl") if ctx.instance == 0 else None
+        self.eval_pool = None
+        self.samples_generated = 0
+        self._last_beat = 0.0
+        self._next_retry = 0.0
+        self.m.served_version.set(engine.version)
+
+    # -- weights --------------------------------------------------------------------------------------------
+    def _on_announce(self, a: WeightsAnnounce) -> None:
+        # One publisher, delivered in order: its last word is the truth, even a lower version (a learner
+        # restarted from an older checkpoint), so the engine follows it down as well as up.
+        self.latest = a
+        if a.version != self.learner_version:
+            self.learner_version = a.version
+            self.admission.versions_changed()
+
+    def poll_weights(self, timeout_s: float) -> None:
+        env = self.sub.recv(timeout_s)
+        while env is not None:
+            body = env.body
+            if isinstance(body, WeightsAnnounce):
+                self._on_announce(body)
+            elif isinstance(body, Heartbeat) and body.weights is not None:
+                self._on_announce(body.weights)
+            elif isinstance(body, Shutdown):
+                self.ctx.log.info("%s: shutdown announced by %s: %s", self.engine_id, env.sender, body.reason)
+                self.ctx.stop.set()
+            env = self.sub.recv(0)
+        if self.latest is not None and self.latest.version != self.engine.version:
+            if self.latest.version not in self.failed_versions or time.monotonic() >= self._next_retry:
+                self.load(self.latest)
+
+    def load(self, a: WeightsAnnounce) -> None:
+        t0 = time.perf_counter()
+        ok, error = True, ""
+        try:
+            if a.transfer != "file":
+                raise ValueError(f"transfer {a.transfer!r} is not supported by the CPU/file path")
+            data = Path(a.location).read_bytes()
+            if len(data) != a.nbytes or not verify_checksum(data, a.checksum):
+                raise ValueError(f"weights file {a.location} does not match its announce ({a.checksum})")
+            del data
+            self.engine.load_weights_from_file(a.location, a.version)
+        except Exception as exc:
+            ok, error = False, f"{type(exc).__name__}: {exc}"
+            self._next_retry = time.monotonic() + 5.0
+            if a.version not in self.failed_versions:  # retried every 5 s: log once per version
+                self.failed_versions.add(a.version)
+                self.ctx.processing_error("load_weights", f"loading version {a.version}")
+        seconds = time.perf_counter() - t0
+        if ok:
+            self.m.weight_load_seconds.observe(seconds)
+            self.m.served_version.set(a.version)
+            self.admission.versions_changed()
+            self.ctx.metrics.set_health(served_version=a.version)
+            self.ctx.log.info("%s: serving version %d (load %.2f s)", self.engine_id, a.version, seconds)
+        self.ack(a.version, ok, seconds, error)
+
+    def ack(self, version: int, ok: bool, seconds: float, error: str = "") -> None:
+        self.ctx.send(self.acks, make_envelope(WeightsAck(engine_id=self.engine_id, version=version, ok=ok,
+                                                          load_seconds=seconds, error=error),
+                                               sender=self.engine_id, policy_version=self.engine.version), "ack")
+
+    def heartbeat(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last_beat >= self.ctx.cfg.cluster.heartbeat_s:
+            self._last_beat = now
+            env = make_envelope(Heartbeat(service="rollout", instance=str(self.ctx.instance),
+                                          served_version=self.engine.version), sender=self.engine_id,
+                                policy_version=self.engine.version)
+            self.ctx.send(self.acks, env, "heartbeat")
+
+    # -- generation ---------------------------------------------------------------------------------------------
+    def encode(self, p) -> list[int]:
+        ids = self.prompt_cache.get(p.uid)
+        if ids is None:
+            ids = self.tokenizer(self.ctx.cfg.task.prompt_template.format(prompt=p.prompt)).input_ids
+            self.prompt_cache[p.uid] = ids
+        return ids
+
+    def generate_once(self) -> list[Group]:
+        r = self.ctx.cfg.rollout
+        version = self.engine.version
+        problems = self.sampler.take(self.per_call)
+        self.m.inflight_groups.set(len(problems))
+        try:
+            groups = generate_groups(self.engine, self.encode, problems, version=version,
+                                     n=self.ctx.cfg.algo.group_size, temperature=r.temperature, top_p=r.top_p,
+                                     max_tokens=r.max_response_tokens,
+                                     eos_id=self.tokenizer.eos_token_id)
+            self.admission.record(version, len(groups))
+            samples = [s for g in groups for s in g.samples]
+            self.m.generated_samples_total.inc(len(samples))
+            self.m.generated_tokens_total.inc(sum(len(s.response_ids) for s in samples))
+            self.samples_generated += len(samples)
+            self.ctx.send(self.groups_out, make_envelope(GroupsMsg(groups=groups), sender=self.engine_id,
+                                                         policy_version=version), "groups")
+        finally:
+            self.m.inflight_groups.set(0)
+        return groups
+
+    # -- evaluation ---------------------------------------------------------------------------------------------
+    def maybe_evaluate(self) -> None:
+        cfg = self.ctx.cfg
+        v = self.engine.version
+        if self.metrics_log is None or not cfg.cluster.rollout_eval or v in self.evaluated:
+            return
+        if self.latest is None or self.latest.version != v:  # catching up: evaluate the learner's weights only
+            return
+        if v % cfg.train.eval_every and v != cfg.train.total_steps:
+            return
+        self.evaluated.add(v)
+        from async_vapo.trainer import Rollout, evaluate
+        from async_vapo.verify.sandbox import VerifierPool
+
+        if self.eval_pool is None:
+            vc = cfg.verifier
+            self.eval_pool = VerifierPool(num_workers=1, timeout_s=vc.timeout_s, memory_limit_mb=vc.memory_limit_mb,
+                                          max_response_chars=vc.max_response_chars, reward_correct=vc.reward_correct,
+                                          reward_incorrect=vc.reward_incorrect)
+            pids = self.ctx.run_dir / "pids"
+            if pids.is_dir():  # its worker runs in its own session: stop_cluster.sh stops it by PID
+                (pids / f"{self.engine_id}.children").write_text(
+                    "\n".join(map(str, self.eval_pool.worker_pids)) + "\n")
+        try:
+            m, _ = evaluate(Rollout(cfg, self.engine, self.eval_pool, self.tokenizer, self.prompt_cache),
+                            self.eval_set, cfg)
+        except Exception:
+            self.ctx.processing_error("evaluate", f"evaluation of version {v}")
+            return
+        self.metrics_log.write({"kind": "eval", "step": v, "version": v, "wall_s": self.ctx.elapsed(),
+                                "samples_seen": self.samples_generated, **m})
+        self.ctx.log.info("%s: held-out accuracy of version %d: %.3f", self.engine_id, v, m["eval/accuracy"])
+
+    # -- loop -----------------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        self.ack(self.engine.version, True, 0.0)
+        self.ctx.ready(served_version=self.engine.version)
+        while not self.ctx.stop.is_set():
+            self.poll_weights(0.0)
+            self.heartbeat()
+            self.maybe_evaluate()
+            reason = "no_learner" if self.latest is None else self.admission.check(self.engine.version,
+                                                                                    self.learner_version)
+            if reason is not None:
+                self.m.admission_rejects_total.labels(reason=reason).inc()
+                self.poll_weights(0.2)
+                continue
+            try:
+                self.generate_once()
+            except Exception:
+                if self.ctx.stop.is_set():
+                    break
+                self.ctx.processing_error("generate", "one generate call")
+                time.sleep(1.0)
+
+    def close(self) -> None:
+        self.transport.close()
+        if self.eval_pool is not None:
+            self.eval_pool.close()
+        if self.metrics_log is not None:
+            self.metrics_log.close()
+
+
+def run_rollout(ctx: ServiceContext) -> None:
+    """Start the engine on the base model (version 0) and serve until stopped. Version 0's budget always
+    includes the value-pretraining batches: a learner resumed from a checkpoint is past version 0 and
+    never asks for its groups, so the rollout need not know whether it resumed."""
+    from transformers import AutoTokenizer
+
+    from async_vapo.models.base import ensure_base_model
+    from async_vapo.rollout.engine import EngineSpec, VLLMEngine
+    from async_vapo.trainer import load_task
+
+    cfg = ctx.cfg
+    base = ensure_base_model(cfg, progress=False)
+    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    train_set, eval_set = load_task(cfg)
+    r = cfg.rollout
+    longest = max(len(tokenizer(cfg.task.prompt_template.format(prompt=p.prompt)).input_ids)
+                  for p in train_set + eval_set)
+    spec = EngineSpec(model_path=str(base), dtype=cfg.model.dtype, seed=r.seed + ctx.instance,
+                      kv_cache_gib=r.kv_cache_gib, max_model_len=longest + r.max_response_tokens + 1,
+                      gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
+                      max_num_seqs=r.max_num_seqs)
+    ctx.log.info("%s: starting the vLLM engine on %s", ctx.name, base)
+    engine = VLLMEngine(spec, version=0)
+    ctx.log.info("%s: engine up in %.1f s", ctx.name, engine.start_seconds)
+    a = cfg.algo
+    pretrain = a.value_pretrain_steps if a.uses_critic else 0
+    svc = RolloutService(ctx, engine, tokenizer, train_set, eval_set, pretrain_batches=pretrain)
+    try:
+        svc.run()
+    finally:
+        svc.close()
+        engine.close()

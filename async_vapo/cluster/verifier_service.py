@@ -1,0 +1,106 @@
+"""The verifier service: the sandboxed :class:`~async_vapo.verify.sandbox.VerifierPool` between rollout and replay.
+
+Sockets
+  * ``in``: PULL, binds ``cluster.verifier_port``; GroupsMsg (unscored) and Heartbeat from every rollout
+    (fan-in). HWM ``DEFAULT_HWM`` messages.
+  * ``out``: PUSH, connects to the replay's ``cluster.replay_port``; GroupsMsg with rewards/verdicts.
+
+Backpressure, not unbounded queues: one message is taken from ``in`` only after the previous one was
+verified and pushed to ``out``. When the replay is slow, the push holds (``ServiceContext.send``), ``in``
+fills up to its HWM, and then the rollouts' pushes hold, which holds their generation. The only queue
+is the ZeroMQ pipes' HWM. ``queue_depth`` reports the responses of the message being checked.
+
+A group whose verification fails (the pool raises, e.g. workers cannot start) is counted in
+``processing_errors_total{stage="verify"}`` and dropped; the pool replaces crashed workers itself.
+"""
+
+from __future__ import annotations
+
+import time
+
+from async_vapo.cluster.common import ServiceContext
+from async_vapo.rollout.types import Group
+from async_vapo.transport import GroupsMsg, Heartbeat, ZmqTransport, make_envelope
+
+
+class VerifierService:
+    def __init__(self, ctx: ServiceContext, *, in_endpoint: str | None = None, out_endpoint: str | None = None,
+                 pool=None):
+        from async_vapo.verify.sandbox import VerifierPool
+
+        self.ctx = ctx
+        c, v = ctx.cfg.cluster, ctx.cfg.verifier
+        self.pool = pool or VerifierPool(num_workers=v.num_workers, timeout_s=v.timeout_s,
+                                         memory_limit_mb=v.memory_limit_mb, max_response_chars=v.max_response_chars,
+                                         reward_correct=v.reward_correct, reward_incorrect=v.reward_incorrect)
+        self.transport = ZmqTransport()
+        self.pull = self.transport.receiver(in_endpoint or ctx.endpoint(c.bind_host, c.verifier_port),
+                                            decoder=ctx.decoder((GroupsMsg, Heartbeat), "in"), bind=True)
+        self.push = self.transport.sender(out_endpoint or ctx.endpoint(c.replay_host, c.replay_port))
+        self.m = ctx.metrics.verifier
+        self._write_worker_pids()
+
+    def _write_worker_pids(self) -> None:
+        """stop_cluster.sh also checks these: the workers run in their own sessions (sandbox.py)."""
+        pids = self.ctx.run_dir / "pids"
+        if pids.is_dir():
+            (pids / "verifier.children").write_text("\n".join(map(str, self.pool.worker_pids)) + "\n")
+
+    def verify(self, groups: list[Group], decode) -> list[Group]:
+        items = [(decode(s.response_ids), g.answer) for g in groups for s in g.samples]
+        self.m.queue_depth.set(len(items))
+        try:
+            results = iter(self.pool.verify(items))
+        finally:
+            self.m.queue_depth.set(0)
+        for g in groups:
+            for s in g.samples:
+                r = next(results)
+                s.reward, s.correct, s.verdict = r.reward, r.correct, r.reason
+                self.m.checks_total.labels(reason=r.reason).inc()
+                self.m.check_seconds.observe(r.seconds)
+                if r.reason == "timeout":
+                    self.m.timeouts_total.inc()
+        return groups
+
+    def run(self, decode) -> None:
+        self.ctx.ready()
+        last_beat = time.monotonic()
+        while not self.ctx.stop.is_set():
+            env = self.pull.recv(0.2)
+            if env is not None and isinstance(env.body, GroupsMsg) and env.body.groups:
+                try:
+                    groups = self.verify(env.body.groups, decode)
+                except Exception:
+                    self.ctx.processing_error("verify", f"{len(env.body.groups)} groups from {env.sender}")
+                    continue
+                self.ctx.send(self.push, make_envelope(GroupsMsg(groups=groups), sender=self.ctx.name,
+                                                       policy_version=env.policy_version), "verified groups")
+                self._write_worker_pids()
+            if time.monotonic() - last_beat > self.ctx.cfg.cluster.heartbeat_s:
+                last_beat = time.monotonic()
+                self.ctx.metrics.set_health(worker_pids=self.pool.worker_pids)
+
+    def close(self) -> None:
+        self.transport.close()
+        self.pool.close()
+
+
+def make_decoder(ctx: ServiceContext):
+    """Token ids -> text with the policy's tokenizer (the verifier grades text)."""
+    from transformers import AutoTokenizer
+
+    from async_vapo.models.base import ensure_base_model
+
+    path = ctx.cfg.model.path or ensure_base_model(ctx.cfg, progress=False)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    return lambda ids: tok.decode(list(ids), skip_special_tokens=True)
+
+
+def run_verifier(ctx: ServiceContext) -> None:
+    decode = make_decoder(ctx)
+    svc = VerifierService(ctx)
+    try:
+        svc.run(decode)
+    finally:
+        svc.close()

@@ -1,0 +1,18 @@
+"""Rollout service: one vLLM engine generating version-stamped groups (async_vapo.cluster.rollout_service).
+
+    services/rollout.py --config FILE [--run-dir DIR] [--instance I] [key.sub=value ...]
+"""
+
+import sys
+
+from async_vapo.cluster.common import run_service
+
+
+def _body(ctx, args):
+    from async_vapo.cluster.rollout_service import run_rollout
+
+    run_rollout(ctx)
+
+
+if __name__ == "__main__":  # vLLM spawns its engine process: construct it only under this guard
+    sys.exit(run_service("rollout", None, _body))

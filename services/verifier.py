@@ -1,0 +1,18 @@
+"""Verifier service: sandboxed answer checking between rollout and replay (async_vapo.cluster.verifier_service).
+
+    services/verifier.py --config FILE [--run-dir DIR] [key.sub=value ...]
+"""
+
+import sys
+
+from async_vapo.cluster.common import run_service
+
+
+def _body(ctx, args):
+    from async_vapo.cluster.verifier_service import run_verifier
+
+    run_verifier(ctx)
+
+
+if __name__ == "__main__":
+    sys.exit(run_service("verifier", None, _body))

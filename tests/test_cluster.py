@@ -1,0 +1,423 @@
+"""The asynchronous cluster: admission and rotation bookkeeping, a service that survives bad frames (real
+ZeroMQ sockets, in process), and the whole cluster end to end with start_cluster.sh / stop_cluster.sh and a
+real Prometheus server scraping every service."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import zmq
+
+from async_vapo.cluster.common import make_context
+from async_vapo.cluster.learner_service import Rotation
+from async_vapo.cluster.rollout_service import Admission
+from async_vapo.config import load_config
+from async_vapo.rollout.types import Group, Trajectory
+from async_vapo.transport import (
+    PROTOCOL_VERSION,
+    BatchMsg,
+    BatchRequest,
+    GroupsMsg,
+    ZmqTransport,
+    connect_with_handshake,
+    encode,
+    make_envelope,
+)
+from async_vapo.transport.messages import Decoder
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# -- admission control ---------------------------------------------------------------------------------------------
+
+def test_admission_with_staleness_zero_is_one_batch_per_version():
+    # 2 engines, 8 prompts per update: each engine may generate its share (4 groups) of one batch per version.
+    adm = Admission(max_staleness=0, prompts_per_step=8, num_engines=2, refill_s=1e9)
+    assert adm.check(served=3, learner=3) is None
+    adm.record(3, 4)
+    assert adm.check(served=3, learner=3) == "version_budget"
+    assert adm.check(served=4, learner=4) is None  # new weights: a new budget
+
+
+def test_admission_waits_for_weights_beyond_the_bound():
+    adm = Admission(max_staleness=1, prompts_per_step=4, num_engines=1)
+    assert adm.check(served=5, learner=6) is None  # age 1 at most: usable
+    assert adm.check(served=5, learner=7) == "stale_weights"  # could only arrive 2 versions old
+
+
+def test_admission_budgets_value_pretraining_and_staleness():
+    # version 0 feeds 3 pretraining batches and the first update; with max_staleness=1 also the second update.
+    adm = Admission(max_staleness=1, prompts_per_step=4, num_engines=1, pretrain_batches=3)
+    assert adm.budget(0) == (3 + 2) * 4
+    assert adm.budget(1) == 2 * 4
+
+
+def test_admission_refills_a_spent_budget_after_a_quiet_period():
+    adm = Admission(max_staleness=0, prompts_per_step=4, num_engines=1, refill_s=10.0)
+    adm.versions_changed(now=100.0)
+    adm.record(0, 4)
+    assert adm.check(0, 0, now=105.0) == "version_budget"
+    assert adm.check(0, 0, now=111.0) is None  # groups were lost somewhere: one more share
+    adm.record(0, 4)
+    assert adm.check(0, 0, now=112.0) == "version_budget"
+
+
+# -- rotation ------------------------------------------------------------------------------------------------------
+
+def test_rotation_counts_a_version_when_every_member_acked():
+    rot = Rotation(ack_timeout_s=10.0)
+    rot.published(0, now=0.0)
+    assert rot.on_ack("rollout-0", 0, True, now=0.5) == ([(0, 0.5)], True)
+    assert rot.on_ack("rollout-1", 0, True, now=0.6) == ([], True)
+    rot.published(1, now=1.0)
+    assert rot.on_ack("rollout-0", 1, True, now=1.5) == ([], False)  # rollout-1 has not acked yet
+    counted, _ = rot.on_ack("rollout-1", 1, True, now=2.0)
+    assert counted == [(1, 1.0)]
+
+
+def test_rotation_drops_a_late_engine_and_takes_it_back_on_the_latest():
+    rot = Rotation(ack_timeout_s=5.0)
+    rot.published(0, now=0.0)
+    rot.on_ack("a", 0, True, now=0.1)
+    rot.on_ack("b", 0, True, now=0.1)
+    rot.published(1, now=1.0)
+    rot.on_ack("a", 1, True, now=1.1)
+    assert rot.expire(now=3.0) == []
+    assert rot.expire(now=6.5) == ["b"]
+    assert rot.members == {"a"}
+    rot.published(2, now=7.0)
+    assert rot.on_ack("a", 2, True, now=7.2) == ([(2, pytest.approx(0.2))], False)  # b no longer holds it up
+    assert rot.on_ack("b", 1, True, now=7.3) == ([], False)  # catching up, not on the latest yet
+    assert rot.on_ack("b", 2, False, now=7.4) == ([], False)  # a failed load does not rejoin
+    assert rot.on_ack("b", 2, True, now=7.5) == ([], True)
+    assert rot.members == {"a", "b"}
+
+
+# -- a running service keeps serving through bad frames ------------------------------------------------------------
+
+def _group(uid: str, version: int, g: int) -> Group:
+    return Group(uid=uid, prompt="1+1", answer="2", prompt_ids=[1, 2], version=version,
+                 samples=[Trajectory(response_ids=[3, 4], behavior_logprobs=[-0.1, -0.2], finish_reason="stop",
+                                     reward=1.0, correct=True, verdict="correct") for _ in range(g)])
+
+
+def _reject_count(ctx, reason: str) -> float:
+    v = ctx.metrics.registry.get_sample_value("async_vapo_replay_wire_rejects_total", {"reason": reason})
+    return v or 0.0
+
+
+def test_replay_service_counts_bad_frames_and_keeps_serving(tmp_path):
+    from async_vapo.cluster.replay_service import ReplayService
+
+    cfg = load_config([], ["algo.group_size=2", "algo.prompts_per_step=2", "algo.mini_batch_size=4",
+                           "algo.micro_batch_size=4", "cluster.fsync=never"])
+    ctx = make_context("replay", cfg=cfg, run_dir=tmp_path, serve_metrics=False, install_signals=False)
+    svc = ReplayService(ctx, in_endpoint="tcp://127.0.0.1:*", batch_endpoint="tcp://127.0.0.1:*")
+    loop = threading.Thread(target=svc.run, daemon=True)
+    loop.start()
+    zctx = zmq.Context()
+    push = zctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(svc.pull.endpoint)
+    dealer = zctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(svc.router.endpoint)
+    transport = ZmqTransport(zctx)
+    try:
+        good = make_envelope(GroupsMsg(groups=[_group("a", 0, 2)]), sender="test")
+        wrong_version = encode(good).replace(b"\xa8protocol\x01", b"\xa8protocol\x07")
+        assert wrong_version != encode(good)
+        for frame in (b"\x00garbage", wrong_version, b"\x81\xa8protocol\x01", b"a", b"b"):
+            push.send(frame)
+        push.send_multipart([b"two", b"frames"])
+        dealer.send(b"not msgpack at all")
+        # valid traffic after the garbage: a bad group (wrong size) is refused, the good ones are stored and served
+        sender = transport.sender(svc.pull.endpoint)
+        sender.send(make_envelope(GroupsMsg(groups=[_group("bad", 0, 3), _group("b", 0, 2)]), sender="test"), 5.0)
+        sender.send(good, 5.0)
+        req = connect_with_handshake(transport, svc.router.endpoint, decoder=Decoder((BatchMsg,)), name="test",
+                                     timeout_s=10.0)
+        deadline = time.monotonic() + 20
+        batch = None
+        while time.monotonic() < deadline:
+            env = make_envelope(BatchRequest(n_groups=2, for_version=0, min_version=0), sender="test")
+            batch = req.request(env, 5.0).body
+            if batch.groups:
+                break
+            time.sleep(0.05)
+        assert batch is not None and sorted(g.uid for g in batch.groups) == ["a", "b"]
+        assert _reject_count(ctx, "malformed") == 6  # 4 undecodable frames, a 2-frame message, the router's one
+        assert _reject_count(ctx, "wrong_version") == 1
+        assert ctx.metrics.registry.get_sample_value("async_vapo_replay_rejected_groups_total",
+                                                     {"reason": "group_size_mismatch"}) == 1
+        assert ctx.metrics.registry.get_sample_value("async_vapo_replay_batches_total") == 1
+        assert loop.is_alive()
+    finally:
+        ctx.stop.set()
+        loop.join(10)
+        svc.close()
+        transport.close()
+        push.close()
+        dealer.close()
+        zctx.term()
+    assert PROTOCOL_VERSION == 1  # the wrong_version frame above patched exactly this value
+
+
+# -- the cluster, end to end ---------------------------------------------------------------------------------------
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _prom_query(port: int, query: str) -> list[dict]:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": query})
+    with urllib.request.urlopen(url, timeout=5) as r:
+        doc = json.loads(r.read())
+    assert doc["status"] == "success", doc
+    return doc["data"]["result"]
+
+
+def _prom_value(port: int, query: str) -> float | None:
+    try:
+        res = _prom_query(port, query)
+    except OSError:
+        return None
+    return float(res[0]["value"][1]) if res else None
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+def test_cluster_end_to_end_with_prometheus(tiny_cfg, tiny_base, tmp_path):
+    prometheus = shutil.which("prometheus")
+    if prometheus is None:
+        pytest.skip("the prometheus binary is not installed (.ci/install_prometheus.sh installs Debian's package)")
+    names = ["verifier_port", "replay_port", "replay_batch_port", "weights_port", "acks_port", "replay_metrics_port",
+             "verifier_metrics_port", "learner_metrics_port", "rollout_metrics_port"]
+    ports = _free_ports(len(names) + 1)
+    prom_port = ports.pop()
+    total_steps = 6
+    config = tmp_path / "cluster.toml"
+    config.write_text("[cluster]\n" + "".join(f"{k} = {p}\n" for k, p in zip(names, ports, strict=True))
+                      + "heartbeat_s = 0.5\nhealth_timeout_s = 240\nstop_grace_s = 15\nfsync = \"never\"\n")
+    from conftest import TINY_TEST_OVERRIDES
+
+    overrides = [*TINY_TEST_OVERRIDES, f"model.cache_dir={tiny_cfg.model.cache_dir}",
+                 f"train.total_steps={total_steps}", "train.eval_every=3", "train.checkpoint_every=3"]
+    run_dir = tmp_path / "run"
+    py = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else "python"
+    env = {**os.environ, "PYTHON": py}
+    # The scrape config as start_cluster.sh writes it (same plan helper), so Prometheus is up before the services.
+    subprocess.run([py, "-m", "async_vapo.cluster.common", "plan", "--config", str(config), "--run-dir", str(run_dir),
+                    "--scrape-interval", "1s", "--", *overrides], check=True, cwd=REPO, env=env,
+                   stdout=subprocess.DEVNULL)
+    prom = subprocess.Popen([prometheus, f"--config.file={run_dir / 'prometheus' / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'prom-data'}",
+                             f"--web.listen-address=127.0.0.1:{prom_port}"],
+                            stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("w"),
+                            start_new_session=True)
+    t0 = time.monotonic()
+    try:
+        start = subprocess.run(["bash", str(REPO / "deploy" / "start_cluster.sh"), "--config", str(config),
+                                "--run-dir", str(run_dir), "--scrape-interval", "1s", "--", *overrides],
+                               cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert start.returncode == 0, start.stderr[-4000:]
+        for _ in range(60):
+            if prom.poll() is None and _prom_value(prom_port, "vector(1)") == 1:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("prometheus did not come up: " + (tmp_path / "prometheus.log").read_text()[-2000:])
+        t_up = time.monotonic() - t0
+        pids = {p.stem: int(p.read_text()) for p in (run_dir / "pids").glob("*.pid")}
+        assert set(pids) == {"replay", "verifier", "rollout-0", "learner"}
+        assert json.loads((run_dir / "prometheus" / "targets.json").read_text())
+
+        # Prometheus scrapes all four; the learner's version and the engine's served version advance.
+        served_seen: list[float] = []
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            served = _prom_value(prom_port, 'async_vapo_rollout_served_version{service="rollout"}')
+            if served is not None and (not served_seen or served != served_seen[-1]):
+                served_seen.append(served)
+            if (_prom_value(prom_port, "async_vapo_learner_version") or 0) >= total_steps and served == total_steps:
+                break
+            time.sleep(0.5)
+        assert (run_dir / "DONE").exists(), (run_dir / "logs" / "learner.log").read_text()[-3000:]
+        ups = {r["metric"]["service"]: float(r["value"][1]) for r in _prom_query(prom_port, 'up{job="async-vapo"}')}
+        assert ups == {"replay": 1.0, "verifier": 1.0, "rollout": 1.0, "learner": 1.0}
+        for svc in ("replay", "verifier", "rollout", "learner"):  # each service's own health gauge
+            assert _prom_value(prom_port, f"async_vapo_{svc}_up") == 1.0, svc
+        assert _prom_value(prom_port, "async_vapo_learner_version") == total_steps
+        assert len(served_seen) >= 2 and served_seen == sorted(served_seen) and served_seen[-1] == total_steps
+        assert (_prom_value(prom_port, "async_vapo_rollout_generated_samples_total") or 0) > 0
+        assert (_prom_value(prom_port, "sum(async_vapo_verifier_checks_total)") or 0) > 0
+        assert _prom_value(prom_port, "async_vapo_learner_engines_in_rotation") == 1
+        # max_staleness = 0: every group served was generated by the learner's current weights (age 0)
+        n_served = _prom_value(prom_port, "async_vapo_replay_sample_age_versions_count")
+        assert n_served == (total_steps + tiny_cfg.algo.value_pretrain_steps) * tiny_cfg.algo.prompts_per_step
+        assert _prom_value(prom_port, 'async_vapo_replay_sample_age_versions_bucket{le="0.0"}') == n_served
+
+        def read_rows() -> list[dict]:
+            return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+        deadline = time.monotonic() + 60  # rollout 0 evaluates the last version after loading it
+        while time.monotonic() < deadline and not any(r["kind"] == "eval" and r["version"] == total_steps
+                                                      for r in read_rows()):
+            time.sleep(0.5)
+        rows = read_rows()
+        train = [r for r in rows if r["kind"] == "train"]
+        assert [r["step"] for r in train] == list(range(1, total_steps + 1))
+        assert all(r["version"] == r["step"] and r["replay/max_age"] == 0 for r in train)
+        assert [r["kind"] for r in rows if r["kind"] == "pretrain"] == ["pretrain"]
+        assert {r["version"] for r in rows if r["kind"] == "eval"} >= {0, 3, 6}
+        assert (run_dir / "checkpoints" / f"step_{total_steps}" / "learner_state.pt").exists()
+        print(f"cluster healthy after {t_up:.0f} s, trained {total_steps} steps by {time.monotonic() - t0:.0f} s")
+    finally:  # also after a failed or timed-out start: stop_cluster.sh stops whatever was recorded
+        stop = subprocess.run(["bash", str(REPO / "deploy" / "stop_cluster.sh"), str(run_dir)], capture_output=True,
+                              text=True, timeout=120)
+        prom.send_signal(signal.SIGTERM)
+        try:
+            prom.wait(20)
+        except subprocess.TimeoutExpired:
+            prom.kill()
+    assert stop.returncode == 0, stop.stderr
+    pids = {p.stem: int(p.read_text()) for p in (run_dir / "pids").glob("*.pid")}
+    assert pids and not [name for name, pgid in pids.items() if _group_alive(pgid)]
+    children = [int(x) for f in (run_dir / "pids").glob("*.children") for x in f.read_text().split()]
+    assert children  # the verifier's sandbox workers were recorded, and are gone too
+    assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]
+
+
+# -- learner + replay services in process: checkpoints and --resume ----------------------------------------------
+
+def _learner_cfg(tiny_cfg, total_steps: int):
+    from conftest import TINY_TEST_OVERRIDES
+
+    ports = _free_ports(5)
+    names = ["replay_port", "replay_batch_port", "weights_port", "acks_port", "verifier_port"]
+    return load_config([], [*TINY_TEST_OVERRIDES, f"model.cache_dir={tiny_cfg.model.cache_dir}",
+                            f"train.total_steps={total_steps}", "train.checkpoint_every=1", "cluster.fsync=never",
+                            "cluster.batch_poll_s=0.05",
+                            *(f"cluster.{k}={p}" for k, p in zip(names, ports, strict=True))])
+
+
+def _run_learner_until_done(cfg, run_dir: Path, tok, resume: str | None = None):
+    """Replay and learner services on real sockets; the test feeds the replay groups of the learner's version."""
+    from async_vapo.cluster.learner_service import LearnerService
+    from async_vapo.cluster.replay_service import ReplayService
+
+    rctx = make_context("replay", cfg=cfg, run_dir=run_dir, serve_metrics=False, install_signals=False)
+    replay = ReplayService(rctx)
+    lctx = make_context("learner", cfg=cfg, run_dir=run_dir, serve_metrics=False, install_signals=False)
+    learner = LearnerService(lctx, resume=resume)
+    resumed_at = (learner.learner.version, learner.start_step, learner.replay_cursor)
+    threads = [threading.Thread(target=replay.run, daemon=True), threading.Thread(target=learner.run, daemon=True)]
+    for t in threads:
+        t.start()
+    prompt = tok("1+2=").input_ids
+    response = tok("1+2=3\\boxed{3}").input_ids[len(prompt):]
+    n = 0
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "DONE").exists():
+            assert time.monotonic() < deadline, "learner did not finish"
+            assert all(t.is_alive() for t in threads)
+            v = learner.learner.version
+            if replay.buffer.num_admissible(v) < cfg.algo.prompts_per_step:
+                rewards = [1.0 if i % 2 else -1.0 for i in range(cfg.algo.group_size)]
+                samples = [Trajectory(response_ids=response, behavior_logprobs=[-1.0] * len(response),
+                                      finish_reason="stop", reward=r, correct=r > 0,
+                                      verdict="correct" if r > 0 else "incorrect") for r in rewards]
+                replay.buffer.add(Group(uid=f"p{n}", prompt="1+2=", answer="3", prompt_ids=prompt, version=v,
+                                        samples=samples))
+                n += 1
+            time.sleep(0.02)
+    finally:
+        lctx.stop.set()
+        rctx.stop.set()
+        for t in threads:
+            t.join(30)
+        learner.close()
+        replay.close()
+    return resumed_at
+
+
+@pytest.mark.slow
+def test_learner_service_checkpoints_and_resumes(tiny_cfg, tiny_base, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_base))
+    run_dir = tmp_path / "run"
+    assert _run_learner_until_done(_learner_cfg(tiny_cfg, 2), run_dir, tok) == (0, 0, 0)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_1", "step_2"]
+    (run_dir / "DONE").unlink()
+    version, step, cursor = _run_learner_until_done(_learner_cfg(tiny_cfg, 3), run_dir, tok, resume="auto")
+    pps = tiny_cfg.algo.prompts_per_step
+    assert (version, step, cursor) == (2, 2, (2 + tiny_cfg.algo.value_pretrain_steps) * pps)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in rows] == ["pretrain", "train", "train", "train"]  # no second value pretraining
+    assert [(r["step"], r["version"]) for r in rows[1:]] == [(1, 1), (2, 2), (3, 3)]
+    assert rows[-1]["replay/cursor"] == cursor + pps
+    assert json.loads((run_dir / "summary.json").read_text())["version"] == 3
+
+
+def test_verifier_service_counts_bad_frames_and_keeps_verifying(tmp_path):
+    from async_vapo.cluster.verifier_service import VerifierService
+
+    cfg = load_config([], ["verifier.num_workers=1", "cluster.max_message_bytes=4096"])
+    ctx = make_context("verifier", cfg=cfg, run_dir=tmp_path, serve_metrics=False, install_signals=False)
+    transport = ZmqTransport()
+    out = transport.receiver("tcp://127.0.0.1:*", decoder=Decoder((GroupsMsg,)), bind=True)
+    svc = VerifierService(ctx, in_endpoint="tcp://127.0.0.1:*", out_endpoint=out.endpoint)
+    loop = threading.Thread(target=svc.run, args=(lambda ids: "".join(map(chr, ids)),), daemon=True)  # ids = chars
+    loop.start()
+    try:
+        sender = transport.sender(svc.pull.endpoint)
+        for frame in (b"\xc1", b"x" * 5000):  # 0xc1 is never valid msgpack; 5000 bytes > max_message_bytes
+            sender.send_frame(frame, 5.0)
+        ok = [ord(c) for c in "1+1=2\\boxed{2}"]
+        bad = [ord(c) for c in "\\boxed{3}"]
+        group = Group(uid="u", prompt="1+1", answer="2", prompt_ids=[1], version=0,
+                      samples=[Trajectory(response_ids=ids, behavior_logprobs=[0.0] * len(ids), finish_reason="stop")
+                               for ids in (ok, bad)])
+        sender.send(make_envelope(GroupsMsg(groups=[group]), sender="test"), 5.0)
+        env = out.recv(60.0)
+        assert env is not None, "no verified groups came out"
+        assert [(s.correct, s.reward, s.verdict) for s in env.body.groups[0].samples] == [
+            (True, 1.0, "correct"), (False, -1.0, "incorrect")]
+        reg = ctx.metrics.registry
+        assert reg.get_sample_value("async_vapo_verifier_wire_rejects_total", {"reason": "malformed"}) == 1
+        assert reg.get_sample_value("async_vapo_verifier_wire_rejects_total", {"reason": "oversized"}) == 1
+        assert reg.get_sample_value("async_vapo_verifier_checks_total", {"reason": "correct"}) == 1
+        assert loop.is_alive()
+    finally:
+        ctx.stop.set()
+        loop.join(10)
+        svc.close()
+        transport.close()
