@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The embedded default on the services (rollout, verifier, replay, learner as separate processes over
+# ZeroMQ), synchronous (async.max_staleness = 0 unless overridden), for comparison with the one-process run.
+#   bash benchmarks/cluster_default.sh [key.sub=value ...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash deploy/setup.sh
+name=${BENCH_NAME:-cluster_default}
+run="benchmarks/results/$name"
+rm -rf "$run"
+bash deploy/start_cluster.sh --config configs/tiny_cpu.toml --run-dir "$run" --wait -- "$@"
+rm -rf "$run/checkpoints" "$run/replay" "$run/pids"
+.venv/bin/async-vapo plot "$run" benchmarks/results/embedded_default --out "$run/curves.png"
