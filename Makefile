@@ -13,6 +13,9 @@ test-deps: setup
 train: setup
 	.venv/bin/async-vapo train --config $(CONFIG) $(ARGS)
 
+cluster: setup
+	bash deploy/start_cluster.sh --config $(CONFIG) --wait $(if $(ARGS),-- $(ARGS),)
+
 test: test-deps
 	.venv/bin/ruff check .
 	.venv/bin/python -m pytest -q $(ARGS)
