@@ -158,7 +158,7 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from async_vapo.learner.vapo import Learner, make_rollout_batch
+    from async_vapo.learner.vapo import Learner, dynamic_sampling, make_rollout_batch
 
     t_start = time.perf_counter()
     if cfg.train.threads:
@@ -247,16 +247,14 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
                                             temperature=r.temperature, top_p=r.top_p)
             kept = groups
             if a.dynamic_sampling:
-                kept = [g for g in groups if len(set(g.rewards)) > 1]
-                for _ in range(a.max_resample_rounds):
-                    if len(kept) >= a.prompts_per_step:
-                        break
+                def fetch_more() -> list[Group]:
+                    nonlocal timing
                     more, t_more = rollout.groups(sampler.take(a.prompts_per_step), n=a.group_size,
                                                   temperature=r.temperature, top_p=r.top_p)
-                    groups += more
-                    kept += [g for g in more if len(set(g.rewards)) > 1]
                     timing = {k: timing[k] + t_more[k] for k in timing}
-                kept = kept[: a.prompts_per_step]
+                    return more
+
+                kept, groups = dynamic_sampling(groups, fetch_more, a.prompts_per_step, a.max_resample_rounds)
             stats = group_stats(groups, "rollout")
             samples_seen += sum(len(g.samples) for g in groups)
             t1 = time.perf_counter()

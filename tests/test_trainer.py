@@ -116,3 +116,23 @@ def test_few_step_training_run(tiny_cfg, vllm_engine, tiny_base):
     critic = load_critic(ckpt / "critic")
     for k, v in critic.state_dict().items():
         torch.testing.assert_close(v, learner.critic.state_dict()[k], rtol=0, atol=0)
+
+
+def test_dynamic_sampling_keeps_informative_groups_and_refills():
+    from async_vapo.learner.vapo import dynamic_sampling
+    from async_vapo.rollout.types import Group, Trajectory
+
+    def group(uid, rewards):
+        return Group(uid=uid, prompt="1+1=", answer="2", prompt_ids=[1], version=0,
+                     samples=[Trajectory(response_ids=[2], behavior_logprobs=[0.0], finish_reason="stop", reward=r)
+                              for r in rewards])
+
+    first = [group("a", [1, 1]), group("b", [1, -1]), group("c", [-1, -1])]
+    refills = iter([[group("d", [-1, 1]), group("e", [1, 1])], [group("f", [1, -1]), group("g", [-1, 1])]])
+    kept, seen = dynamic_sampling(first, lambda: next(refills), want=3, max_rounds=4)
+    assert [g.uid for g in kept] == ["b", "d", "f"]
+    assert [g.uid for g in seen] == ["a", "b", "c", "d", "e", "f", "g"]
+    kept, seen = dynamic_sampling(first, lambda: None, want=3, max_rounds=4)  # the source ran dry
+    assert [g.uid for g in kept] == ["b"] and len(seen) == 3
+    kept, _ = dynamic_sampling(first, lambda: [group("z", [1, -1])], want=5, max_rounds=2)
+    assert [g.uid for g in kept] == ["b", "z", "z"]  # bounded by max_rounds

@@ -371,16 +371,10 @@ class LearnerService:
                 break
             kept = groups
             if a.dynamic_sampling:
-                kept = [g for g in groups if len(set(g.rewards)) > 1]
-                for _ in range(a.max_resample_rounds):
-                    if len(kept) >= a.prompts_per_step:
-                        break
-                    more = self.fetch(a.prompts_per_step)
-                    if more is None:
-                        break
-                    groups += more
-                    kept += [g for g in more if len(set(g.rewards)) > 1]
-                kept = kept[: a.prompts_per_step]
+                from async_vapo.learner.vapo import dynamic_sampling
+
+                kept, groups = dynamic_sampling(groups, lambda: self.fetch(a.prompts_per_step), a.prompts_per_step,
+                                                a.max_resample_rounds)
             self.samples_seen += sum(len(g.samples) for g in groups)
             t1 = time.perf_counter()
             self._broadcast("train", kept)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +82,24 @@ def make_rollout_batch(groups: Sequence[Group], pad_id: int, *, overlong_max_len
     if overlong_buffer > 0:
         r = r + soft_overlong_punishment(tokens.response_mask.sum(-1), overlong_max_len, overlong_buffer).float()
     return RolloutBatch(tokens, r, torch.tensor(correct), torch.tensor(gids), torch.tensor(versions), behavior)
+
+
+def dynamic_sampling(groups: list[Group], fetch_more: Callable[[], list[Group] | None], want: int,
+                     max_rounds: int) -> tuple[list[Group], list[Group]]:
+    """DAPO dynamic sampling: keep the groups whose rewards are not all equal, fetching more groups for at most
+    ``max_rounds`` rounds until ``want`` are kept (``fetch_more`` returning None stops early).
+    Returns (the kept groups, at most ``want``; every group generated, for statistics)."""
+    seen = list(groups)
+    kept = [g for g in groups if len(set(g.rewards)) > 1]
+    for _ in range(max_rounds):
+        if len(kept) >= want:
+            break
+        more = fetch_more()
+        if more is None:
+            break
+        seen += more
+        kept += [g for g in more if len(set(g.rewards)) > 1]
+    return kept[:want], seen
 
 
 def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
