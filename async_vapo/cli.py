@@ -25,6 +25,11 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["experiment"]:  # its own parser: run / report of the comparison and ablation plan
+        from async_vapo.experiments import main as experiment_main
+
+        return experiment_main(argv[1:])
     parser = argparse.ArgumentParser(prog="async-vapo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -36,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     p_base.add_argument("--force", action="store_true", help="rebuild even if cached")
     p_cfg = sub.add_parser("config", help="print the resolved config as JSON")
     _add_config_args(p_cfg)
+    sub.add_parser("experiment", help="VAPO vs baselines and the ablation table: run / report (see --help)")
     p_plot = sub.add_parser("plot", help="plot held-out accuracy / response length of runs")
     p_plot.add_argument("runs", nargs="+")
     p_plot.add_argument("--out", required=True)

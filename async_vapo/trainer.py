@@ -23,6 +23,7 @@ import torch
 
 from async_vapo.config import Config, save_resolved
 from async_vapo.models.base import ensure_base_model
+from async_vapo.models.reward import resolve_critic_path
 from async_vapo.rollout.engine import EngineSpec, VLLMEngine
 from async_vapo.rollout.types import Group, Trajectory
 from async_vapo.tasks import Problem, arith, load_problems
@@ -167,10 +168,13 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
     run_dir.mkdir(parents=True, exist_ok=True)
     save_resolved(cfg, run_dir)
     base_path = ensure_base_model(cfg, progress=progress)
-    policy_path, critic_path = base_path, cfg.model.critic_path
+    policy_path = base_path
+    if resume and (Path(resume) / "critic").exists():
+        critic_path = Path(resume) / "critic"
+    else:
+        critic_path = resolve_critic_path(cfg, base_path, progress=progress)
     if resume:
         policy_path = Path(resume) / "policy"
-        critic_path = Path(resume) / "critic" if (Path(resume) / "critic").exists() else critic_path
     tokenizer = AutoTokenizer.from_pretrained(str(base_path))
     train_set, eval_set = load_task(cfg)
     sampler = PromptSampler(train_set, cfg.train.seed)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -83,3 +85,25 @@ def test_token_layout_aligns_logits_and_values_with_response_tokens(tmp_path):
             torch.testing.assert_close(values[i, : len(r)], ref_values, atol=1e-4, rtol=1e-4)
     sub = batch.select([0])
     assert sub.input_ids.shape == (1, 5) and sub.prompt_len == 3 and sub.response_ids.tolist() == [[9, 10]]
+
+
+def test_reward_like_critic_learns_the_last_token_and_is_cached(tmp_path):
+    from async_vapo.models.reward import resolve_critic_path
+
+    cfg = load_config([], FAST + [f"model.cache_dir={tmp_path}", "model.critic_init=reward",
+                                  "reward_model.steps=40", "reward_model.batch_size=16", "reward_model.lr=3e-3",
+                                  "base_model.demo_step_error_rate=0.5"])
+    base = ensure_base_model(cfg, progress=False)
+    assert resolve_critic_path(load_config([], FAST + [f"model.cache_dir={tmp_path}"]), base) is None
+    path = resolve_critic_path(cfg, base, progress=False)
+    meta = json.loads((path / "async_vapo_reward_critic.json").read_text())
+    # a zero head scores every response 0, i.e. MSE = E[r^2] = 1 for rewards of +-1: the head learned more
+    assert meta["heldout_mse_last_token"] < 0.95
+    critic = load_critic(path)
+    assert torch.count_nonzero(critic.score.weight) > 0  # the head is kept, not re-zeroed
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+    assert resolve_critic_path(cfg, base, progress=False) == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == mtime
+    explicit = load_config([], FAST + [f"model.cache_dir={tmp_path}", "model.critic_init=reward",
+                                       f"model.critic_path={tmp_path}/elsewhere"])
+    assert resolve_critic_path(explicit, base) == tmp_path / "elsewhere"

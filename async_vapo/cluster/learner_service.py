@@ -219,6 +219,7 @@ class LearnerService:
 
         from async_vapo.learner.vapo import Learner
         from async_vapo.models.base import ensure_base_model
+        from async_vapo.models.reward import resolve_critic_path
 
         self.ctx = ctx
         cfg = ctx.cfg
@@ -227,11 +228,14 @@ class LearnerService:
         self.rank, self.world = init_process_group()
         base = ensure_base_model(cfg, progress=False)
         self.tokenizer = AutoTokenizer.from_pretrained(str(base))
-        policy_path, critic_path = base, cfg.model.critic_path
+        policy_path = base
         ckpt = latest_checkpoint(ctx.run_dir) if resume == "auto" else (Path(resume) if resume else None)
+        if ckpt is not None and (ckpt / "critic").exists():
+            critic_path = ckpt / "critic"
+        else:
+            critic_path = resolve_critic_path(cfg, base, progress=False)
         if ckpt is not None:
             policy_path = ckpt / "policy"
-            critic_path = ckpt / "critic" if (ckpt / "critic").exists() else critic_path
         self.learner = Learner(cfg, policy_path, critic_path)
         self.start_step, self.replay_cursor, self.samples_seen = 0, 0, 0
         self.step = self.last_checkpoint = 0

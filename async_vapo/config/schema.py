@@ -56,11 +56,28 @@ class ModelConfig(_Section):
     path: str | None = None
     """HF model directory (safetensors) of the policy. None: build/reuse the embedded tiny base model."""
     critic_path: str | None = None
-    """HF directory to initialise the critic from (e.g. a reward/value model). None: the policy's base."""
+    """HF directory to initialise the critic from (e.g. a reward/value model). None: see ``critic_init``."""
+    critic_init: Literal["base", "reward"] = "base"
+    """Without ``critic_path``: "base" = the policy's base with a zero value head; "reward" = a reward-model-like
+    head trained on labelled responses at the last token only (embedded task; built once, cached), so the
+    critic starts biased at earlier tokens the way VAPO's reward-model-initialised critic does."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype for learner and rollout engine (float32 on CPU)."""
     cache_dir: str = "~/.cache/async-vapo"
     """Where the embedded base model is built once and reused."""
+
+
+class RewardModelConfig(_Section):
+    """How the reward-like critic of ``model.critic_init = "reward"`` is trained (embedded task)."""
+
+    steps: int = Field(300, ge=1)
+    """Optimiser steps of last-token reward regression."""
+    batch_size: int = Field(64, ge=1)
+    """Labelled demonstrations per step."""
+    lr: float = Field(1e-3, gt=0)
+    """AdamW learning rate."""
+    seed: int = 0
+    """Seed of the demonstrations and the initialisation."""
 
 
 class BaseModelConfig(_Section):
@@ -364,6 +381,8 @@ class Config(_Section):
     task: TaskConfig = TaskConfig()
     model: ModelConfig = ModelConfig()
     base_model: BaseModelConfig = BaseModelConfig()
+    reward_model: RewardModelConfig = RewardModelConfig()
+    """The reward-like critic initialisation (``model.critic_init = "reward"``)."""
     verifier: VerifierConfig = VerifierConfig()
     rollout: RolloutConfig = RolloutConfig()
     algo: AlgoConfig = AlgoConfig()

@@ -1,0 +1,252 @@
+"""`async-vapo experiment`: the learning comparison (VAPO vs PPO / GRPO / DAPO) and the ablation table.
+
+``run`` trains every (config, seed) of the plan with the one-process trainer, ``--parallel`` runs at a
+time (each pinned to its own thread budget), all with the same samples per step and the same number of
+steps, so every method sees the same sample budget (DAPO's dynamic sampling counts what it generated).
+Finished runs (``summary.json`` present) are skipped, so an interrupted plan resumes. A progress line
+shows every running run's step and last held-out accuracy.
+
+``report`` reads the runs and writes, in the output folder: curves with mean and min–max over seeds
+(held-out accuracy vs samples and vs wall-clock, response length, entropy, critic explained variance),
+``comparison.md`` (final accuracy, steps to reach DAPO's final accuracy), ``ablation.md`` and
+``ablation.png`` (each VAPO-without-X beside the paper's AIME24 figure).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+COMPARISON = {"vapo": "configs/tiny_cpu.toml", "dapo": "configs/baselines/dapo.toml",
+              "grpo": "configs/baselines/grpo.toml", "ppo": "configs/baselines/ppo.toml"}
+ABLATIONS = {
+    "no_value_pretrain": ("value pretraining", 11),
+    "no_decoupled_gae": ("decoupled GAE", 33),
+    "no_length_adaptive_gae": ("length-adaptive GAE", 45),
+    "no_clip_higher": ("clip-higher", 46),
+    "no_token_level_loss": ("token-level loss", 53),
+    "no_pos_lm_loss": ("positive-example LM loss", 54),
+    "no_group_sampling": ("group sampling", 55),
+}
+PAPER = {"vapo": 60.4, "dapo": 50, "ppo": 5, "grpo": 47}
+"""AIME24 avg@32 of Qwen2.5-32B (../shared/VAPO_SPEC.md); grpo is DeepSeek-R1-Zero-Qwen-32B."""
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str  # vapo, dapo, ..., no_clip_higher
+    seed: int
+
+    @property
+    def config(self) -> str:
+        return COMPARISON.get(self.name) or f"configs/ablations/{self.name}.toml"
+
+    @property
+    def dirname(self) -> str:
+        return f"{self.name}_s{self.seed}"
+
+
+def plan(which: str, seeds: list[int], ablation_seeds: list[int]) -> list[Run]:
+    runs: list[Run] = []
+    if which in ("all", "comparison"):
+        runs += [Run(n, s) for s in seeds for n in COMPARISON]
+    if which in ("all", "ablation"):
+        if which == "ablation":
+            runs += [Run("vapo", s) for s in ablation_seeds]
+        runs += [Run(n, s) for s in ablation_seeds for n in ABLATIONS]
+    return list(dict.fromkeys(runs))
+
+
+def _last_rows(path: Path) -> tuple[dict | None, dict | None]:
+    last = last_eval = None
+    try:
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if row.get("kind") == "train":
+                last = row
+            elif row.get("kind") == "eval":
+                last_eval = row
+    except (OSError, ValueError):
+        pass
+    return last, last_eval
+
+
+def run_plan(runs: list[Run], out: Path, *, steps: int, parallel: int, eval_every: int,
+             extra: list[str]) -> list[Run]:
+    """Train every run not yet finished; returns the runs that failed."""
+    from tqdm import tqdm
+
+    out.mkdir(parents=True, exist_ok=True)
+    todo = [r for r in runs if not (out / r.dirname / "summary.json").exists()]
+    bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc="runs", dynamic_ncols=True)
+    running: dict[Run, tuple[subprocess.Popen, float]] = {}
+    failed: list[Run] = []
+    while todo or running:
+        while todo and len(running) < parallel:
+            r = todo.pop(0)
+            d = out / r.dirname
+            if d.exists():
+                shutil.rmtree(d)  # an unfinished earlier attempt: start it over
+            d.mkdir(parents=True)
+            cmd = [sys.executable, "-m", "async_vapo.cli", "train", "--config", r.config,
+                   f"train.name={r.dirname}", f"train.output_dir={out}/{{name}}", f"train.seed={r.seed}",
+                   f"rollout.seed={r.seed}", f"train.total_steps={steps}", f"train.eval_every={eval_every}",
+                   "train.checkpoint_every=0", "train.max_minutes=null", "train.threads=1", *extra]
+            (d / "command.txt").write_text(" ".join(cmd[1:]) + "\n")
+            env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_MININTERVAL="30")
+            log = (d / "train.log").open("w")
+            running[r] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), time.time())
+        time.sleep(10)
+        status = []
+        for r, (proc, t0) in list(running.items()):
+            last, last_eval = _last_rows(out / r.dirname / "metrics.jsonl")
+            acc = f" acc {last_eval['eval/accuracy']:.2f}" if last_eval else ""
+            status.append(f"{r.dirname}: step {last['step'] if last else 0}/{steps}{acc}")
+            if proc.poll() is None:
+                continue
+            del running[r]
+            shutil.rmtree(out / r.dirname / "checkpoints", ignore_errors=True)
+            ok = proc.returncode == 0 and (out / r.dirname / "summary.json").exists()
+            if not ok:
+                failed.append(r)
+            bar.update(1)
+            tqdm.write(f"{'finished' if ok else 'FAILED'} {r.dirname} in {(time.time() - t0) / 60:.1f} min"
+                       + ("" if ok else f" (log: {out / r.dirname / 'train.log'})"))
+        bar.set_postfix_str(" | ".join(status))
+    bar.close()
+    return failed
+
+
+# ---------------------------------------------------------------- report
+def _evals(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if json.loads(x).get("kind") == "eval"]
+
+
+def _final(run_dir: Path, last: int = 2) -> float:
+    """Held-out accuracy at the end: the mean of the last ``last`` evaluations (less noise than one)."""
+    ev = _evals(run_dir)
+    return statistics.fmean(e["eval/accuracy"] for e in ev[-last:])
+
+
+def _steps_to(run_dir: Path, target: float) -> int | None:
+    for e in _evals(run_dir):
+        if e["eval/accuracy"] >= target:
+            return int(e["step"])
+    return None
+
+
+def _mean_sd(xs: list[float]) -> tuple[float, float]:
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def report(out: Path) -> dict:
+    from async_vapo.metrics.plots import bar_chart, plot_curves_with_spread
+
+    done: dict[str, list[Path]] = {}
+    for d in sorted(out.iterdir()):
+        if (d / "summary.json").exists() and "_s" in d.name:
+            done.setdefault(d.name.rsplit("_s", 1)[0], []).append(d)
+    result: dict = {"runs": {k: [p.name for p in v] for k, v in done.items()}}
+    comp = {k: done[k] for k in COMPARISON if k in done}
+    if comp:
+        for x, y, kind, fname, title in [
+            ("samples_seen", "eval/accuracy", "eval", "accuracy_vs_samples.png", None),
+            ("wall_s", "eval/accuracy", "eval", "accuracy_vs_wallclock.png", None),
+            ("samples_seen", "rollout/response_length", "train", "response_length.png", None),
+            ("samples_seen", "actor/entropy", "train", "entropy.png", None),
+        ]:
+            plot_curves_with_spread(comp, out / fname, x=x, y=y, kind=kind, title=title)
+        critic_runs = {k: v for k, v in comp.items() if k in ("vapo", "ppo")}
+        if critic_runs:
+            plot_curves_with_spread(critic_runs, out / "explained_variance.png", x="samples_seen",
+                                    y="critic/explained_variance", kind="train")
+            plot_curves_with_spread(critic_runs, out / "value_loss.png", x="samples_seen",
+                                    y="critic/value_loss", kind="train")
+        dapo_final = statistics.fmean(_final(d) for d in comp["dapo"]) if "dapo" in comp else None
+        rows = ["| method | seeds | initial | final (mean ± sd) | best eval | steps to DAPO's final | "
+                "minutes | paper AIME24 |", "|---|---|---|---|---|---|---|---|"]
+        table = {}
+        for k, runs in comp.items():
+            finals = [_final(d) for d in runs]
+            init = statistics.fmean(_evals(d)[0]["eval/accuracy"] for d in runs)
+            best = statistics.fmean(max(e["eval/accuracy"] for e in _evals(d)) for d in runs)
+            mins = statistics.fmean(json.loads((d / "summary.json").read_text())["wall_s"] / 60 for d in runs)
+            reach = [_steps_to(d, dapo_final) for d in runs] if dapo_final is not None else []
+            reach_s = ", ".join("never" if s is None else str(s) for s in reach) or "–"
+            m, sd = _mean_sd(finals)
+            table[k] = {"final_mean": m, "final_sd": sd, "finals": finals, "initial": init, "best": best,
+                        "steps_to_dapo_final": reach, "minutes": mins}
+            rows.append(f"| {k} | {len(runs)} | {init:.3f} | {m:.3f} ± {sd:.3f} | {best:.3f} | {reach_s} | "
+                        f"{mins:.1f} | {PAPER.get(k, '–')} |")
+        (out / "comparison.md").write_text(
+            "Final = mean held-out accuracy of the last two evaluations; DAPO's final (mean over seeds) = "
+            f"{dapo_final if dapo_final is None else round(dapo_final, 3)}.\n\n" + "\n".join(rows) + "\n")
+        result["comparison"] = table
+    if "vapo" in done and any(k in done for k in ABLATIONS):
+        vapo_m, vapo_sd = _mean_sd([_final(d) for d in done["vapo"]])
+        labels, vals, errs, ref = ["VAPO"], [vapo_m], [vapo_sd], [60.4]
+        rows = ["| run | seeds | final held-out accuracy (mean ± sd) | Δ vs VAPO | paper AIME24 | paper Δ |",
+                "|---|---|---|---|---|---|",
+                f"| VAPO | {len(done['vapo'])} | {vapo_m:.3f} ± {vapo_sd:.3f} | 0 | 60.4 | 0 |"]
+        abl = {}
+        for k, (what, paper) in ABLATIONS.items():
+            if k not in done:
+                continue
+            m, sd = _mean_sd([_final(d) for d in done[k]])
+            abl[k] = {"final_mean": m, "final_sd": sd, "seeds": len(done[k]), "paper": paper}
+            labels.append(f"w/o {what}")
+            vals.append(m)
+            errs.append(sd)
+            ref.append(paper)
+            rows.append(f"| w/o {what} | {len(done[k])} | {m:.3f} ± {sd:.3f} | {m - vapo_m:+.3f} | {paper} | "
+                        f"{paper - 60.4:+.1f} |")
+        (out / "ablation.md").write_text("\n".join(rows) + "\n")
+        bar_chart(labels, [100 * v for v in vals], out / "ablation.png", reference=ref,
+                  errors=[100 * e for e in errs], title="VAPO ablations: toy held-out accuracy (%) vs paper AIME24",
+                  ylabel="accuracy (%)", reference_label="paper (AIME24, Qwen2.5-32B)")
+        result["ablation"] = abl
+    (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="async-vapo experiment", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pr = sub.add_parser("run", help="train the plan's runs (skips finished ones), then write the report")
+    pr.add_argument("--plan", choices=["all", "comparison", "ablation"], default="all")
+    pr.add_argument("--seeds", default="0,1", help="seeds of the comparison runs")
+    pr.add_argument("--ablation-seeds", default="0", help="seeds of the ablation runs")
+    pr.add_argument("--steps", type=int, default=40)
+    pr.add_argument("--eval-every", type=int, default=5)
+    pr.add_argument("--parallel", type=int, default=2)
+    pr.add_argument("--out", default="benchmarks/results/algorithms")
+    pr.add_argument("overrides", nargs="*", help="key.sub=value overrides for every run")
+    rp = sub.add_parser("report", help="tables and plots from finished runs")
+    rp.add_argument("--out", default="benchmarks/results/algorithms")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    if args.cmd == "run":
+        seeds = [int(s) for s in args.seeds.split(",")]
+        runs = plan(args.plan, seeds, [int(s) for s in args.ablation_seeds.split(",")])
+        failed = run_plan(runs, out, steps=args.steps, parallel=args.parallel, eval_every=args.eval_every,
+                          extra=args.overrides)
+        if failed:
+            print("failed runs: " + ", ".join(r.dirname for r in failed), file=sys.stderr)
+    report(out)
+    print(json.dumps(json.loads((out / "result.json").read_text()), indent=2)[:4000])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
