@@ -30,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
         from async_vapo.experiments import main as experiment_main
 
         return experiment_main(argv[1:])
+    if argv[:1] == ["report"]:
+        from async_vapo.report import main as report_main
+
+        return report_main(argv[1:])
     parser = argparse.ArgumentParser(prog="async-vapo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -41,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p_base.add_argument("--force", action="store_true", help="rebuild even if cached")
     p_cfg = sub.add_parser("config", help="print the resolved config as JSON")
     _add_config_args(p_cfg)
+    sub.add_parser("report", help="benchmark result folders -> PNG plots and markdown tables (see --help)")
     sub.add_parser("experiment", help="VAPO vs baselines and the ablation table: run / report (see --help)")
     p_plot = sub.add_parser("plot", help="plot held-out accuracy / response length of runs")
     p_plot.add_argument("runs", nargs="+")
@@ -56,8 +61,13 @@ def main(argv: list[str] | None = None) -> int:
             from async_vapo.models.base import base_model_path, ensure_base_model, make_base
 
             cfg = _load(args)
+            from async_vapo.models.reward import resolve_critic_path
+
             path = make_base(cfg, base_model_path(cfg)) if args.force else ensure_base_model(cfg)
             print(path)
+            critic = resolve_critic_path(cfg, path)  # model.critic_init = "reward": its head is built here too
+            if critic is not None:
+                print(critic)
         elif args.cmd == "train":
             from async_vapo.trainer import train
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -102,8 +103,19 @@ def run_plan(runs: list[Run], out: Path, *, steps: int, parallel: int, eval_ever
             (d / "command.txt").write_text(" ".join(cmd[1:]) + "\n")
             env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_MININTERVAL="30")
             log = (d / "train.log").open("w")
-            running[r] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), time.time())
-        time.sleep(10)
+            running[r] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                           start_new_session=True), time.time())
+        try:
+            time.sleep(10)
+        except KeyboardInterrupt:  # stop every running run with its engine process, keep what finished
+            for proc, _ in running.values():
+                os.killpg(proc.pid, signal.SIGTERM)
+            for proc, _ in running.values():
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+            raise
         status = []
         for r, (proc, t0) in list(running.items()):
             last, last_eval = _last_rows(out / r.dirname / "metrics.jsonl")

@@ -349,3 +349,22 @@ def test_losses_run_in_both_dtypes(dtype):
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     for got, want in zip((pg, vf, nll), ref, strict=True):
         assert_close(got.double(), want.detach(), atol=tol, rtol=tol)
+
+
+def test_critic_error_by_age_separates_ages_and_ignores_padding():
+    from async_vapo.learner.vapo import critic_error_by_age
+
+    returns = torch.tensor([[1.0, 1.0, 0.0], [-1.0, -1.0, -1.0], [1.0, 1.0, 9.0], [-1.0, 5.0, 5.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 0], [1, 0, 0]])
+    values = returns.clone()  # age 0: exact
+    values[2:] = 0.0  # age 2: a constant value, no better than the mean
+    values[mask == 0] = 123.0  # padding must not count
+    out = critic_error_by_age(values, returns, mask, torch.tensor([0, 0, 2, 2]))
+    assert out["critic_age/0/explained_variance"] == pytest.approx(1.0)
+    assert out["critic_age/0/value_error_abs"] == pytest.approx(0.0)
+    assert out["critic_age/0/samples"] == 2
+    # age 2 targets over valid tokens: 1, 1, -1 (mean 1/3); V = 0: the error's variance is the targets' -> EV 0
+    assert out["critic_age/2/explained_variance"] == pytest.approx(0.0, abs=1e-6)
+    assert out["critic_age/2/value_error_abs"] == pytest.approx(1.0)
+    assert set(out) == {f"critic_age/{a}/{k}" for a in (0, 2) for k in ("explained_variance", "value_error_abs",
+                                                                            "samples")}

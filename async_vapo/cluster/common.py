@@ -34,7 +34,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,6 +92,7 @@ class ServiceContext:
     stop: threading.Event = field(default_factory=threading.Event)
     t0: float = field(default_factory=wall_origin)
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("async_vapo.cluster"))
+    _children_seen: dict = field(default_factory=dict)
     serving: bool = False
     """Set by :meth:`ready`; before it a stop signal exits at once (e.g. in the middle of an engine start)."""
 
@@ -134,7 +136,59 @@ class ServiceContext:
         self.serving = True
         self.metrics.set_health(status="ok", **health)
 
+    @contextmanager
+    def busy(self, stage: str) -> Iterator[None]:
+        """Time spent doing ``stage``'s work (generate, verify, learn, ...): added to
+        ``busy_seconds_total{stage}`` and appended as ``[stage, start, end]`` (seconds since the cluster
+        started) to ``RUN_DIR/stats/<service>-<i>.busy.jsonl``, so overlap between stages can be measured
+        over any window afterwards."""
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            t1 = time.time()
+            self.metrics.counter("busy_seconds_total", "Wall-clock seconds spent working, by stage.",
+                                 labels=("stage",)).labels(stage=stage).inc(t1 - t0)
+            try:
+                with (self.stats_dir() / f"{self.name}.busy.jsonl").open("a") as f:
+                    f.write(f'["{stage}", {t0 - self.t0:.4f}, {t1 - self.t0:.4f}]\n')
+            except OSError:  # statistics never stop a service
+                pass
+
+    def stats_dir(self) -> Path:
+        d = self.run_dir / "stats"
+        d.mkdir(exist_ok=True)
+        return d
+
+    def write_stats(self) -> None:
+        """``RUN_DIR/stats/<service>-<i>.json``: peak resident memory of this process and of its child
+        processes (a vLLM engine core, verifier workers), CPU seconds, wall seconds."""
+        import resource
+
+        import psutil
+
+        for c in psutil.Process().children(recursive=True):  # children seen by earlier calls are kept
+            try:
+                with open(f"/proc/{c.pid}/status") as f:
+                    hwm = next((int(x.split()[1]) for x in f if x.startswith("VmHWM:")), 0)
+                self._children_seen[c.pid] = {"pid": c.pid, "name": c.name(), "peak_rss_mib": hwm / 1024}
+            except (OSError, psutil.Error):
+                pass
+        children = list(self._children_seen.values())
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        stats = {"service": self.name, "peak_rss_mib": ru.ru_maxrss / 1024, "children": children,
+                 "peak_rss_with_children_mib": ru.ru_maxrss / 1024 + sum(c["peak_rss_mib"] for c in children),
+                 "cpu_s": ru.ru_utime + ru.ru_stime, "wall_s": self.elapsed()}
+        try:
+            (self.stats_dir() / f"{self.name}.json").write_text(json.dumps(stats, indent=2) + "\n")
+        except OSError:
+            pass
+
     def close(self) -> None:
+        try:
+            self.write_stats()
+        except Exception:  # statistics never stop a shutdown
+            self.log.exception("%s: writing stats failed", self.name)
         if self.server is not None:
             self.server.stop()
 

@@ -39,6 +39,7 @@ marker. After the last update the service keeps serving /metrics and heartbeats 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -333,6 +334,11 @@ class LearnerService:
         for side in ("low", "high"):
             if f"actor/clipfrac_{side}" in row:
                 lm.clipfrac.labels(side=side).set(row[f"actor/clipfrac_{side}"])
+        for key, value in row.items():  # critic_age/<a>/<what>: the critic's error on samples <a> versions old
+            if key.startswith("critic_age/") and not key.endswith("/samples") and math.isfinite(value):
+                _, age, what = key.split("/")
+                self.ctx.metrics.gauge(f"critic_{what}_by_age", f"Critic {what.replace('_', ' ')} before the "
+                                       "update, by sample age in versions.", labels=("age",)).labels(age=age).set(value)
         lm.version.set(self.learner.version)
         if "time/step_s" in row:
             lm.step_seconds.observe(row["time/step_s"])
@@ -353,7 +359,8 @@ class LearnerService:
                 return False
             t1 = time.perf_counter()
             self._broadcast("pretrain", groups)
-            m = self.learner.pretrain_critic(self._make_batch(groups))
+            with self.ctx.busy("learn"):
+                m = self.learner.pretrain_critic(self._make_batch(groups))
             self.lm.value_pretrain_steps_total.inc()
             row = {"kind": "pretrain", "step": k, "version": self.learner.version, "wall_s": self.ctx.elapsed(),
                    **group_stats(groups, "rollout"), **m, "time/wait_batch_s": t1 - t0,
@@ -383,11 +390,13 @@ class LearnerService:
             t1 = time.perf_counter()
             self._broadcast("train", kept)
             if kept:
-                m = self.learner.update(self._make_batch(kept))
+                with self.ctx.busy("learn"):
+                    m = self.learner.update(self._make_batch(kept))
             else:  # every group degenerate: nothing to learn from, still a version (as the one-process trainer)
                 m, self.learner.version = {"dapo/empty_batch": 1.0}, self.learner.version + 1
             t2 = time.perf_counter()
-            push_s = self.sync.publish(self.learner.version, self.learner.policy_state())
+            with self.ctx.busy("publish"):
+                push_s = self.sync.publish(self.learner.version, self.learner.policy_state())
             step += 1
             self.step = step
             versions = [g.version for g in kept] or [self.learner.version - 1]

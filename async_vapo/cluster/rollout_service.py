@@ -185,7 +185,8 @@ class RolloutService:
             if len(data) != a.nbytes or not verify_checksum(data, a.checksum):
                 raise ValueError(f"weights file {a.location} does not match its announce ({a.checksum})")
             del data
-            self.engine.load_weights_from_file(a.location, a.version)
+            with self.ctx.busy("load_weights"):
+                self.engine.load_weights_from_file(a.location, a.version)
         except Exception as exc:
             ok, error = False, f"{type(exc).__name__}: {exc}"
             self._next_retry = time.monotonic() + 5.0
@@ -229,10 +230,11 @@ class RolloutService:
         problems = self.sampler.take(self.per_call)
         self.m.inflight_groups.set(len(problems))
         try:
-            groups = generate_groups(self.engine, self.encode, problems, version=version,
-                                     n=self.ctx.cfg.algo.group_size, temperature=r.temperature, top_p=r.top_p,
-                                     max_tokens=r.max_response_tokens,
-                                     eos_id=self.tokenizer.eos_token_id)
+            with self.ctx.busy("generate"):
+                groups = generate_groups(self.engine, self.encode, problems, version=version,
+                                         n=self.ctx.cfg.algo.group_size, temperature=r.temperature, top_p=r.top_p,
+                                         max_tokens=r.max_response_tokens,
+                                         eos_id=self.tokenizer.eos_token_id)
             self.admission.record(version, len(groups))
             samples = [s for g in groups for s in g.samples]
             self.m.generated_samples_total.inc(len(samples))
@@ -268,8 +270,9 @@ class RolloutService:
                 (pids / f"{self.engine_id}.children").write_text(
                     "\n".join(map(str, self.eval_pool.worker_pids)) + "\n")
         try:
-            m, _ = evaluate(Rollout(cfg, self.engine, self.eval_pool, self.tokenizer, self.prompt_cache),
-                            self.eval_set, cfg)
+            with self.ctx.busy("evaluate"):
+                m, _ = evaluate(Rollout(cfg, self.engine, self.eval_pool, self.tokenizer, self.prompt_cache),
+                                self.eval_set, cfg)
         except Exception:
             self.ctx.processing_error("evaluate", f"evaluation of version {v}")
             return
@@ -300,6 +303,7 @@ class RolloutService:
                 time.sleep(1.0)
 
     def close(self) -> None:
+        self.ctx.write_stats()  # while the engine core and the eval worker are still up
         self.transport.close()
         if self.eval_pool is not None:
             self.eval_pool.close()

@@ -50,7 +50,8 @@ class VerifierService:
         items = [(decode(s.response_ids), g.answer) for g in groups for s in g.samples]
         self.m.queue_depth.set(len(items))
         try:
-            results = iter(self.pool.verify(items))
+            with self.ctx.busy("verify"):
+                results = iter(self.pool.verify(items))
         finally:
             self.m.queue_depth.set(0)
         for g in groups:
@@ -82,6 +83,7 @@ class VerifierService:
                 self.ctx.metrics.set_health(worker_pids=self.pool.worker_pids)
 
     def close(self) -> None:
+        self.ctx.write_stats()  # while the sandbox workers are still up
         self.transport.close()
         self.pool.close()
 

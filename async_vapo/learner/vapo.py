@@ -110,6 +110,24 @@ def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in acc.items()}
 
 
+def critic_error_by_age(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, ages: torch.Tensor
+                        ) -> dict[str, float]:
+    """The critic's error on the samples of each age (learner version − the version that generated them;
+    0 = on-policy): ``critic_age/<a>/explained_variance`` (over valid tokens; NaN when the targets do not
+    vary), ``.../value_error_abs`` (mean |V − target| per token) and ``.../samples``."""
+    out: dict[str, float] = {}
+    mask = mask.bool()
+    for age in sorted(set(ages.tolist())):
+        m = mask & (ages == age)[:, None]
+        v, r = values[m], returns[m]
+        var = float(r.var(unbiased=False)) if r.numel() > 1 else 0.0
+        ev = 1.0 - float((r - v).var(unbiased=False)) / var if var > 1e-8 else float("nan")
+        out[f"critic_age/{age}/explained_variance"] = ev
+        out[f"critic_age/{age}/value_error_abs"] = float((v - r).abs().mean())
+        out[f"critic_age/{age}/samples"] = float((ages == age).sum())
+    return out
+
+
 class Learner:
     def __init__(self, cfg: Config, policy_path: str | Path, critic_path: str | Path | None = None):
         self.cfg = cfg
@@ -235,6 +253,8 @@ class Learner:
         old_lp, values = self._forward_old(batch)
         adv, returns, stats = self.advantages(batch, values)
         stats["behavior_logprob_gap"] = float(masked_mean((old_lp - batch.behavior_logprobs).abs(), mask))
+        if values is not None:
+            stats.update(critic_error_by_age(values, returns, mask, self.version - batch.versions))
         token_level = self.algo.token_level_loss
         eps_high = self.algo.effective_eps_high
         rows: list[dict[str, float]] = []

@@ -1,0 +1,286 @@
+"""`async-vapo report DIR...`: turn benchmark results into PNG plots and a markdown table, in DIR.
+
+Recognised folders (by what they hold):
+
+* ``staleness_<s>/`` run directories of ``benchmarks/async_vs_sync.sh`` (cluster runs, one per staleness
+  bound): learner-consumed samples/s, wall-clock per update, each stage's busy fraction and how much
+  generation and learning overlap, pipeline efficiency, held-out accuracy vs wall-clock, the replay's
+  age histogram, the critic's error by sample age, peak memory per service;
+  -> ``async_vs_sync.md``, ``async_vs_sync.json``, ``async_vs_sync.png``, ``timeline.png``;
+* the runs of ``async-vapo experiment`` (``<method>_s<seed>/``) -> see :mod:`async_vapo.experiments`;
+* ``result.json`` of ``benchmarks/weight_sync.py`` / ``benchmarks/transport.py`` -> ``<name>.md`` + PNG.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+STAGES = ("generate", "verify", "learn")
+"""The pipeline's stages (rollout, verifier, learner); ``evaluate`` / ``load_weights`` / ``publish`` are
+reported beside them."""
+
+
+def _rows(run: Path) -> list[dict]:
+    rows = []
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        if line.strip():
+            rows.append(json.loads(line))
+    return rows
+
+
+def busy_intervals(run: Path) -> dict[str, list[tuple[float, float]]]:
+    """Stage -> [(start, end)] seconds since the cluster started, from every service's busy log."""
+    out: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for f in sorted((run / "stats").glob("*.busy.jsonl")):
+        for line in f.read_text().splitlines():
+            try:
+                stage, a, b = json.loads(line)
+            except ValueError:  # a line cut by a kill: skip it
+                continue
+            out[stage].append((float(a), float(b)))
+    return out
+
+
+def _covered(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Seconds of [lo, hi] covered by the union of ``intervals``."""
+    total, end = 0.0, lo
+    for a, b in sorted(intervals):
+        a, b = max(a, end), min(b, hi)
+        if b > a:
+            total += b - a
+            end = b
+    return total
+
+
+def _intersection(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out = []
+    for a, b in x:
+        for c, d in y:
+            lo, hi = max(a, c), min(b, d)
+            if hi > lo:
+                out.append((lo, hi))
+    return out
+
+
+def analyse_cluster_run(run: Path) -> dict:
+    """Figures of one cluster run over its training window (first to last policy update)."""
+    rows = _rows(run)
+    train = sorted((r for r in rows if r.get("kind") == "train"), key=lambda r: r["step"])
+    if len(train) < 2:
+        raise ValueError(f"{run}: fewer than two policy updates in metrics.jsonl")
+    lo, hi = train[0]["wall_s"], train[-1]["wall_s"]
+    window = hi - lo
+    updates = len(train) - 1
+    samples = train[-1]["samples_seen"] - train[0]["samples_seen"]
+    busy = busy_intervals(run)
+    fractions = {stage: _covered(iv, lo, hi) / window for stage, iv in busy.items()}
+    gen_and_learn = _covered(_intersection(busy.get("generate", []), busy.get("learn", [])), lo, hi) / window
+    # critic error by sample age, pooled over updates (weighted by samples)
+    by_age: dict[int, dict[str, float]] = defaultdict(lambda: {"samples": 0.0, "ev_w": 0.0, "err_w": 0.0, "ev_n": 0.0})
+    for r in train:
+        for k, n in r.items():
+            if k.startswith("critic_age/") and k.endswith("/samples"):
+                age = int(k.split("/")[1])
+                ev, err = r[f"critic_age/{age}/explained_variance"], r[f"critic_age/{age}/value_error_abs"]
+                d = by_age[age]
+                d["samples"] += n
+                d["err_w"] += n * err
+                if ev is not None and math.isfinite(ev):
+                    d["ev_w"] += n * ev
+                    d["ev_n"] += n
+    critic = {a: {"samples": int(d["samples"]), "value_error_abs": d["err_w"] / d["samples"],
+                  "explained_variance": d["ev_w"] / d["ev_n"] if d["ev_n"] else None}
+              for a, d in sorted(by_age.items())}
+    evals = [(r["wall_s"], r["eval/accuracy"], r["version"]) for r in rows if r.get("kind") == "eval"]
+    memory = {}
+    for f in sorted((run / "stats").glob("*.json")):
+        s = json.loads(f.read_text())
+        memory[s["service"]] = round(s["peak_rss_with_children_mib"], 1)
+    return {
+        "updates": updates, "window_s": window, "samples": samples,
+        "samples_per_s": samples / window, "seconds_per_update": window / updates,
+        "busy_fraction": fractions, "generate_and_learn_overlap": gen_and_learn,
+        "max_age": max(r.get("replay/max_age", 0) for r in train),
+        "learn_s_per_update": statistics.fmean(r["time/learn_s"] for r in train),
+        "wait_s_per_update": statistics.fmean(r["time/wait_batch_s"] for r in train),
+        "critic_by_age": critic, "evals": evals, "peak_rss_mib": memory,
+        "final_accuracy": evals[-1][1] if evals else None,
+    }
+
+
+def report_async(out: Path) -> dict:
+    runs = sorted((d for d in out.iterdir() if d.is_dir() and d.name.startswith("staleness_")),
+                  key=lambda d: int(d.name.split("_")[1]))
+    res = {int(d.name.split("_")[1]): analyse_cluster_run(d) for d in runs if (d / "metrics.jsonl").exists()}
+    if 0 not in res:
+        raise ValueError(f"{out}: no staleness_0 run (the synchronous reference)")
+    sync = res[0]
+    # Each stage alone on its share of the machine: in the synchronous run the stages take turns, so its
+    # busy time per update is the stage's time with nothing else running.
+    alone = {}
+    for stage in STAGES:
+        iv = busy_intervals(out / "staleness_0")
+        tr = [r for r in _rows(out / "staleness_0") if r.get("kind") == "train"]
+        lo, hi = min(r["wall_s"] for r in tr), max(r["wall_s"] for r in tr)
+        sec = _covered(iv.get(stage, []), lo, hi)
+        alone[stage] = sync["samples"] / sec if sec > 0 else float("inf")
+    slowest = min(alone, key=alone.get)
+    g, lrn = 1 / alone["generate"], 1 / alone["learn"]
+    bound = (g + lrn + 1 / alone["verify"]) / max(g, lrn)  # ideal two-stage pipeline speed-up over sync
+    table = ["| max_staleness | samples/s | × sync | s / update | busy: generate | verify | learn | "
+             "gen ∥ learn | pipeline efficiency | max age | learner wait s/update | final held-out acc |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s, r in res.items():
+        r["speedup_vs_sync"] = r["samples_per_s"] / sync["samples_per_s"]
+        r["pipeline_efficiency"] = r["samples_per_s"] / alone[slowest]
+        f = r["busy_fraction"]
+        table.append(f"| {s} | {r['samples_per_s']:.2f} | {r['speedup_vs_sync']:.2f} | {r['seconds_per_update']:.2f} | "
+                     f"{f.get('generate', 0):.2f} | {f.get('verify', 0):.3f} | {f.get('learn', 0):.2f} | "
+                     f"{r['generate_and_learn_overlap']:.2f} | {r['pipeline_efficiency']:.2f} | {r['max_age']} | "
+                     f"{r['wait_s_per_update']:.2f} | "
+                     f"{'–' if r['final_accuracy'] is None else format(r['final_accuracy'], '.3f')} |")
+    best = max(res, key=lambda s: res[s]["samples_per_s"])
+    ages = sorted({a for r in res.values() for a in r["critic_by_age"]})
+    critic_rows = ["| max_staleness | " + " | ".join(f"age {a}: |V−R| / EV / samples" for a in ages) + " |",
+                   "|---|" + "---|" * len(ages)]
+    for s, r in res.items():
+        cells = []
+        for a in ages:
+            c = r["critic_by_age"].get(a)
+            ev = "–" if not c or c["explained_variance"] is None else f"{c['explained_variance']:.3f}"
+            cells.append("–" if not c else f"{c['value_error_abs']:.3f} / {ev} / {c['samples']}")
+        critic_rows.append(f"| {s} | " + " | ".join(cells) + " |")
+    services = sorted({k for r in res.values() for k in r["peak_rss_mib"]})
+    mem_rows = ["| max_staleness | " + " | ".join(services) + " |", "|---|" + "---|" * len(services)]
+    for s, r in res.items():
+        mem_rows.append(f"| {s} | " + " | ".join(str(r["peak_rss_mib"].get(k, "–")) for k in services) + " |")
+    summary = {
+        "stage_alone_samples_per_s": alone, "slowest_stage": slowest,
+        "ideal_pipeline_speedup_bound": bound, "best_bound": best,
+        "best_speedup_vs_sync": res[best]["speedup_vs_sync"],
+        "best_pipeline_efficiency": res[best]["pipeline_efficiency"], "runs": {str(k): v for k, v in res.items()},
+    }
+    text = [
+        "# Async vs sync on the services (embedded default, rollout on core 0, learner on core 1)", "",
+        "\n".join(table), "",
+        f"Each stage alone on its core (busy time in the synchronous run): generate {alone['generate']:.1f}, "
+        f"verify {alone['verify']:.0f}, learn {alone['learn']:.1f} samples/s. The slowest is **{slowest}**; "
+        f"pipeline efficiency = samples/s ÷ {alone[slowest]:.1f}. With these stage times a perfect two-stage "
+        f"pipeline can be at most **{bound:.2f}×** the synchronous run: (generate + verify + learn) / "
+        f"max(generate, learn).", "",
+        f"Best bound: max_staleness = {best}: **{res[best]['speedup_vs_sync']:.2f}× sync** samples/s, pipeline "
+        f"efficiency **{res[best]['pipeline_efficiency']:.2f}**.", "",
+        "## Critic error by sample age (before each update, pooled over updates)", "", "\n".join(critic_rows), "",
+        "## Peak resident memory per service (MiB, with child processes: vLLM engine core, sandbox workers)", "",
+        "\n".join(mem_rows), "",
+    ]
+    (out / "async_vs_sync.md").write_text("\n".join(text))
+    (out / "async_vs_sync.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _plot_async(out, res, alone, slowest)
+    _plot_timeline(out, sorted({0, best}))
+    return summary
+
+
+def _plot_async(out: Path, res: dict[int, dict], alone: dict[str, float], slowest: str) -> None:
+    from async_vapo.metrics.plots import _figure
+
+    fig, ax = _figure(2, 2, (12, 8.5))
+    bounds = list(res)
+    labels = [str(s) for s in bounds]
+    a = ax[0][0]
+    sps = [res[s]["samples_per_s"] for s in bounds]
+    bars = a.bar(labels, sps, color="C0")
+    a.bar_label(bars, labels=[f"{v:.1f}\n({res[s]['speedup_vs_sync']:.2f}×)" for v, s in zip(sps, bounds,
+                                                                                               strict=True)],
+                fontsize="small")
+    a.axhline(alone[slowest], color="C3", ls="--", label=f"{slowest} alone ({alone[slowest]:.1f}/s)")
+    a.set(xlabel="max_staleness", ylabel="learner-consumed samples / s", title="throughput (× sync)")
+    a.legend(fontsize="small")
+    a.margins(y=0.2)
+    a = ax[0][1]
+    width = 0.8 / 4
+    for i, stage in enumerate((*STAGES, "overlap")):
+        vals = [res[s]["generate_and_learn_overlap"] if stage == "overlap" else res[s]["busy_fraction"].get(stage, 0)
+                for s in bounds]
+        a.bar([j + (i - 1.5) * width for j in range(len(bounds))], vals, width,
+              label="generate ∥ learn" if stage == "overlap" else stage)
+    a.set_xticks(range(len(bounds)), labels)
+    a.set(xlabel="max_staleness", ylabel="fraction of the training window", title="busy fraction per stage",
+          ylim=(0, 1.05))
+    a.legend(fontsize="small")
+    a = ax[1][0]
+    for i, s in enumerate(bounds):
+        ev = res[s]["evals"]
+        if ev:
+            a.plot([w / 60 for w, _, _ in ev], [acc for _, acc, _ in ev], "-o", color=f"C{i}",
+                   label=f"max_staleness {s}", ms=3)
+    a.set(xlabel="wall-clock (min since cluster start)", ylabel="held-out accuracy", title="accuracy vs wall-clock",
+          ylim=(0, 1))
+    a.grid(alpha=0.3)
+    a.legend(fontsize="small")
+    a = ax[1][1]
+    for i, s in enumerate(bounds):
+        c = res[s]["critic_by_age"]
+        if c:
+            a.plot(list(c), [v["value_error_abs"] for v in c.values()], "-o", color=f"C{i}", label=f"max_staleness {s}")
+    a.set(xlabel="sample age (versions)", ylabel="mean |V − target| per token", title="critic error by sample age")
+    a.grid(alpha=0.3)
+    a.legend(fontsize="small")
+    fig.savefig(out / "async_vs_sync.png", dpi=100)
+
+
+def _plot_timeline(out: Path, bounds: list[int], span: float = 60.0) -> None:
+    """Which stage is busy when, over ``span`` seconds from the middle of each run's training window."""
+    from async_vapo.metrics.plots import _figure
+
+    fig, ax = _figure(len(bounds), 1, (12, 1.8 * len(bounds) + 0.8))
+    for row, s in enumerate(bounds):
+        run = out / f"staleness_{s}"
+        tr = [r["wall_s"] for r in _rows(run) if r.get("kind") == "train"]
+        lo = (min(tr) + max(tr)) / 2 - span / 2
+        a = ax[row][0]
+        busy = busy_intervals(run)
+        lanes = [st for st in ("generate", "evaluate", "load_weights", "verify", "learn", "publish") if st in busy]
+        for i, stage in enumerate(lanes):
+            segs = [(max(x, lo) - lo, min(y, lo + span) - max(x, lo)) for x, y in busy[stage]
+                    if y > lo and x < lo + span]
+            a.broken_barh(segs, (i - 0.4, 0.8), color=f"C{i}")
+        a.set_yticks(range(len(lanes)), lanes)
+        a.set(xlim=(0, span), title=f"max_staleness {s}: busy stages over {span:.0f} s of training")
+    ax[-1][0].set_xlabel("seconds")
+    fig.savefig(out / "timeline.png", dpi=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="async-vapo report", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("dirs", nargs="+", help="result folders (benchmarks/results/...)")
+    args = p.parse_args(argv)
+    for d in map(Path, args.dirs):
+        if not d.is_dir():
+            print(f"async-vapo report: {d} is not a folder", file=sys.stderr)
+            return 2
+        if any(d.glob("staleness_*")):
+            s = report_async(d)
+            print(f"{d}: best max_staleness {s['best_bound']}: {s['best_speedup_vs_sync']:.2f}x sync, "
+                  f"pipeline efficiency {s['best_pipeline_efficiency']:.2f} -> {d / 'async_vs_sync.md'}")
+        elif any(d.glob("*_s[0-9]*/summary.json")):
+            from async_vapo.experiments import report
+
+            report(d)
+            print(f"{d}: comparison.md, ablation.md and plots written")
+        else:
+            print(f"async-vapo report: nothing I recognise in {d}", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

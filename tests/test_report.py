@@ -1,0 +1,70 @@
+"""The benchmark report's arithmetic on hand-made run directories (busy intervals, windows, ratios)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from async_vapo.report import _covered, _intersection, analyse_cluster_run, report_async
+
+
+def test_covered_merges_overlaps_and_clips_to_the_window():
+    assert _covered([(0, 2), (1, 3), (5, 6)], 0, 10) == pytest.approx(4)
+    assert _covered([(0, 2), (1, 3), (5, 6)], 1.5, 5.5) == pytest.approx(2)
+    assert _covered([], 0, 1) == 0
+    assert _intersection([(0, 4)], [(1, 2), (3, 5)]) == [(1, 2), (3, 4)]
+
+
+def _write_run(run, *, step_s: float, gen: float, learn: float, ages: list[int], steps: int = 5):
+    """A run whose learner updates every ``step_s`` s; generation and learning busy ``gen`` / ``learn`` s of each."""
+    (run / "stats").mkdir(parents=True)
+    rows, busy_r, busy_l = [], [], []
+    for k in range(1, steps + 1):
+        end = 100 + k * step_s
+        busy_l.append(["learn", end - learn, end])
+        busy_r.append(["generate", end - learn - gen, end - learn])
+        row = {"kind": "train", "step": k, "version": k, "wall_s": end, "samples_seen": 128 * k,
+               "time/learn_s": learn, "time/wait_batch_s": step_s - learn, "replay/max_age": max(ages)}
+        for a in ages:
+            row |= {f"critic_age/{a}/samples": 64.0, f"critic_age/{a}/value_error_abs": 0.5 + 0.1 * a,
+                    f"critic_age/{a}/explained_variance": 0.2 - 0.1 * a}
+        rows.append(row)
+    rows.append({"kind": "eval", "step": steps, "version": steps, "wall_s": 100 + steps * step_s + 1,
+                 "eval/accuracy": 0.5})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "stats" / "rollout-0.busy.jsonl").write_text("".join(json.dumps(b) + "\n" for b in busy_r) + '["gen')
+    (run / "stats" / "learner-0.busy.jsonl").write_text("".join(json.dumps(b) + "\n" for b in busy_l))
+    (run / "stats" / "verifier-0.busy.jsonl").write_text(
+        "".join(json.dumps(["verify", b[2], b[2] + 0.1]) + "\n" for b in busy_r))
+    for svc, mib in (("rollout-0", 900.0), ("learner-0", 600.0)):
+        (run / "stats" / f"{svc}.json").write_text(json.dumps({"service": svc, "peak_rss_with_children_mib": mib}))
+
+
+def test_cluster_run_figures(tmp_path):
+    _write_run(tmp_path / "r", step_s=8.0, gen=2.0, learn=6.0, ages=[0])
+    fig = analyse_cluster_run(tmp_path / "r")
+    assert fig["updates"] == 4 and fig["samples"] == 4 * 128
+    assert fig["samples_per_s"] == pytest.approx(128 / 8)
+    assert fig["busy_fraction"]["learn"] == pytest.approx(6 / 8)
+    assert fig["busy_fraction"]["generate"] == pytest.approx(2 / 8)
+    assert fig["generate_and_learn_overlap"] == 0  # synchronous: they take turns
+    assert fig["peak_rss_mib"] == {"rollout-0": 900.0, "learner-0": 600.0}
+    assert fig["critic_by_age"][0]["value_error_abs"] == pytest.approx(0.5)
+
+
+def test_async_report_ratios_against_the_synchronous_run(tmp_path):
+    _write_run(tmp_path / "staleness_0", step_s=8.0, gen=2.0, learn=6.0, ages=[0])
+    _write_run(tmp_path / "staleness_1", step_s=6.4, gen=2.0, learn=6.0, ages=[0, 1])
+    s = report_async(tmp_path)
+    assert s["slowest_stage"] == "learn"
+    assert s["stage_alone_samples_per_s"]["learn"] == pytest.approx(128 / 6)
+    assert s["best_bound"] == 1
+    assert s["best_speedup_vs_sync"] == pytest.approx(8 / 6.4)
+    assert s["best_pipeline_efficiency"] == pytest.approx((128 / 6.4) / (128 / 6))
+    assert s["ideal_pipeline_speedup_bound"] == pytest.approx((2 + 6 + 0.1) / 6)
+    assert s["runs"]["1"]["critic_by_age"][1]["explained_variance"] == pytest.approx(0.1)
+    for f in ("async_vs_sync.md", "async_vs_sync.json", "async_vs_sync.png", "timeline.png"):
+        assert (tmp_path / f).stat().st_size > 0
+    with pytest.raises(ValueError, match="staleness_0"):
+        report_async(tmp_path / "staleness_1")
