@@ -24,9 +24,11 @@ serviced between batch requests, so a dead engine costs nothing but its share of
 
 torch.distributed: a process group is always initialised (gloo on CPU, NCCL on GPUs): from torchrun's
 environment when present, else a world of one over a loopback TCPStore. With several ranks, rank 0 does
-all I/O and broadcasts each batch (``broadcast_object_list``); every rank then runs the same full update,
-so the replicas stay identical. This is replication, not data parallelism: sharding micro-batches with a
-gradient all-reduce needs a hook inside ``Learner.update`` and is not done here.
+all I/O and broadcasts each batch (``broadcast_object_list``); every rank then runs ``Learner.update`` on
+it data-parallel: rank r computes micro-batches r, r + W, ... of each mini-batch, weighted by the whole
+mini-batch's loss normaliser, and the gradients are summed with one all-reduce before each optimiser step,
+so the ranks stay identical replicas and the update equals a single process's (tests/test_data_parallel.py).
+Logged losses and clip fractions are rank 0's share of the micro-batches; gradient norms are the whole's.
 
 Outputs in the run directory, as the one-process trainer: ``metrics.jsonl`` (``kind`` = pretrain / train;
 eval rows come from rollout 0), ``checkpoints/step_N/`` (policy, critic, optimisers, version, and in
@@ -457,7 +459,8 @@ class LearnerService:
         return None
 
     def follow(self) -> None:
-        """Ranks > 0: replay rank 0's steps on the broadcast batches (replicated, see the module docstring)."""
+        """Ranks > 0: take part in rank 0's steps on the broadcast batches (data-parallel, see the module
+        docstring)."""
         import torch.distributed as dist
 
         while True:

@@ -110,6 +110,35 @@ def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in acc.items()}
 
 
+def data_parallel_world() -> tuple[int, int]:
+    """(rank, world size) of the initialised torch.distributed group, (0, 1) without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def allreduce_gradients(model: torch.nn.Module) -> None:
+    """Sum every parameter's gradient over the data-parallel ranks (one flat all-reduce; a rank that had no
+    micro-batch contributes zeros). No-op in a world of one."""
+    import torch.distributed as dist
+
+    if data_parallel_world()[1] == 1:
+        return
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[offset: offset + n].view_as(p.grad))
+        offset += n
+
+
 def critic_error_by_age(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, ages: torch.Tensor
                         ) -> dict[str, float]:
     """The critic's error on the samples of each age (learner version − the version that generated them;
@@ -185,7 +214,15 @@ class Learner:
         r[torch.arange(len(last)), last] = batch.rewards
         return r * mask
 
+    def _my_micro(self, idx: list[int]) -> list[list[int]]:
+        """This data-parallel rank's share of the mini-batch's micro-batches (all of them in a world of one).
+        Every rank holds the whole batch and the loss normaliser of the whole mini-batch, so the gradients
+        summed over ranks are exactly the single-process gradient (token-level or sequence-level)."""
+        rank, world = data_parallel_world()
+        return self._micro(idx)[rank::world]
+
     def _step(self, model: torch.nn.Module, opt: torch.optim.Optimizer, lr: float) -> float:
+        allreduce_gradients(model)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.algo.grad_clip)
         for g in opt.param_groups:
             g["lr"] = lr * self._lr_scale()
@@ -211,7 +248,7 @@ class Learner:
         mask = batch.tokens.response_mask
         total = loss_normalizer(mask[idx], True)
         rows = []
-        for mi in self._micro(idx):
+        for mi in self._my_micro(idx):
             tb = batch.tokens.select(mi)
             w = tb.response_ids.shape[1]
             v = response_values(self.critic, tb)
@@ -264,7 +301,7 @@ class Learner:
                 pos_mask_all = mask[idx].bool() & batch.correct[idx, None]
                 pos_total = loss_normalizer(pos_mask_all, True)
                 mrows = []
-                for mi in self._micro(idx):
+                for mi in self._my_micro(idx):
                     tb = batch.tokens.select(mi)
                     w = tb.response_ids.shape[1]
                     logits = response_logits(self.policy, tb)

@@ -494,7 +494,10 @@ class MetricsServer:
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 if not head:
-                    self.wfile.write(body)
+                    try:
+                        self.wfile.write(body)
+                    except (BrokenPipeError, ConnectionResetError):  # the scraper gave up (its timeout): not ours
+                        pass
 
             def _route(self, head: bool) -> None:
                 path = urlsplit(self.path).path
