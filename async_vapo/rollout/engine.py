@@ -87,8 +87,11 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
-                                stop_token_ids=list(stop_token_ids), detokenize=False, seed=seed)
+        # A seed makes each prompt's samples reproducible; prompt i gets seed + i, so that prompts do not share
+        # one random stream (one shared seed would correlate every prompt's sampling errors).
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
+                                 stop_token_ids=list(stop_token_ids), detokenize=False,
+                                 seed=None if seed is None else seed + i) for i in range(len(prompts))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
         result = []
         for out in outs:
