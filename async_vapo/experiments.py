@@ -155,6 +155,33 @@ def _steps_to(run_dir: Path, target: float) -> int | None:
     return None
 
 
+def budget_metrics(run_dir: Path) -> Path:
+    """``<run>/budget_metrics.jsonl``: the run's rows with ``samples_generated`` = every response generated so
+    far, value-pretraining batches included (``samples_seen`` counts only what policy updates consumed; DAPO's
+    resampled groups are in both). The first evaluation precedes value pretraining."""
+    cfg = json.loads((run_dir / "config.resolved.json").read_text())
+    per_step = cfg["algo"]["prompts_per_step"] * cfg["algo"]["group_size"]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    pretrain = per_step * sum(r.get("kind") == "pretrain" for r in rows)
+    out = run_dir / "budget_metrics.jsonl"
+    with out.open("w") as f:
+        for r in rows:
+            if "samples_seen" in r:
+                r["samples_generated"] = r["samples_seen"] + (pretrain if r["step"] > 0 else 0)
+            f.write(json.dumps(r) + "\n")
+    return out
+
+
+def _accuracy_at(budget_file: Path, samples: float) -> float:
+    """Held-out accuracy at ``samples`` generated samples, linearly interpolated between evaluations."""
+    pts = [(r["samples_generated"], r["eval/accuracy"]) for r in map(json.loads, budget_file.read_text().splitlines())
+           if r.get("kind") == "eval"]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
+        if x0 <= samples <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (samples - x0) / (x1 - x0)
+    raise ValueError(f"{budget_file}: no evaluation brackets {samples} samples")
+
+
 def _mean_sd(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
@@ -169,22 +196,27 @@ def report(out: Path) -> dict:
     result: dict = {"runs": {k: [p.name for p in v] for k, v in done.items()}}
     comp = {k: done[k] for k in COMPARISON if k in done}
     if comp:
+        budget = {k: [budget_metrics(d) for d in runs] for k, runs in comp.items()}
         for x, y, kind, fname, title in [
-            ("samples_seen", "eval/accuracy", "eval", "accuracy_vs_samples.png", None),
+            ("samples_generated", "eval/accuracy", "eval", "accuracy_vs_samples.png",
+             "held-out accuracy vs responses generated (value pretraining included; mean, min–max over seeds)"),
             ("wall_s", "eval/accuracy", "eval", "accuracy_vs_wallclock.png", None),
-            ("samples_seen", "rollout/response_length", "train", "response_length.png", None),
-            ("samples_seen", "actor/entropy", "train", "entropy.png", None),
+            ("samples_generated", "rollout/response_length", "train", "response_length.png", None),
+            ("samples_generated", "actor/entropy", "train", "entropy.png", None),
         ]:
-            plot_curves_with_spread(comp, out / fname, x=x, y=y, kind=kind, title=title)
-        critic_runs = {k: v for k, v in comp.items() if k in ("vapo", "ppo")}
+            plot_curves_with_spread(budget, out / fname, x=x, y=y, kind=kind, title=title)
+        critic_runs = {k: v for k, v in budget.items() if k in ("vapo", "ppo")}
         if critic_runs:
-            plot_curves_with_spread(critic_runs, out / "explained_variance.png", x="samples_seen",
+            plot_curves_with_spread(critic_runs, out / "explained_variance.png", x="samples_generated",
                                     y="critic/explained_variance", kind="train")
-            plot_curves_with_spread(critic_runs, out / "value_loss.png", x="samples_seen",
+            plot_curves_with_spread(critic_runs, out / "value_loss.png", x="samples_generated",
                                     y="critic/value_loss", kind="train")
+        last = {f: [json.loads(x) for x in f.read_text().splitlines()][-1] for fs in budget.values() for f in fs}
+        common = min(r["samples_generated"] for r in last.values())
         dapo_final = statistics.fmean(_final(d) for d in comp["dapo"]) if "dapo" in comp else None
-        rows = ["| method | seeds | initial | final (mean ± sd) | best eval | steps to DAPO's final | "
-                "minutes | paper AIME24 |", "|---|---|---|---|---|---|---|---|"]
+        rows = ["| method | seeds | initial | final (mean ± sd) | best eval | responses generated | "
+                f"at {common:,} responses | steps to DAPO's final | minutes | paper AIME24 |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         table = {}
         for k, runs in comp.items():
             finals = [_final(d) for d in runs]
@@ -194,13 +226,18 @@ def report(out: Path) -> dict:
             reach = [_steps_to(d, dapo_final) for d in runs] if dapo_final is not None else []
             reach_s = ", ".join("never" if s is None else str(s) for s in reach) or "–"
             m, sd = _mean_sd(finals)
+            generated = statistics.fmean(last[f]["samples_generated"] for f in budget[k])
+            at_common, at_sd = _mean_sd([_accuracy_at(f, common) for f in budget[k]])
             table[k] = {"final_mean": m, "final_sd": sd, "finals": finals, "initial": init, "best": best,
-                        "steps_to_dapo_final": reach, "minutes": mins}
-            rows.append(f"| {k} | {len(runs)} | {init:.3f} | {m:.3f} ± {sd:.3f} | {best:.3f} | {reach_s} | "
-                        f"{mins:.1f} | {PAPER.get(k, '–')} |")
+                        "steps_to_dapo_final": reach, "minutes": mins, "responses_generated": generated,
+                        "accuracy_at_common_budget": at_common, "common_budget": common}
+            rows.append(f"| {k} | {len(runs)} | {init:.3f} | {m:.3f} ± {sd:.3f} | {best:.3f} | {generated:,.0f} | "
+                        f"{at_common:.3f} ± {at_sd:.3f} | {reach_s} | {mins:.1f} | {PAPER.get(k, '–')} |")
         (out / "comparison.md").write_text(
-            "Final = mean held-out accuracy of the last two evaluations; DAPO's final (mean over seeds) = "
-            f"{dapo_final if dapo_final is None else round(dapo_final, 3)}.\n\n" + "\n".join(rows) + "\n")
+            "Final = mean held-out accuracy of the last two evaluations (40 updates each); DAPO's final (mean over "
+            f"seeds) = {dapo_final if dapo_final is None else round(dapo_final, 3)}. Responses generated include "
+            "value pretraining (VAPO) and dynamic-sampling resamples (DAPO); 'at N responses' compares every method "
+            "at the smallest budget any of them used.\n\n" + "\n".join(rows) + "\n")
         result["comparison"] = table
     if "vapo" in done and any(k in done for k in ABLATIONS):
         vapo_m, vapo_sd = _mean_sd([_final(d) for d in done["vapo"]])
