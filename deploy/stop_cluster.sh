@@ -59,7 +59,8 @@ while [ -n "$(left)" ] && [ "$(date +%s)" -lt "$deadline" ]; do sleep 0.5; done
 if [ -n "$(left)" ]; then
   echo "stop_cluster: still running after ${GRACE}s, SIGKILL: $(left | tr '\n' ' ')" >&2
   signal_all KILL
-  sleep 1
+  deadline=$(( $(date +%s) + 15 ))  # a killed process with GiBs of memory can take seconds to be reaped
+  while [ -n "$(left)" ] && [ "$(date +%s)" -lt "$deadline" ]; do sleep 0.5; done
 fi
 rest=$(left)
 if [ -n "$rest" ]; then
