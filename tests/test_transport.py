@@ -9,6 +9,7 @@ from __future__ import annotations
 import array
 import logging
 import os
+import struct
 import threading
 import time
 
@@ -153,6 +154,55 @@ def test_groups_survive_the_wire_unchanged():
     assert got.body.groups[0].rewards == [s.reward for s in groups[0].samples]
 
 
+def test_token_ids_and_logprobs_travel_as_packed_little_endian_bytes():
+    group = make_group(0, n_samples=2, n_tokens=5)
+    sample = group.samples[1]
+    assert (type(group.prompt_ids), group.prompt_ids.typecode) == (array.array, "i")
+    assert (type(sample.response_ids), sample.response_ids.typecode) == (array.array, "i")
+    assert (type(sample.behavior_logprobs), sample.behavior_logprobs.typecode) == (array.array, "f")
+
+    raw = msgspec.msgpack.decode(encode(env(GroupsMsg(groups=[group]))))["body"]["groups"][0]
+    assert raw["prompt_ids"] == struct.pack("<4i", 5, 6, 7, 0)
+    assert raw["samples"][1]["response_ids"] == struct.pack("<5i", 101, 102, 103, 104, 105)
+    assert raw["samples"][1]["behavior_logprobs"] == struct.pack("<5f", -0.01, -0.11, -0.21, -0.31, -0.41)
+    # and a frame built by hand from such bytes decodes to the numbers (the reject cases below break this one)
+    got = Decoder((GroupsMsg,)).decode(_raw_envelope(body=_raw_groups())).body.groups[0]
+    assert list(got.prompt_ids) == [1] and list(got.samples[0].response_ids) == [3, 4]
+    assert list(got.samples[0].behavior_logprobs) == [-0.5, -0.25]
+
+
+def test_samples_hold_int32_ids_and_float32_logprobs_whatever_they_were_built_from():
+    t = Trajectory(response_ids=(7, 8, 2**31 - 1), behavior_logprobs=[-0.1, -1e-3, float("-inf")],
+                   finish_reason="stop")
+    assert t.response_ids == array.array("i", [7, 8, 2**31 - 1]) and list(t.response_ids) == [7, 8, 2**31 - 1]
+    assert t.behavior_logprobs[0] == struct.unpack("<f", struct.pack("<f", -0.1))[0] != -0.1  # rounded to float32
+    assert t.behavior_logprobs[2] == float("-inf")
+    t.behavior_logprobs.pop()  # what the replay buffer's validation test does to make a bad group
+    assert len(t.behavior_logprobs) == 2 and len(t.response_ids) == 3
+    # an array, bytes (the wire form) and a list of the same numbers make equal samples
+    same = Trajectory(response_ids=struct.pack("<3i", 7, 8, 2**31 - 1), behavior_logprobs=t.behavior_logprobs,
+                      finish_reason="stop")
+    assert same == t
+    with pytest.raises(OverflowError):
+        Trajectory(response_ids=[2**31], behavior_logprobs=[0.0], finish_reason="stop")
+    with pytest.raises(TypeError):
+        Trajectory(response_ids=[1.5], behavior_logprobs=[0.0], finish_reason="stop")
+    with pytest.raises(TypeError):  # the encoder hook packs arrays and nothing else
+        encode(env(Ack(acked_id=object())))
+
+
+def test_groups_in_the_protocol_1_form_still_decode():
+    """Replay logs written before protocol 2 hold token ids and log-probs as msgpack arrays of numbers."""
+    old = {"uid": "u", "prompt": "1+1", "answer": "2", "prompt_ids": [1, 2], "version": 4,
+           "samples": [{"response_ids": [3, 4], "behavior_logprobs": [-0.5, -0.25], "finish_reason": "stop",
+                        "reward": 1.0, "correct": True, "verdict": "correct"}]}
+    got = msgspec.msgpack.decode(_raw(old), type=Group)
+    assert got == Group(uid="u", prompt="1+1", answer="2", prompt_ids=[1, 2], version=4,
+                        samples=[Trajectory(response_ids=[3, 4], behavior_logprobs=[-0.5, -0.25],
+                                            finish_reason="stop", reward=1.0, correct=True, verdict="correct")])
+    assert type(got.samples[0].response_ids) is array.array
+
+
 def test_oversized_frame_is_rejected_before_decoding():
     frame = encode(env(GroupsMsg(groups=[make_group()])))
     assert Decoder((GroupsMsg,), max_bytes=len(frame)).decode(frame).body.groups == [make_group()]
@@ -187,6 +237,14 @@ def _raw_envelope(protocol=PROTOCOL_VERSION, body=None, **extra) -> bytes:
     return _raw(d)
 
 
+def _raw_groups(**sample) -> dict:
+    """A groups body as plain msgpack, with ``sample``'s fields replacing those of a valid sample."""
+    s = {"response_ids": struct.pack("<2i", 3, 4), "behavior_logprobs": struct.pack("<2f", -0.5, -0.25),
+         "finish_reason": "stop", **sample}
+    return {"type": "groups", "groups": [{"uid": "u", "prompt": "p", "answer": "a", "prompt_ids": b"\x01\x00\x00\x00",
+                                          "version": 0, "samples": [s]}]}
+
+
 REJECT_CASES = [
     (b"", "malformed"),
     (b"\xc1", "malformed"),
@@ -194,6 +252,10 @@ REJECT_CASES = [
     (_raw(["protocol", 1]), "malformed"),
     (_raw_envelope(body={"type": "groups", "groups": 3}), "malformed"),
     (_raw_envelope(body=5), "malformed"),
+    (_raw_envelope(body=_raw_groups(response_ids=b"\x03\x00\x00\x00\x04")), "malformed"),  # not whole int32s
+    (_raw_envelope(body=_raw_groups(behavior_logprobs=b"\x00\x00\x00")), "malformed"),
+    (_raw_envelope(body=_raw_groups(response_ids=[3, 2**40])), "malformed"),  # old form, beyond int32
+    (_raw_envelope(body=_raw_groups(response_ids="3 4")), "malformed"),
     (_raw_envelope(protocol="1", body={"type": "shutdown"}), "malformed"),
     (_raw({"id": "x", "sender": "s", "sent_at": 0.0, "body": {"type": "shutdown"}}), "malformed"),
     (encode(env(GroupsMsg(groups=[])))[:-3], "malformed"),

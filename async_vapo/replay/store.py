@@ -67,7 +67,7 @@ from typing import Literal
 
 import msgspec
 
-from async_vapo.rollout.types import Group
+from async_vapo.rollout.types import Group, enc_hook
 
 try:
     import fcntl
@@ -180,7 +180,7 @@ class GroupStore:
         self.fsync = fsync
         self.fsync_every = fsync_every
         self.compact_min_bytes = compact_min_bytes
-        self._encoder = msgspec.msgpack.Encoder()
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=enc_hook)  # groups hold packed arrays
         self._decoder = msgspec.msgpack.Decoder(Record)
         self._buf = bytearray()
         self._live: dict[int, Group] = {}

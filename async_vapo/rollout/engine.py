@@ -5,18 +5,34 @@ weights in place (no restart) and reports the weight version it serves. Prompts 
 responses come back as token ids (``skip_tokenizer_init``): tokenisation stays on our side, so the
 same code serves a character tokenizer and Qwen2.5's BPE.
 
+Weights reach the engine's workers (``worker_ext.py``) in one of two ways, both ending in vLLM's own
+``reload_weights``:
+
+* ``load_weights(state, version)`` (the one-process trainer): the state dict is copied, one memcpy
+  per tensor, into a flat buffer in shared memory (/dev/shm) that the workers mapped on the first
+  push; the RPC carries only names, dtypes, shapes and offsets. The buffer is kept between
+  pushes (it holds one copy of the weights in host memory until ``close`` or
+  ``release_weight_buffer``), so a push faults in no pages.
+* ``load_weights_from_file(path, version)`` (the cluster): a safetensors file the learner wrote.
+
+``benchmarks/weight_sync.py`` measures both against a plain memcpy of the same bytes; vLLM's
+``reload_weights`` (which rebuilds each layer and, on the CPU backend, repacks every linear weight
+for oneDNN) is most of a push either way.
+
 vLLM spawns its engine process: code that constructs an engine must run under
 ``if __name__ == "__main__":``.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -40,6 +56,8 @@ class EngineSpec:
     gpu_memory_utilization: float = 0.85
     enforce_eager: bool = True
     max_num_seqs: int = 256
+    weights_timeout_s: float = 600.0
+    """Limit of one weight load in the workers; past it the load raises TimeoutError instead of hanging."""
 
 
 def _shm_dir() -> str:
@@ -56,6 +74,80 @@ def _unshared(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out[k] = v.detach().cpu().clone() if ptr in seen else v.detach().contiguous().cpu()
         seen.add(ptr)
     return out
+
+
+class SharedWeightBuffer:
+    """The owner's side of the flat shared-memory weight buffer (the workers' side is in worker_ext).
+
+    Layout: tensor after tensor in state-dict order, each at a 64-byte aligned offset. The file is
+    created when the first state dict arrives (or a larger one), and unlinked once the workers have
+    mapped it, so a crashed process leaves nothing behind in /dev/shm; the memory lives as long as the
+    mappings do.
+    """
+
+    ALIGN = 64
+
+    def __init__(self, directory: str | None = None):
+        self.directory = directory or _shm_dir()
+        self.path: str | None = None
+        self.capacity = 0
+        self._mm: mmap.mmap | None = None
+        self._linked = False
+
+    def write(self, state: Mapping[str, torch.Tensor]) -> tuple[str, int, list[tuple[str, str, list[int], int]]]:
+        """Copy ``state`` into the buffer; returns ``(path, nbytes, layout)`` for ``async_vapo_load_shared``."""
+        entries, offset = [], 0
+        for name, t in state.items():
+            offset = -(-offset // self.ALIGN) * self.ALIGN
+            entries.append((name, t, offset))
+            offset += t.numel() * t.element_size()
+        if offset == 0:
+            raise ValueError("an empty state dict has no weights to load")
+        if offset > self.capacity:
+            self._allocate(offset)
+        mm = self._mm
+        layout = []
+        for name, t, off in entries:
+            size = t.numel() * t.element_size()
+            src = t.detach()
+            if src.device.type == "cpu":
+                # A plain memcpy: torch's copy_ would go through its thread pool, which costs ~10 ms a
+                # tensor when the cores are busy (measured here), more than copying the bytes.
+                mm[off: off + size] = src.contiguous().view(-1).view(torch.uint8).numpy()
+            else:
+                flat = torch.frombuffer(mm, dtype=torch.uint8, count=size, offset=off)
+                flat.view(t.dtype).view(t.shape).copy_(src)
+                del flat
+            layout.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), off))
+        assert self.path is not None
+        return self.path, offset, layout
+
+    def mapped(self) -> None:
+        """The workers have mapped the current file: its name is no longer needed."""
+        if self._linked and self.path is not None:
+            Path(self.path).unlink(missing_ok=True)
+            self._linked = False
+
+    def _allocate(self, nbytes: int) -> None:
+        self.close()
+        fd, path = tempfile.mkstemp(prefix="async-vapo-weights-", suffix=".bin", dir=self.directory)
+        try:
+            os.ftruncate(fd, nbytes)
+            self._mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            Path(path).unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        self.path, self.capacity, self._linked = path, nbytes, True
+
+    def close(self) -> None:
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+        if self._linked and self.path is not None:
+            Path(self.path).unlink(missing_ok=True)
+        self.path, self.capacity, self._linked = None, 0, False
 
 
 class VLLMEngine:
@@ -80,6 +172,11 @@ class VLLMEngine:
         self.start_seconds = time.perf_counter() - t0
         self.version = version
         self.last_load_seconds: float | None = None
+        self.last_load_stages: dict[str, float] = {}
+        """Seconds of the last load by stage: ``write_s`` (serialise / copy into shared memory, this
+        process), ``read_s`` and ``reload_s`` (in the slowest worker: tensors out of the file, vLLM's
+        ``reload_weights``), ``rpc_s`` (the rest of the RPC's wall time)."""
+        self._shared = SharedWeightBuffer()
 
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float,
                  max_tokens: int, stop_token_ids: Sequence[int], seed: int | None = None) -> list[list[Sample]]:
@@ -103,26 +200,59 @@ class VLLMEngine:
             result.append(group)
         return result
 
-    def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> float:
-        """Load a full state dict (HF names) into the running engine; returns seconds taken."""
-        from safetensors.torch import save_file
+    def load_weights(self, state: Mapping[str, torch.Tensor], version: int, *,
+                     via: Literal["shared", "safetensors"] = "shared") -> float:
+        """Load a full state dict (HF names) into the running engine; returns seconds taken.
 
+        ``via="shared"`` (default, the faster path measured): the shared-memory buffer. ``"safetensors"``:
+        a safetensors file in /dev/shm, as the cluster's learner writes (kept for comparison).
+        """
         t0 = time.perf_counter()
-        fd, path = tempfile.mkstemp(prefix="async-vapo-weights-", suffix=".safetensors", dir=_shm_dir())
-        os.close(fd)
-        try:
-            save_file(_unshared(state), path)
-            self.load_weights_from_file(path, version)
-        finally:
-            Path(path).unlink(missing_ok=True)
+        if via == "shared":
+            path, nbytes, layout = self._shared.write(state)
+            t1 = time.perf_counter()
+            self._rpc("async_vapo_load_shared", path, nbytes, layout)
+            self._shared.mapped()
+        elif via == "safetensors":
+            from safetensors.torch import save_file
+
+            fd, path = tempfile.mkstemp(prefix="async-vapo-weights-", suffix=".safetensors", dir=_shm_dir())
+            os.close(fd)
+            try:
+                save_file(_unshared(state), path)
+                t1 = time.perf_counter()
+                self._rpc("async_vapo_load_weights", path)
+            finally:
+                Path(path).unlink(missing_ok=True)
+        else:
+            raise ValueError(f"via must be 'shared' or 'safetensors', got {via!r}")
+        self.last_load_stages["write_s"] = t1 - t0
+        self.version = version
         self.last_load_seconds = time.perf_counter() - t0
         return self.last_load_seconds
 
     def load_weights_from_file(self, path: str, version: int) -> None:
-        self.llm.collective_rpc("async_vapo_load_weights", args=(path,))
+        """Load a safetensors file (HF names) into the running engine."""
+        self._rpc("async_vapo_load_weights", path)
+        self.last_load_stages["write_s"] = 0.0
         self.version = version
 
+    def release_weight_buffer(self) -> None:
+        """Free this process's shared weight buffer (the next ``load_weights`` makes a new one)."""
+        self._shared.close()
+
+    def _rpc(self, method: str, *args) -> None:
+        t0 = time.perf_counter()
+        results = self.llm.collective_rpc(method, timeout=self.spec.weights_timeout_s, args=args)
+        wall = time.perf_counter() - t0
+        slowest = max(results, key=lambda r: r["read_s"] + r["reload_s"])
+        self.last_load_stages = {"read_s": slowest["read_s"], "reload_s": slowest["reload_s"],
+                                 "rpc_s": wall - slowest["read_s"] - slowest["reload_s"]}
+
     def close(self) -> None:
+        shared = getattr(self, "_shared", None)
+        if shared is not None:
+            shared.close()
         llm = getattr(self, "llm", None)
         if llm is not None:
             engine = getattr(llm, "llm_engine", None)

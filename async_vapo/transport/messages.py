@@ -6,7 +6,10 @@ id of the request it answers (``reply_to``), and a ``body``: exactly one of the 
 (tag field ``"type"``, explicit tag names so a class rename never changes the wire).
 
 Rollout data reuses :class:`async_vapo.rollout.types.Group` / ``Trajectory`` unchanged: the structs
-that the in-process trainer passes around are the ones on the wire.
+that the in-process trainer passes around are the ones on the wire. Their token ids and log-probs are
+packed arrays and travel as one msgpack ``bin`` each (int32 / float32, little-endian; see
+``async_vapo.rollout.types``): as one msgpack number per token, decoding a message of 16 groups x 8
+samples took ~6x as long as ZeroMQ took to move it (``benchmarks/transport.py``).
 
 Invariants
   * A frame is checked against its socket's ``max_bytes`` before a single byte is decoded.
@@ -33,7 +36,7 @@ from typing import Any, Literal, Union
 
 import msgspec
 
-from async_vapo.rollout.types import Group
+from async_vapo.rollout.types import Group, enc_hook
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +58,10 @@ class ProtocolError(TransportError):
         self.reason = reason
         self.detail = detail
 
-PROTOCOL_VERSION = 1
-"""Version of the envelope and every body below; a peer speaking another version is rejected."""
+PROTOCOL_VERSION = 2
+"""Version of the envelope and every body below; a peer speaking another version is rejected.
+
+2: token ids and log-probs in groups are packed bytes (int32 / float32 LE) instead of msgpack arrays."""
 
 DEFAULT_MAX_BYTES = 256 * 2**20
 """Default size limit of one frame (a socket carrying batches of long responses may need more)."""
@@ -193,7 +198,7 @@ def make_envelope(
                     policy_version=policy_version, reply_to=reply_to, body=body)
 
 
-_ENCODER = msgspec.msgpack.Encoder()
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=enc_hook)
 _ENVELOPE_DECODER = msgspec.msgpack.Decoder(Envelope)
 
 
