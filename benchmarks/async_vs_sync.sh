@@ -11,8 +11,7 @@ out=benchmarks/results/async_vs_sync
 BOUNDS=${BOUNDS:-"0 1 2 4"}
 STEPS=${STEPS:-30}
 mkdir -p "$out"
-echo ".venv/bin/python -m async_vapo.cli ... BOUNDS=\"$BOUNDS\" STEPS=$STEPS bash benchmarks/async_vs_sync.sh $*" \
-  > "$out/command.txt"
+echo "BOUNDS=\"$BOUNDS\" STEPS=$STEPS bash benchmarks/async_vs_sync.sh $*" > "$out/command.txt"
 .venv/bin/async-vapo make-base --config configs/tiny_cpu.toml "$@" > /dev/null
 for s in $BOUNDS; do
   run="$out/staleness_$s"

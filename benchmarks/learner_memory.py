@@ -32,11 +32,11 @@ def _rss_mib() -> float:
 
 def one_size(size: str) -> dict:
     import torch
+    from weight_sync import build_model
 
     from async_vapo.config import load_config
     from async_vapo.learner.vapo import Learner, make_rollout_batch
     from async_vapo.rollout.types import Group, Trajectory
-    from weight_sync import build_model
 
     torch.set_num_threads(1)
     out: dict = {"size": size, "rss_start_mib": _rss_mib()}
