@@ -256,6 +256,63 @@ def _plot_timeline(out: Path, bounds: list[int], span: float = 60.0) -> None:
     fig.savefig(out / "timeline.png", dpi=100)
 
 
+def report_weight_sync(out: Path) -> Path:
+    """``weight_sync.md`` / ``weight_sync.png`` from benchmarks/weight_sync.py's result.json."""
+    from async_vapo.metrics.plots import _figure
+
+    d = json.loads((out / "result.json").read_text())
+    sizes = list(d["sizes"])
+    paths = sorted({p for s in d["sizes"].values() for p in s["paths"]})
+    rows = ["| size | params | MB | memcpy s | " + " | ".join(f"{p} s (× memcpy)" for p in paths) + " |",
+            "|---|---|---|---|" + "---|" * len(paths)]
+    fig, ax = _figure(1, 1, (9, 4.5))
+    a = ax[0][0]
+    width = 0.8 / len(paths)
+    for i, p in enumerate(paths):
+        ratios = []
+        for s in sizes:
+            r = d["sizes"][s]
+            ratios.append(r["paths"][p]["median"]["total_s"] / r["memcpy"]["median_s"] if p in r["paths"] else 0)
+        bars = a.bar([j + (i - (len(paths) - 1) / 2) * width for j in range(len(sizes))], ratios, width, label=p)
+        a.bar_label(bars, labels=[f"{v:.1f}×" for v in ratios], fontsize="small")
+    for s in sizes:
+        r = d["sizes"][s]
+        t = {p: r["paths"][p]["median"]["total_s"] for p in paths if p in r["paths"]}
+        cells = [f"{t[p]:.3f} ({t[p] / r['memcpy']['median_s']:.1f}×)" if p in t else "–" for p in paths]
+        rows.append(f"| {s} | {r['params']:,} | {r['bytes_per_push'] / 1e6:.0f} | {r['memcpy']['median_s']:.3f} | "
+                    + " | ".join(cells) + " |")
+    a.axhline(2, color="C3", ls="--", label="goal: 2× memcpy")
+    a.set_xticks(range(len(sizes)), sizes)
+    a.set(yscale="log", xlabel="model size (parameters)", ylabel="push time ÷ memcpy of the same bytes",
+          title="weight push into the running vLLM engine (median)")
+    a.legend(fontsize="small")
+    fig.savefig(out / "weight_sync.png", dpi=100)
+    md = out / "weight_sync.md"
+    md.write_text(f"Command: `{d['command']}`\n\n" + "\n".join(rows) + "\n")
+    return md
+
+
+def report_transport(out: Path) -> Path:
+    """``transport.md`` / ``transport.png`` from benchmarks/transport.py's result.json (before / after)."""
+    from async_vapo.metrics.plots import bar_chart
+
+    d = json.loads((out / "result.json").read_text())
+    runs = [k for k in ("before", "after") if k in d]
+    rows = ["| | frame bytes | ours msg/s | raw ZeroMQ msg/s | ratio | transport alone ratio | encode µs | decode µs |",
+            "|---|---|---|---|---|---|---|---|"]
+    for k in runs:
+        r = d[k]
+        rows.append(f"| {k} | {r['message']['frame_bytes']:,} | {r['ours_msgs_per_s']:.0f} | "
+                    f"{r['raw_msgs_per_s']:.0f} | {r['ratio']:.3f} | {r['transport_only_ratio']:.3f} | "
+                    f"{r['encode_us']:.0f} | {r['decode_us']:.0f} |")
+    bar_chart(runs, [d[k]["ratio"] for k in runs], out / "transport.png", reference=[0.9] * len(runs),
+              title="GroupsMsg through ZeroMQ+msgpack ÷ raw ZeroMQ bytes (messages/s)", ylabel="ratio",
+              reference_label="goal")
+    md = out / "transport.md"
+    md.write_text(f"Command: `{d[runs[-1]]['command']}`\n\n" + "\n".join(rows) + "\n")
+    return md
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -271,6 +328,10 @@ def main(argv: list[str] | None = None) -> int:
             s = report_async(d)
             print(f"{d}: best max_staleness {s['best_bound']}: {s['best_speedup_vs_sync']:.2f}x sync, "
                   f"pipeline efficiency {s['best_pipeline_efficiency']:.2f} -> {d / 'async_vs_sync.md'}")
+        elif (d / "result.json").exists() and "sizes" in json.loads((d / "result.json").read_text()):
+            print(report_weight_sync(d))
+        elif (d / "result.json").exists() and "after" in json.loads((d / "result.json").read_text()):
+            print(report_transport(d))
         elif any(d.glob("*_s[0-9]*/summary.json")):
             from async_vapo.experiments import report
 

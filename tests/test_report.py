@@ -68,3 +68,24 @@ def test_async_report_ratios_against_the_synchronous_run(tmp_path):
         assert (tmp_path / f).stat().st_size > 0
     with pytest.raises(ValueError, match="staleness_0"):
         report_async(tmp_path / "staleness_1")
+
+
+def test_weight_sync_and_transport_reports_render_the_committed_results(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    from async_vapo.report import report_transport, report_weight_sync
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    for name, fn in (("weight_sync", report_weight_sync), ("transport", report_transport)):
+        d = tmp_path / name
+        d.mkdir()
+        shutil.copy(root / name / "result.json", d / "result.json")
+        md = fn(d).read_text()
+        assert (d / f"{name}.png").stat().st_size > 0
+        data = json.loads((d / "result.json").read_text())
+        if name == "weight_sync":
+            for size, r in data["sizes"].items():  # one row per size, with the measured memcpy time
+                assert f"| {size} | {r['params']:,} |" in md and f"{r['memcpy']['median_s']:.3f}" in md
+        else:
+            assert f"{data['after']['ratio']:.3f}" in md and f"{data['before']['ratio']:.3f}" in md
