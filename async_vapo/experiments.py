@@ -199,7 +199,7 @@ def report(out: Path) -> dict:
         budget = {k: [budget_metrics(d) for d in runs] for k, runs in comp.items()}
         for x, y, kind, fname, title in [
             ("samples_generated", "eval/accuracy", "eval", "accuracy_vs_samples.png",
-             "held-out accuracy vs responses generated (value pretraining included; mean, min–max over seeds)"),
+             "held-out accuracy vs responses generated\n(value pretraining included; mean, min–max over seeds)"),
             ("wall_s", "eval/accuracy", "eval", "accuracy_vs_wallclock.png", None),
             ("samples_generated", "rollout/response_length", "train", "response_length.png", None),
             ("samples_generated", "actor/entropy", "train", "entropy.png", None),
