@@ -187,6 +187,14 @@ echo "[start_cluster] all services up; logs in $RUN_DIR/logs; stop with: deploy/
 if [ "$WAIT" = 1 ]; then
   learner_pid=$(cat "$RUN_DIR/pids/learner.pid")
   while [ ! -e "$RUN_DIR/DONE" ] && kill -0 "$learner_pid" 2>/dev/null; do sleep 2; done
+  # rollout 0 evaluates the last version once it has loaded it: give it up to 2 minutes (when it evaluates at all)
+  if [ -e "$RUN_DIR/DONE" ] && grep -q '"kind": "eval"' "$RUN_DIR/metrics.jsonl" 2>/dev/null; then
+    last=$(cat "$RUN_DIR/DONE")
+    for _ in $(seq 60); do
+      grep -q "\"kind\": \"eval\", \"step\": $last," "$RUN_DIR/metrics.jsonl" && break
+      sleep 2
+    done
+  fi
   "$REPO/deploy/stop_cluster.sh" "$RUN_DIR"
   [ -e "$RUN_DIR/DONE" ] || { echo "[start_cluster] the learner exited before finishing" >&2; exit 1; }
 fi
