@@ -138,8 +138,8 @@ def run_plan(runs: list[Run], out: Path, *, steps: int, parallel: int, eval_ever
 
 # ---------------------------------------------------------------- report
 def _evals(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if json.loads(x).get("kind") == "eval"]
+    rows = (json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip())
+    return [r for r in rows if r.get("kind") == "eval"]
 
 
 def _final(run_dir: Path, last: int = 2) -> float:

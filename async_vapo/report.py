@@ -123,11 +123,10 @@ def report_async(out: Path) -> dict:
     # Each stage alone on its share of the machine: in the synchronous run the stages take turns, so its
     # busy time per update is the stage's time with nothing else running.
     alone = {}
+    iv = busy_intervals(out / "staleness_0")
+    tr = [r["wall_s"] for r in _rows(out / "staleness_0") if r.get("kind") == "train"]
     for stage in STAGES:
-        iv = busy_intervals(out / "staleness_0")
-        tr = [r for r in _rows(out / "staleness_0") if r.get("kind") == "train"]
-        lo, hi = min(r["wall_s"] for r in tr), max(r["wall_s"] for r in tr)
-        sec = _covered(iv.get(stage, []), lo, hi)
+        sec = _covered(iv.get(stage, []), min(tr), max(tr))
         alone[stage] = sync["samples"] / sec if sec > 0 else float("inf")
     slowest = min(alone, key=alone.get)
     # a perfect pipeline runs at the slowest stage's pace: its speed-up over sync is bounded by the synchronous

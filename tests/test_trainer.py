@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import assert_engine_serves
 from transformers import AutoTokenizer
 
 from async_vapo.learner.vapo import Learner
@@ -18,22 +19,6 @@ def _greedy(engine, tok, prompts):
     outs = engine.generate([tok(p).input_ids for p in prompts], n=1, temperature=0.0, top_p=1.0, max_tokens=24,
                            stop_token_ids=[tok.eos_token_id])
     return [g[0].token_ids for g in outs]
-
-
-def assert_engine_serves(engine, policy, tok, prompt="5+5-3="):
-    """The engine's log-probs of its own samples equal the given policy's: it serves exactly those weights.
-    (Parameter checksums inside vLLM are no proof: the CPU backend repacks weights after loading.)"""
-    from async_vapo.algo.utils import logprobs_from_logits
-    from async_vapo.models.rl import make_token_batch, response_logits
-
-    ids = tok(prompt).input_ids
-    samples = engine.generate([ids], n=4, temperature=1.0, top_p=1.0, max_tokens=30,
-                              stop_token_ids=[tok.eos_token_id], seed=3)[0]
-    for sample in samples:
-        batch = make_token_batch([ids], [sample.token_ids], tok.pad_token_id)
-        with torch.no_grad():
-            lp = logprobs_from_logits(response_logits(policy, batch), batch.response_ids)[0]
-        torch.testing.assert_close(lp, torch.tensor(sample.logprobs), atol=1e-3, rtol=0)
 
 
 def test_engine_samples_groups_with_logprobs(vllm_engine, tiny_base):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_engine_serves
 
 from async_vapo.rollout.engine import SharedWeightBuffer
 
@@ -69,21 +70,6 @@ def test_shared_buffer_grows_into_a_new_file_and_leaves_none_behind(tmp_path):
 # ---- on the real engine (the session's shared one) ------------------------------------------------------------
 
 
-def _serves(engine, policy, tok, prompt: str = "5+5-3=") -> None:
-    """The engine's log-probs of its own samples equal a torch forward of ``policy``, to 1e-3."""
-    from async_vapo.algo.utils import logprobs_from_logits
-    from async_vapo.models.rl import make_token_batch, response_logits
-
-    ids = tok(prompt).input_ids
-    samples = engine.generate([ids], n=3, temperature=1.0, top_p=1.0, max_tokens=30,
-                              stop_token_ids=[tok.eos_token_id], seed=5)[0]
-    for sample in samples:
-        batch = make_token_batch([ids], [sample.token_ids], tok.pad_token_id)
-        with torch.no_grad():
-            lp = logprobs_from_logits(response_logits(policy, batch), batch.response_ids)[0]
-        torch.testing.assert_close(lp, torch.tensor(sample.logprobs), atol=1e-3, rtol=0)
-
-
 @pytest.mark.slow
 def test_every_push_path_serves_the_pushed_weights(vllm_engine, tiny_base, tmp_path):
     from safetensors.torch import save_file
@@ -114,6 +100,6 @@ def test_every_push_path_serves_the_pushed_weights(vllm_engine, tiny_base, tmp_p
             push(perturb(), version)
             assert vllm_engine.version == version
             assert set(vllm_engine.last_load_stages) == {"write_s", "rpc_s", "read_s", "reload_s"}
-            _serves(vllm_engine, policy, tok)
+            assert_engine_serves(vllm_engine, policy, tok)
     finally:
         vllm_engine.load_weights(base, version=0)  # other tests share this engine
