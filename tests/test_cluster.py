@@ -218,8 +218,8 @@ def test_cluster_end_to_end_with_prometheus(tiny_cfg, tiny_base, tmp_path):
     prometheus = shutil.which("prometheus")
     if prometheus is None:
         pytest.skip("the prometheus binary is not installed (.ci/install_prometheus.sh installs Debian's package)")
-    names = ["verifier_port", "replay_port", "replay_batch_port", "weights_port", "acks_port", "replay_metrics_port",
-             "verifier_metrics_port", "learner_metrics_port", "rollout_metrics_port"]
+    names = ["verifier_port", "replay_port", "replay_batch_port", "weights_port", "acks_port", "weights_fetch_port",
+             "replay_metrics_port", "verifier_metrics_port", "learner_metrics_port", "rollout_metrics_port"]
     ports = _free_ports(len(names) + 1)
     prom_port = ports.pop()
     total_steps = 6
@@ -279,6 +279,10 @@ def test_cluster_end_to_end_with_prometheus(tiny_cfg, tiny_base, tmp_path):
         assert (_prom_value(prom_port, "async_vapo_rollout_generated_samples_total") or 0) > 0
         assert (_prom_value(prom_port, "sum(async_vapo_verifier_checks_total)") or 0) > 0
         assert _prom_value(prom_port, "async_vapo_learner_engines_in_rotation") == 1
+        # the engine shares the learner's host: every version came by mapping its shared-memory slot
+        loads = {r["metric"]["via"]: float(r["value"][1])
+                 for r in _prom_query(prom_port, "async_vapo_rollout_weight_transfers_total")}
+        assert loads == {"shm": total_steps}, loads
         for svc, stage in (("rollout", "generate"), ("verifier", "verify"), ("learner", "learn")):
             busy = _prom_value(prom_port, f'async_vapo_{svc}_busy_seconds_total{{stage="{stage}"}}')
             assert busy is not None and busy > 0, (svc, stage)
@@ -336,8 +340,8 @@ def test_cluster_end_to_end_with_prometheus(tiny_cfg, tiny_base, tmp_path):
 def _learner_cfg(tiny_cfg, total_steps: int):
     from conftest import TINY_TEST_OVERRIDES
 
-    ports = _free_ports(5)
-    names = ["replay_port", "replay_batch_port", "weights_port", "acks_port", "verifier_port"]
+    ports = _free_ports(6)
+    names = ["replay_port", "replay_batch_port", "weights_port", "acks_port", "verifier_port", "weights_fetch_port"]
     return load_config([], [*TINY_TEST_OVERRIDES, f"model.cache_dir={tiny_cfg.model.cache_dir}",
                             f"train.total_steps={total_steps}", "train.checkpoint_every=1", "cluster.fsync=never",
                             "cluster.batch_poll_s=0.05",

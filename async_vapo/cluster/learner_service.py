@@ -11,10 +11,13 @@ Sockets (rank 0 only)
     the heartbeat recovers a dropped announce).
   * ``acks``: PULL, binds ``cluster.acks_port``; WeightsAck and Heartbeat from every engine.
 
-Weight broadcast (CPU / file path): the policy's state dict is written as one safetensors file under
-``cluster.weights_dir`` (default ``/dev/shm``), atomically (temp file + rename), and announced with its
-size and crc32; the newest ``cluster.keep_weight_versions`` files are kept, the directory is removed at
-exit. ``broadcast_seconds`` is the time from the start of the write to the last ack of the engines in
+Weight broadcast (``async_vapo.cluster.weights``): the policy's state dict is written, one memcpy per tensor,
+into the next of ``cluster.keep_weight_versions`` flat shared-memory slots under ``cluster.weights_dir``
+(default ``/dev/shm``) and announced with its layout; engines on this host map the slot, the others fetch it
+from the ``weights_fetch`` socket (ROUTER, binds ``cluster.weights_fetch_port``, served by a thread so a
+fetch never waits for an update). ``cluster.weight_transfer = "file"`` instead writes one safetensors file
+per version, atomically (temp file + rename), announced with its size and crc32. The directory is removed
+at exit. ``broadcast_seconds`` is the time from the start of the write to the last ack of the engines in
 rotation. Rotation (:class:`Rotation`): an engine joins with an ok ack of the latest version; a version
 counts once every engine in rotation acked it; an engine that has not within ``cluster.weight_ack_timeout_s``
 is taken out of rotation (logged, ``engines_dropped_total``). Its groups need no special treatment: once
@@ -49,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from async_vapo.cluster.common import JsonlAppender, ServiceContext
+from async_vapo.cluster.weights import WeightServer, WeightSlots
 from async_vapo.transport import (
     BatchMsg,
     BatchRequest,
@@ -118,7 +122,8 @@ class WeightSync:
     """The learner's side of the weight broadcast: files, announces, heartbeats, acks, rotation."""
 
     def __init__(self, ctx: ServiceContext, transport: ZmqTransport, *, pub_endpoint: str | None = None,
-                 acks_endpoint: str | None = None, weights_dir: Path | None = None):
+                 acks_endpoint: str | None = None, fetch_endpoint: str | None = None,
+                 weights_dir: Path | None = None):
         c = ctx.cfg.cluster
         self.ctx = ctx
         self.pub = transport.publisher(pub_endpoint or ctx.endpoint(c.bind_host, c.weights_port))
@@ -135,28 +140,44 @@ class WeightSync:
         self.dropped = m.counter("engines_dropped_total", "Engines taken out of rotation for missing an ack.")
         self.rejoined = m.counter("engines_rejoined_total", "Engines back in rotation after acking the latest.")
         self.failed_loads = m.counter("weight_load_failures_total", "Acks reporting a failed weight load.")
+        self.slots: WeightSlots | None = None
+        self.server: WeightServer | None = None
+        if c.weight_transfer != "file":
+            self.slots = WeightSlots(self.dir, max(2, c.keep_weight_versions))
+            served = m.counter("weight_fetch_bytes_total", "Weight bytes sent to engines fetching over ZeroMQ.")
+            self.server = WeightServer(self.slots, fetch_endpoint or ctx.endpoint(c.bind_host, c.weights_fetch_port),
+                                       chunk_bytes=c.weight_chunk_bytes, max_bytes=c.max_message_bytes,
+                                       send_timeout_s=c.send_timeout_s, sender=ctx.name, on_served=served.inc)
 
     def publish(self, version: int, state) -> float:
         """Write and announce ``state`` as ``version``; returns the seconds spent writing."""
+        t0 = time.perf_counter()
+        if self.slots is not None:
+            w = self.slots.write(version, state)
+            self.latest = WeightsAnnounce(version=version, transfer="shm", location=w.path, nbytes=w.nbytes,
+                                          checksum="", format="flat", layout=w.layout, base=w.base, token=w.token)
+        else:
+            self.latest = self._write_file(version, state)
+        self.rotation.published(version, time.monotonic())
+        self.pub.publish(make_envelope(self.latest, sender=self.ctx.name, policy_version=version))
+        return time.perf_counter() - t0
+
+    def _write_file(self, version: int, state) -> WeightsAnnounce:
         from safetensors.torch import save
 
         from async_vapo.rollout.engine import _unshared
 
-        t0 = time.perf_counter()
         data = save(_unshared(state))
         path = self.dir / f"policy-v{version}.safetensors"
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(data)
         os.replace(tmp, path)
-        self.latest = WeightsAnnounce(version=version, transfer="file", location=str(path), nbytes=len(data),
-                                      checksum=blob_checksum(data))
-        self.rotation.published(version, time.monotonic())
-        self.pub.publish(make_envelope(self.latest, sender=self.ctx.name, policy_version=version))
         self.files.append(path)
         keep = self.ctx.cfg.cluster.keep_weight_versions
         while len(self.files) > keep:
             self.files.pop(0).unlink(missing_ok=True)
-        return time.perf_counter() - t0
+        return WeightsAnnounce(version=version, transfer="file", location=str(path), nbytes=len(data),
+                               checksum=blob_checksum(data))
 
     def heartbeat(self, version: int) -> None:
         now = time.monotonic()
@@ -192,6 +213,10 @@ class WeightSync:
         self.in_rotation.set(len(self.rotation.members))
 
     def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        if self.slots is not None:
+            self.slots.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -11,9 +11,16 @@ Sockets (engine ``rollout-i``)
     (ok or not, with load seconds) — the first one, for the served version at start, registers the
     engine — and a Heartbeat every ``cluster.heartbeat_s`` between generate calls.
 
-Weight sync (CPU / file path): the learner writes the version's safetensors (``/dev/shm`` by default) and
-announces path, version, size and checksum; the engine verifies the checksum, calls
-``VLLMEngine.load_weights_from_file`` between two generate calls (the engine is not restarted) and acks.
+Weight sync (``async_vapo.cluster.weights``): the learner announces each version's shared-memory slot
+with its layout. With ``cluster.weight_transfer`` "auto", an engine whose host shares the slot (the file
+exists and its header carries the announced token) has its workers map it and load from it in place;
+another fetches the bytes in crc32-checked chunks from the learner's ``weights_fetch`` socket
+(``cluster.learner_host:weights_fetch_port``) into its own shared buffer and loads that. Either way the
+load happens between two generate calls (the engine is not restarted), is checked against the slot's
+header before and after (a slot rewritten meanwhile fails the load, and the engine serves nothing until
+it has loaded the newest version), and is acked. With "file" the learner writes a safetensors file
+instead; the engine verifies its checksum and loads it. Each load counts in
+``weight_transfers_total{via}``.
 An engine always moves to the *latest* announced version (down too, after a learner resumed from an older
 checkpoint), so one that fell behind (and was taken out of rotation by the learner) rejoins with its next ack.
 
@@ -48,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from async_vapo.cluster.common import JsonlAppender, ServiceContext
+from async_vapo.cluster.weights import WeightsUnavailable, fetch_weights, slot_holds
 from async_vapo.rollout.types import Group, Trajectory
 from async_vapo.transport import (
     GroupsMsg,
@@ -138,6 +146,8 @@ class RolloutService:
         self.sub = self.transport.subscriber(ctx.endpoint(c.learner_host, c.weights_port),
                                              decoder=ctx.decoder((WeightsAnnounce, Heartbeat, Shutdown), "weights"))
         self.m = ctx.metrics.rollout
+        self.transfers = ctx.metrics.counter("weight_transfers_total", "Weight versions loaded, by the way they came.",
+                                             labels=("via",))
         self.latest: WeightsAnnounce | None = None
         self.learner_version = 0
         self.failed_versions: set[int] = set()
@@ -179,14 +189,9 @@ class RolloutService:
         t0 = time.perf_counter()
         ok, error = True, ""
         try:
-            if a.transfer != "file":
-                raise ValueError(f"transfer {a.transfer!r} is not supported by the CPU/file path")
-            data = Path(a.location).read_bytes()
-            if len(data) != a.nbytes or not verify_checksum(data, a.checksum):
-                raise ValueError(f"weights file {a.location} does not match its announce ({a.checksum})")
-            del data
             with self.ctx.busy("load_weights"):
-                self.engine.load_weights_from_file(a.location, a.version)
+                path = self._load(a)
+            self.transfers.labels(via=path).inc()
         except Exception as exc:
             ok, error = False, f"{type(exc).__name__}: {exc}"
             self._next_retry = time.monotonic() + 5.0
@@ -201,6 +206,41 @@ class RolloutService:
             self.ctx.metrics.set_health(served_version=a.version)
             self.ctx.log.info("%s: serving version %d (load %.2f s)", self.engine_id, a.version, seconds)
         self.ack(a.version, ok, seconds, error)
+
+    def _load(self, a: WeightsAnnounce) -> str:
+        """Load ``a`` into the engine; returns the path taken ("shm", "zmq" or "file")."""
+        c = self.ctx.cfg.cluster
+        if a.transfer == "file":
+            data = Path(a.location).read_bytes()
+            if len(data) != a.nbytes or not verify_checksum(data, a.checksum):
+                raise ValueError(f"weights file {a.location} does not match its announce ({a.checksum})")
+            del data
+            self.engine.load_weights_from_file(a.location, a.version)
+            return "file"
+        if a.transfer != "shm":
+            raise ValueError(f"transfer {a.transfer!r} is not one this engine loads (shm, file)")
+        if not a.layout:
+            raise ValueError(f"the announce of version {a.version} has no layout")
+        local = c.weight_transfer != "zmq" and slot_holds(a.location, a.version, a.token)
+        if local:
+            layout = [(n, d, s, off + a.base) for n, d, s, off in a.layout]
+            try:
+                self.engine.load_weights_from_shared(a.location, a.base + a.nbytes, layout, a.version)
+            finally:
+                if not slot_holds(a.location, a.version, a.token):
+                    self.engine.version = -1  # torn: serve nothing until the newest version is loaded
+                    raise WeightsUnavailable(f"the learner rewrote the slot of version {a.version} during the load")
+            return "shm"
+        if c.weight_transfer == "shm":
+            raise WeightsUnavailable(f"slot {a.location} of version {a.version} is not readable on this host "
+                                     "(cluster.weight_transfer = \"shm\"; \"auto\" fetches it over ZeroMQ)")
+        dst = self.engine.receive_buffer(a.nbytes)
+        fetch_weights(self.ctx.endpoint(c.learner_host, c.weights_fetch_port), a.version, a.nbytes, dst,
+                      chunk_bytes=c.weight_chunk_bytes, timeout_s=c.batch_request_timeout_s,
+                      engine_id=self.engine_id, max_bytes=c.max_message_bytes)
+        del dst
+        self.engine.load_received(a.layout, a.version)
+        return "zmq"
 
     def ack(self, version: int, ok: bool, seconds: float, error: str = "") -> None:
         self.ctx.send(self.acks, make_envelope(WeightsAck(engine_id=self.engine_id, version=version, ok=ok,

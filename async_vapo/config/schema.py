@@ -321,11 +321,21 @@ class ClusterConfig(_Section):
     """Learner's /metrics and /health (rank 0)."""
     rollout_metrics_port: int = Field(9210, ge=1, le=65535)
     """Rollout engine i serves /metrics and /health on this port + i."""
+    weights_fetch_port: int = Field(5706, ge=1, le=65535)
+    """Learner's ROUTER socket: WeightsFetch from engines on other hosts, answered with chunks of a version."""
+    weight_transfer: Literal["auto", "shm", "zmq", "file"] = "auto"
+    """How a new version reaches the engines (``async_vapo.cluster.weights``; measured in
+    benchmarks/weight_sync.py). "auto": engines on the learner's host map its shared-memory slot, the others
+    fetch it over ZeroMQ. "shm" / "zmq": every engine that way ("shm" fails on another host). "file": a
+    safetensors file per version in ``weights_dir`` (across hosts only over a shared filesystem)."""
+    weight_chunk_bytes: int = Field(16 * 2**20, ge=4096)
+    """Size of one chunk of a ZeroMQ weight fetch (each checked by its crc32; 4 are in flight)."""
     weights_dir: str | None = None
-    """Where the learner writes each version's safetensors for the engines (CPU/file path); None:
-    /dev/shm when writable, else RUN_DIR/weights. Must be shared with the rollouts' host."""
+    """Where the learner keeps its weight slots (or "file": each version's safetensors); None: /dev/shm
+    when writable, else RUN_DIR/weights."""
     keep_weight_versions: int = Field(3, ge=1)
-    """Weight files kept (the newest); older ones are deleted once every engine has moved on."""
+    """Versions held by the learner (its slots, or files), the newest; an engine that falls this many versions
+    behind while loading gets the newest instead."""
     weight_ack_timeout_s: float = Field(120.0, gt=0)
     """A version counts once every engine in rotation acked it; an engine that has not acked within
     this many seconds is taken out of rotation (it rejoins with its next ack of the latest version)."""

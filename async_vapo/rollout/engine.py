@@ -76,61 +76,96 @@ def _unshared(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-class SharedWeightBuffer:
-    """The owner's side of the flat shared-memory weight buffer (the workers' side is in worker_ext).
+Layout = list[tuple[str, str, list[int], int]]
+"""``(name, dtype, shape, offset)`` of each tensor in a flat weight buffer (offsets in bytes)."""
 
-    Layout: tensor after tensor in state-dict order, each at a 64-byte aligned offset. The file is
-    created when the first state dict arrives (or a larger one), and unlinked once the workers have
-    mapped it, so a crashed process leaves nothing behind in /dev/shm; the memory lives as long as the
-    mappings do.
+ALIGN = 64
+"""Every tensor of a flat weight buffer starts at a multiple of this many bytes."""
+
+
+def flat_layout(state: Mapping[str, torch.Tensor], base: int = 0) -> tuple[Layout, int]:
+    """Tensor after tensor in state-dict order, each ``ALIGN``-aligned from ``base``; returns the layout
+    (absolute offsets) and the bytes after ``base`` that it spans."""
+    layout, offset = [], 0
+    for name, t in state.items():
+        offset = -(-offset // ALIGN) * ALIGN
+        layout.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), base + offset))
+        offset += t.numel() * t.element_size()
+    if offset == 0:
+        raise ValueError("an empty state dict has no weights to load")
+    return layout, offset
+
+
+def copy_into(mm, state: Mapping[str, torch.Tensor], layout: Layout) -> None:
+    """Copy ``state`` into the writable buffer ``mm`` at ``layout``'s offsets."""
+    for (name, t), (lname, _, _, off) in zip(state.items(), layout, strict=True):
+        if name != lname:
+            raise ValueError(f"layout names {lname!r} where the state dict has {name!r}")
+        size = t.numel() * t.element_size()
+        src = t.detach()
+        if src.device.type == "cpu":
+            # A plain memcpy: torch's copy_ would go through its thread pool, which costs ~10 ms a
+            # tensor when the cores are busy (measured here), more than copying the bytes.
+            mm[off: off + size] = src.contiguous().view(-1).view(torch.uint8).numpy()
+        else:
+            flat = torch.frombuffer(mm, dtype=torch.uint8, count=size, offset=off)
+            flat.view(t.dtype).view(t.shape).copy_(src)
+            del flat
+
+
+class SharedWeightBuffer:
+    """One flat weight buffer in a shared-memory file (the workers' side is in worker_ext).
+
+    Tensors are laid out by :func:`flat_layout` after ``header`` bytes (which the owner may use, see
+    ``async_vapo.cluster.weights``). The file is created when the first state dict arrives (or a larger
+    one). By default it is unlinked once the workers have mapped it (``mapped``), so a crashed process
+    leaves nothing behind in /dev/shm and the memory lives as long as the mappings do; ``persistent``
+    keeps the name, for buffers that other processes open by path.
     """
 
-    ALIGN = 64
+    ALIGN = ALIGN
 
-    def __init__(self, directory: str | None = None):
+    def __init__(self, directory: str | None = None, *, header: int = 0, persistent: bool = False,
+                 prefix: str = "async-vapo-weights-"):
         self.directory = directory or _shm_dir()
+        self.header = header
+        self.persistent = persistent
+        self.prefix = prefix
         self.path: str | None = None
         self.capacity = 0
         self._mm: mmap.mmap | None = None
         self._linked = False
 
-    def write(self, state: Mapping[str, torch.Tensor]) -> tuple[str, int, list[tuple[str, str, list[int], int]]]:
-        """Copy ``state`` into the buffer; returns ``(path, nbytes, layout)`` for ``async_vapo_load_shared``."""
-        entries, offset = [], 0
-        for name, t in state.items():
-            offset = -(-offset // self.ALIGN) * self.ALIGN
-            entries.append((name, t, offset))
-            offset += t.numel() * t.element_size()
-        if offset == 0:
-            raise ValueError("an empty state dict has no weights to load")
-        if offset > self.capacity:
-            self._allocate(offset)
-        mm = self._mm
-        layout = []
-        for name, t, off in entries:
-            size = t.numel() * t.element_size()
-            src = t.detach()
-            if src.device.type == "cpu":
-                # A plain memcpy: torch's copy_ would go through its thread pool, which costs ~10 ms a
-                # tensor when the cores are busy (measured here), more than copying the bytes.
-                mm[off: off + size] = src.contiguous().view(-1).view(torch.uint8).numpy()
-            else:
-                flat = torch.frombuffer(mm, dtype=torch.uint8, count=size, offset=off)
-                flat.view(t.dtype).view(t.shape).copy_(src)
-                del flat
-            layout.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), off))
+    @property
+    def buffer(self) -> mmap.mmap:
+        if self._mm is None:
+            raise RuntimeError("the buffer has not been allocated yet")
+        return self._mm
+
+    def reserve(self, nbytes: int) -> mmap.mmap:
+        """Make the file hold at least ``header + nbytes`` bytes (a new file if it is smaller); returns the
+        writable mapping of the whole file."""
+        if self.header + nbytes > self.capacity:
+            self._allocate(self.header + nbytes)
+        return self.buffer
+
+    def write(self, state: Mapping[str, torch.Tensor]) -> tuple[str, int, Layout]:
+        """Copy ``state`` into the buffer; returns ``(path, nbytes, layout)`` for ``async_vapo_load_shared``
+        (``nbytes`` and the layout's offsets count from the start of the file)."""
+        layout, span = flat_layout(state, self.header)
+        copy_into(self.reserve(span), state, layout)
         assert self.path is not None
-        return self.path, offset, layout
+        return self.path, self.header + span, layout
 
     def mapped(self) -> None:
-        """The workers have mapped the current file: its name is no longer needed."""
-        if self._linked and self.path is not None:
+        """The workers have mapped the current file: its name is no longer needed (unless persistent)."""
+        if self._linked and self.path is not None and not self.persistent:
             Path(self.path).unlink(missing_ok=True)
             self._linked = False
 
     def _allocate(self, nbytes: int) -> None:
         self.close()
-        fd, path = tempfile.mkstemp(prefix="async-vapo-weights-", suffix=".bin", dir=self.directory)
+        fd, path = tempfile.mkstemp(prefix=self.prefix, suffix=".bin", dir=self.directory)
         try:
             os.ftruncate(fd, nbytes)
             self._mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -143,11 +178,21 @@ class SharedWeightBuffer:
 
     def close(self) -> None:
         if self._mm is not None:
-            self._mm.close()
+            try:
+                self._mm.close()
+            except BufferError:  # a view of it is still alive somewhere: the mapping goes with it
+                pass
             self._mm = None
         if self._linked and self.path is not None:
             Path(self.path).unlink(missing_ok=True)
         self.path, self.capacity, self._linked = None, 0, False
+
+
+def _nbytes(dtype: str, shape: Sequence[int]) -> int:
+    n = getattr(torch, dtype).itemsize
+    for d in shape:
+        n *= d
+    return n
 
 
 class VLLMEngine:
@@ -234,6 +279,28 @@ class VLLMEngine:
     def load_weights_from_file(self, path: str, version: int) -> None:
         """Load a safetensors file (HF names) into the running engine."""
         self._rpc("async_vapo_load_weights", path)
+        self.last_load_stages["write_s"] = 0.0
+        self.version = version
+
+    def load_weights_from_shared(self, path: str, nbytes: int, layout: Layout, version: int) -> None:
+        """Load a flat buffer that another process wrote in a shared-memory file (the cluster's learner):
+        ``layout`` offsets and ``nbytes`` count from the start of the file. The workers keep their mapping
+        of the file between loads."""
+        self._rpc("async_vapo_load_shared", path, nbytes, layout)
+        self.last_load_stages["write_s"] = 0.0
+        self.version = version
+
+    def receive_buffer(self, nbytes: int) -> memoryview:
+        """This engine's own shared buffer, grown to ``nbytes``, to be filled by the caller (the bytes of a
+        flat layout whose offsets start at 0) and then loaded with :meth:`load_received`."""
+        return memoryview(self._shared.reserve(nbytes))[:nbytes]
+
+    def load_received(self, layout: Layout, version: int) -> None:
+        """Load what the caller wrote into :meth:`receive_buffer`."""
+        assert self._shared.path is not None, "receive_buffer first"
+        end = max(off + _nbytes(dtype, shape) for _, dtype, shape, off in layout)
+        self._rpc("async_vapo_load_shared", self._shared.path, end, layout)
+        self._shared.mapped()
         self.last_load_stages["write_s"] = 0.0
         self.version = version
 

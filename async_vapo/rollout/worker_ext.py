@@ -9,7 +9,9 @@ are not restarted):
   engine's owner writes in place, a tensor at each ``(name, dtype, shape, offset)`` of ``layout``. The
   worker maps the file once and hands ``reload_weights`` tensors that are views of the mapping: no
   header to parse, no copy before vLLM's own, and after the first push no page to fault in on either
-  side. The owner may unlink the file after the first load: the worker keeps its mapping.
+  side. The owner may unlink the file after the first load: the worker keeps its mapping. The cluster's
+  learner writes its versions into a few such files (slots, ``async_vapo.cluster.weights``) that the
+  workers of every engine on its host map once each.
 
 Both return ``{"tensors": n, "read_s": s, "reload_s": s}``: the time to get tensors out of the file
 (for the shared buffer, to make the views) and the time ``reload_weights`` took.
@@ -20,6 +22,9 @@ from __future__ import annotations
 import mmap
 import os
 import time
+
+MAX_MAPPINGS = 8
+"""Shared weight files a worker keeps mapped (the engine's own buffer plus the learner's slots)."""
 
 
 class WeightSyncExtension:
@@ -37,17 +42,28 @@ class WeightSyncExtension:
         import torch
 
         t0 = time.perf_counter()
-        maps: dict[str, torch.Tensor] = self.__dict__.setdefault("_async_vapo_shared", {})
-        flat = maps.get(path)
-        if flat is None or flat.numel() < nbytes:
-            # Only the newest buffer is kept; an older mapping goes once reload_weights holds no view of it.
-            maps.clear()
+        # Mappings are kept per file (the engine's own buffer, the cluster learner's slots), newest last;
+        # a file replaced under the same name (another inode) is mapped again.
+        maps: dict[str, tuple[int, torch.Tensor]] = self.__dict__.setdefault("_async_vapo_shared", {})
+        kept = maps.pop(path, None)
+        try:
             fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            # the engine's own buffer is unlinked once mapped: its mapping is the only way in
+            if kept is None or kept[1].numel() < nbytes:
+                raise
+        else:
             try:
-                buf = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                ino = os.fstat(fd).st_ino
+                if kept is None or kept[0] != ino or kept[1].numel() < nbytes:
+                    buf = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                    kept = (ino, torch.frombuffer(buf, dtype=torch.uint8))
             finally:
                 os.close(fd)
-            maps[path] = flat = torch.frombuffer(buf, dtype=torch.uint8)
+        maps[path] = kept
+        while len(maps) > MAX_MAPPINGS:  # the oldest goes once reload_weights holds no view of it
+            maps.pop(next(iter(maps)))
+        flat = kept[1]
         views = []
         for name, dtype, shape, offset in layout:
             dt = getattr(torch, dtype)

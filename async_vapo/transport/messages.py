@@ -58,15 +58,17 @@ class ProtocolError(TransportError):
         self.reason = reason
         self.detail = detail
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Version of the envelope and every body below; a peer speaking another version is rejected.
 
-2: token ids and log-probs in groups are packed bytes (int32 / float32 LE) instead of msgpack arrays."""
+2: token ids and log-probs in groups are packed bytes (int32 / float32 LE) instead of msgpack arrays.
+3: weights travel as flat shared-memory slots (transfer "shm", layout in the announce), fetched in
+   chunks over ZeroMQ by engines on other hosts (``WeightsFetch.index``)."""
 
 DEFAULT_MAX_BYTES = 256 * 2**20
 """Default size limit of one frame (a socket carrying batches of long responses may need more)."""
 
-TransferKind = Literal["file", "zmq", "nccl"]
+TransferKind = Literal["shm", "file", "zmq", "nccl"]
 ServiceStatus = Literal["starting", "ready", "busy", "draining", "error"]
 
 
@@ -108,17 +110,27 @@ class WeightsAnnounce(_Body, tag="weights_announce"):
     version: int
     transfer: TransferKind
     location: str
-    """File path ("file"), endpoint of the learner's blob socket ("zmq"), or rendezvous address ("nccl")."""
+    """Slot file ("shm", see ``async_vapo.cluster.weights``), safetensors file ("file"), or rendezvous address."""
     nbytes: int
+    """Bytes of the payload (for "shm": of the tensors, after ``base``)."""
     checksum: str
-    """``"<algo>:<hex>"`` of the whole payload (see ``zmq_transport.blob_checksum``)."""
+    """``"<algo>:<hex>"`` of the whole payload ("file"; see ``zmq_transport.blob_checksum``); "shm" checks
+    each fetched chunk instead, and local readers the slot's header."""
     format: str = "safetensors"
+    layout: list[tuple[str, str, list[int], int]] = []
+    """"shm": ``(name, dtype, shape, offset)`` of every tensor, offsets from the start of the data."""
+    base: int = 0
+    """"shm": offset of the data in the slot file (its header comes first)."""
+    token: str = ""
+    """"shm": the learner's random token, also in the slot's header (same token = same memory)."""
 
 
-# rollout -> learner: "send me weights `version`" (transfer "zmq"; answered by TensorHeader+blob frames)
+# rollout -> learner: "send me chunk `index` of weights `version`" (answered by TensorHeader + raw chunk, or
+# by Ack(ok=False) when the version is no longer held)
 class WeightsFetch(_Body, tag="weights_fetch"):
     engine_id: str
     version: int
+    index: int = 0
 
 
 # learner -> rollout: header frame of one raw tensor frame (transfer "zmq"); nbytes is checked on receipt

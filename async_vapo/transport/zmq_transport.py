@@ -421,6 +421,13 @@ def recv_tensor_blob(
     parts = _recv_parts(sock, deadline)
     if parts is None:
         return None
+    return check_blob(parts, decoder, max_blob_bytes=max_blob_bytes, verify=verify)
+
+
+def check_blob(parts: list, decoder: Decoder, *, max_blob_bytes: int, verify: bool = True
+               ) -> tuple[Envelope, memoryview]:
+    """The checks of :func:`recv_tensor_blob` on a received multipart message (a ROUTER's identity
+    frame already removed)."""
     if len(parts) != 2:
         raise decoder.reject("malformed", f"blob message of {len(parts)} frames")
     header, raw = parts[0].buffer, parts[1].buffer
