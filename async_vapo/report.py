@@ -263,7 +263,7 @@ def report_weight_sync(out: Path) -> Path:
 
     d = json.loads((out / "result.json").read_text())
     sizes = list(d["sizes"])
-    paths = sorted({p for s in d["sizes"].values() for p in s["paths"]})
+    paths = list(dict.fromkeys(p for s in d["sizes"].values() for p in s["paths"]))
     rows = ["| size | params | MB | memcpy s | " + " | ".join(f"{p} s (× memcpy)" for p in paths) + " |",
             "|---|---|---|---|" + "---|" * len(paths)]
     fig, ax = _figure(1, 1, (9, 4.5))

@@ -15,6 +15,15 @@ pre-generated ones, alternated, so every push changes every weight):
 * ``shared_fresh``: the same with the buffer released before each push (a new file every time: what
   keeping the buffer saves, and the cost for a caller that frees it between pushes).
 
+and the cluster's learner -> engine paths (``async_vapo.cluster.weights``), the learner's write and the
+engine's load through the same functions the services call (``load_announced``):
+
+* ``cluster_file``: a safetensors file per version (``cluster.weight_transfer = "file"``); the engine
+  reads it to verify its crc32, then its workers load it.
+* ``cluster_shm``: the learner's shared-memory slot (2 slots, written round robin), mapped by the workers.
+* ``cluster_zmq``: the same slot fetched over ZeroMQ on loopback TCP in 16 MiB crc32-checked chunks into
+  the engine's own buffer (what an engine on another host does), then loaded from it.
+
 and ``memcpy``: the same bytes copied, one ``copy_`` per tensor, into a preallocated buffer (median of
 as many copies). A push is broken into ``write_s`` (this process), ``rpc_s`` (dispatch and return),
 ``read_s`` (tensors out of the file, in the worker) and ``reload_s`` (vLLM's ``reload_weights``).
@@ -49,6 +58,8 @@ SIZES = {  # hidden, layers, intermediate, heads, kv heads
     "300m": (1024, 24, 3072, 16, 8),
 }
 PATHS = ("safetensors", "shared", "shared_fresh")
+CLUSTER_PATHS = ("cluster_file", "cluster_shm", "cluster_zmq")
+CHUNK = 16 * 2**20
 TOLERANCE = 1e-3
 
 
@@ -151,6 +162,51 @@ def reload_breakdown(worker, path: str, nbytes: int, layout: list, loads: int) -
             "cprofile": out.getvalue()}
 
 
+def bench_cluster(engine, model, states, prompt, pushes: int, version: int, workdir: Path, result: dict) -> int:
+    """The cluster's paths: the learner's write, then the engine's ``load_announced``; returns the last version."""
+    from async_vapo.cluster.weights import WeightServer, WeightSlots, load_announced, slot_announce, write_file_version
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    slots = WeightSlots(workdir / "slots", 2)
+    server = WeightServer(slots, "tcp://127.0.0.1:*", chunk_bytes=CHUNK, max_bytes=2**20, send_timeout_s=30)
+    try:
+        for path in CLUSTER_PATHS:
+            runs = []
+            for i in range(pushes + 1):  # the first is the warm-up
+                state = states[i % 2]
+                version += 1
+                t0 = time.perf_counter()
+                if path == "cluster_file":
+                    announce = write_file_version(workdir, version, state)
+                else:
+                    announce = slot_announce(slots.write(version, state))
+                t1 = time.perf_counter()
+                how = load_announced(engine, announce, mode=path.removeprefix("cluster_"),
+                                     fetch_endpoint=server.endpoint, chunk_bytes=CHUNK, timeout_s=60,
+                                     engine_id="bench", max_bytes=2**20)
+                t2 = time.perf_counter()
+                assert how == path.removeprefix("cluster_"), how
+                if path == "cluster_file":
+                    Path(announce.location).unlink()
+                stages = engine.last_load_stages
+                runs.append({"total_s": t2 - t0, "write_s": t1 - t0,
+                             "transfer_s": (t2 - t1) - stages["rpc_s"] - stages["read_s"] - stages["reload_s"],
+                             "rpc_s": stages["rpc_s"], "read_s": stages["read_s"], "reload_s": stages["reload_s"]})
+            gap = logprob_gap(engine, model, state, prompt)
+            timed = runs[1:]
+            med = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
+            result["paths"][path] = {"median": med, "warmup": runs[0], "pushes": timed, "logprob_max_abs_diff": gap}
+            print(f"{path:<13} median {med['total_s']:.4f} s  (learner write {med['write_s']:.4f}, transfer "
+                  f"{med['transfer_s']:.4f}, rpc {med['rpc_s']:.4f}, read {med['read_s']:.4f}, reload "
+                  f"{med['reload_s']:.4f})  logprob gap {gap:.2e}", flush=True)
+            if not gap < TOLERANCE:
+                raise AssertionError(f"{path}: engine log-probs differ from torch by {gap:.3g} after a push")
+    finally:
+        server.close()
+        slots.close()
+    return version
+
+
 def bench_size(size: str, pushes: int, profile: bool, workdir: Path) -> dict:
     import torch
 
@@ -193,6 +249,7 @@ def bench_size(size: str, pushes: int, profile: bool, workdir: Path) -> dict:
                   f"read {med['read_s']:.4f}, reload {med['reload_s']:.4f})  logprob gap {gap:.2e}", flush=True)
             if not gap < TOLERANCE:
                 raise AssertionError(f"{size}/{path}: engine log-probs differ from torch by {gap:.3g} after a push")
+        version = bench_cluster(engine, model, states, prompt, pushes, version, workdir / f"cluster-{size}", result)
         if profile:
             engine.load_weights(states[0], version + 1)  # maps a kept buffer, as in the "shared" path
             path_, n_, layout = engine._shared.write(states[1])
@@ -246,13 +303,13 @@ def main() -> None:
             doc["machine"]["loadavg"] = list(os.getloadavg())
 
     print(f"\n{'size':<6} {'params':>8} {'MB':>6} {'path':<13} {'push s':>8} {'x memcpy':>9} {'write':>7} "
-          f"{'rpc':>7} {'read':>7} {'reload':>7}")
+          f"{'transf':>7} {'rpc':>7} {'read':>7} {'reload':>7}")
     for size, r in doc["sizes"].items():
         mem = r["memcpy"]["median_s"]
         rows = [(p, v["median"]) for p, v in r["paths"].items()] + [("memcpy", {"total_s": mem})]
         for path, m in rows:
-            stages = " ".join(f"{m[k]:>7.3f}" if k in m else f"{'':>7}" for k in ("write_s", "rpc_s", "read_s",
-                                                                               "reload_s"))
+            stages = " ".join(f"{m[k]:>7.3f}" if k in m else f"{'':>7}" for k in ("write_s", "transfer_s", "rpc_s",
+                                                                               "read_s", "reload_s"))
             print(f"{size:<6} {r['params'] / 1e6:>7.1f}M {r['bytes_per_push'] / 1e6:>6.0f} {path:<13} "
                   f"{m['total_s']:>8.3f} {m['total_s'] / mem:>9.1f} {stages}")
     for size, r in doc["sizes"].items():

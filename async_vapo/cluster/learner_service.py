@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from async_vapo.cluster.common import JsonlAppender, ServiceContext
-from async_vapo.cluster.weights import WeightServer, WeightSlots
+from async_vapo.cluster.weights import WeightServer, WeightSlots, slot_announce, write_file_version
 from async_vapo.transport import (
     BatchMsg,
     BatchRequest,
@@ -61,7 +61,6 @@ from async_vapo.transport import (
     WeightsAck,
     WeightsAnnounce,
     ZmqTransport,
-    blob_checksum,
     make_envelope,
 )
 
@@ -153,31 +152,15 @@ class WeightSync:
         """Write and announce ``state`` as ``version``; returns the seconds spent writing."""
         t0 = time.perf_counter()
         if self.slots is not None:
-            w = self.slots.write(version, state)
-            self.latest = WeightsAnnounce(version=version, transfer="shm", location=w.path, nbytes=w.nbytes,
-                                          checksum="", format="flat", layout=w.layout, base=w.base, token=w.token)
+            self.latest = slot_announce(self.slots.write(version, state))
         else:
-            self.latest = self._write_file(version, state)
+            self.latest = write_file_version(self.dir, version, state)
+            self.files.append(Path(self.latest.location))
+            while len(self.files) > self.ctx.cfg.cluster.keep_weight_versions:
+                self.files.pop(0).unlink(missing_ok=True)
         self.rotation.published(version, time.monotonic())
         self.pub.publish(make_envelope(self.latest, sender=self.ctx.name, policy_version=version))
         return time.perf_counter() - t0
-
-    def _write_file(self, version: int, state) -> WeightsAnnounce:
-        from safetensors.torch import save
-
-        from async_vapo.rollout.engine import _unshared
-
-        data = save(_unshared(state))
-        path = self.dir / f"policy-v{version}.safetensors"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-        self.files.append(path)
-        keep = self.ctx.cfg.cluster.keep_weight_versions
-        while len(self.files) > keep:
-            self.files.pop(0).unlink(missing_ok=True)
-        return WeightsAnnounce(version=version, transfer="file", location=str(path), nbytes=len(data),
-                               checksum=blob_checksum(data))
 
     def heartbeat(self, version: int) -> None:
         now = time.monotonic()

@@ -52,10 +52,9 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from async_vapo.cluster.common import JsonlAppender, ServiceContext
-from async_vapo.cluster.weights import WeightsUnavailable, fetch_weights, slot_holds
+from async_vapo.cluster.weights import load_announced
 from async_vapo.rollout.types import Group, Trajectory
 from async_vapo.transport import (
     GroupsMsg,
@@ -65,7 +64,6 @@ from async_vapo.transport import (
     WeightsAnnounce,
     ZmqTransport,
     make_envelope,
-    verify_checksum,
 )
 
 
@@ -208,39 +206,12 @@ class RolloutService:
         self.ack(a.version, ok, seconds, error)
 
     def _load(self, a: WeightsAnnounce) -> str:
-        """Load ``a`` into the engine; returns the path taken ("shm", "zmq" or "file")."""
+        """Load ``a`` into the engine; returns the way it came ("shm", "zmq" or "file")."""
         c = self.ctx.cfg.cluster
-        if a.transfer == "file":
-            data = Path(a.location).read_bytes()
-            if len(data) != a.nbytes or not verify_checksum(data, a.checksum):
-                raise ValueError(f"weights file {a.location} does not match its announce ({a.checksum})")
-            del data
-            self.engine.load_weights_from_file(a.location, a.version)
-            return "file"
-        if a.transfer != "shm":
-            raise ValueError(f"transfer {a.transfer!r} is not one this engine loads (shm, file)")
-        if not a.layout:
-            raise ValueError(f"the announce of version {a.version} has no layout")
-        local = c.weight_transfer != "zmq" and slot_holds(a.location, a.version, a.token)
-        if local:
-            layout = [(n, d, s, off + a.base) for n, d, s, off in a.layout]
-            try:
-                self.engine.load_weights_from_shared(a.location, a.base + a.nbytes, layout, a.version)
-            finally:
-                if not slot_holds(a.location, a.version, a.token):
-                    self.engine.version = -1  # torn: serve nothing until the newest version is loaded
-                    raise WeightsUnavailable(f"the learner rewrote the slot of version {a.version} during the load")
-            return "shm"
-        if c.weight_transfer == "shm":
-            raise WeightsUnavailable(f"slot {a.location} of version {a.version} is not readable on this host "
-                                     "(cluster.weight_transfer = \"shm\"; \"auto\" fetches it over ZeroMQ)")
-        dst = self.engine.receive_buffer(a.nbytes)
-        fetch_weights(self.ctx.endpoint(c.learner_host, c.weights_fetch_port), a.version, a.nbytes, dst,
-                      chunk_bytes=c.weight_chunk_bytes, timeout_s=c.batch_request_timeout_s,
-                      engine_id=self.engine_id, max_bytes=c.max_message_bytes)
-        del dst
-        self.engine.load_received(a.layout, a.version)
-        return "zmq"
+        return load_announced(self.engine, a, mode=c.weight_transfer,
+                              fetch_endpoint=self.ctx.endpoint(c.learner_host, c.weights_fetch_port),
+                              chunk_bytes=c.weight_chunk_bytes, timeout_s=c.batch_request_timeout_s,
+                              engine_id=self.engine_id, max_bytes=c.max_message_bytes)
 
     def ack(self, version: int, ok: bool, seconds: float, error: str = "") -> None:
         self.ctx.send(self.acks, make_envelope(WeightsAck(engine_id=self.engine_id, version=version, ok=ok,

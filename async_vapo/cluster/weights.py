@@ -48,6 +48,7 @@ from async_vapo.transport.messages import (
     ProtocolError,
     TensorHeader,
     TransportError,
+    WeightsAnnounce,
     WeightsFetch,
     encode,
     make_envelope,
@@ -62,6 +63,7 @@ from async_vapo.transport.zmq_transport import (
     make_socket,
     send_tensor_blob,
     shared_context,
+    verify_checksum,
 )
 
 log = logging.getLogger(__name__)
@@ -307,3 +309,62 @@ def fetch_weights(endpoint: str, version: int, nbytes: int, dst, *, chunk_bytes:
     finally:
         sock.close(linger=0)
     return {"fetch_s": time.perf_counter() - t0, "chunks": count}
+
+
+# ---- the two ends as the services use them (and benchmarks/weight_sync.py measures them) -------------------
+
+
+def slot_announce(w: SlotWrite) -> WeightsAnnounce:
+    return WeightsAnnounce(version=w.version, transfer="shm", location=w.path, nbytes=w.nbytes, checksum="",
+                           format="flat", layout=w.layout, base=w.base, token=w.token)
+
+
+def write_file_version(directory: Path, version: int, state: Mapping) -> WeightsAnnounce:
+    """``cluster.weight_transfer = "file"``: ``state`` as one safetensors file, written atomically."""
+    from safetensors.torch import save
+
+    from async_vapo.rollout.engine import _unshared
+
+    data = save(_unshared(state))
+    path = directory / f"policy-v{version}.safetensors"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return WeightsAnnounce(version=version, transfer="file", location=str(path), nbytes=len(data),
+                           checksum=blob_checksum(data))
+
+
+def load_announced(engine, a: WeightsAnnounce, *, mode: str, fetch_endpoint: str, chunk_bytes: int,
+                   timeout_s: float, engine_id: str, max_bytes: int) -> str:
+    """Load the announced version into ``engine`` (a VLLMEngine); returns the way it came: "shm", "zmq" or
+    "file". ``mode`` is ``cluster.weight_transfer``. Raises on anything that does not match the announce;
+    after a torn slot load (the learner rewrote the slot meanwhile) the engine's version is -1."""
+    if a.transfer == "file":
+        data = Path(a.location).read_bytes()
+        if len(data) != a.nbytes or not verify_checksum(data, a.checksum):
+            raise ValueError(f"weights file {a.location} does not match its announce ({a.checksum})")
+        del data
+        engine.load_weights_from_file(a.location, a.version)
+        return "file"
+    if a.transfer != "shm":
+        raise ValueError(f"transfer {a.transfer!r} is not one an engine loads (shm, file)")
+    if not a.layout:
+        raise ValueError(f"the announce of version {a.version} has no layout")
+    if mode != "zmq" and slot_holds(a.location, a.version, a.token):
+        layout = [(n, d, s, off + a.base) for n, d, s, off in a.layout]
+        try:
+            engine.load_weights_from_shared(a.location, a.base + a.nbytes, layout, a.version)
+        finally:
+            if not slot_holds(a.location, a.version, a.token):
+                engine.version = -1  # torn: serve nothing until the newest version is loaded
+                raise WeightsUnavailable(f"the learner rewrote the slot of version {a.version} during the load")
+        return "shm"
+    if mode == "shm":
+        raise WeightsUnavailable(f"slot {a.location} of version {a.version} is not readable on this host "
+                                 '(cluster.weight_transfer = "shm"; "auto" fetches it over ZeroMQ)')
+    dst = engine.receive_buffer(a.nbytes)
+    fetch_weights(fetch_endpoint, a.version, a.nbytes, dst, chunk_bytes=chunk_bytes, timeout_s=timeout_s,
+                  engine_id=engine_id, max_bytes=max_bytes)
+    del dst
+    engine.load_received(a.layout, a.version)
+    return "zmq"
