@@ -6,9 +6,11 @@ ARGS ?=
 setup:
 	@bash deploy/setup.sh
 
-# Debian's prometheus server, for the end-to-end scrape test (installed when this user may apt-get).
+# Debian's prometheus server, for the end-to-end scrape test, and OpenSSH's server, for the --hostfile test
+# (installed when this user may apt-get).
 test-deps: setup
 	@bash .ci/install_prometheus.sh || echo "[test] prometheus not installed: the scrape test will be skipped" >&2
+	@bash .ci/install_sshd.sh || echo "[test] sshd not installed: the --hostfile (ssh) test will be skipped" >&2
 
 train: setup
 	.venv/bin/async-vapo train --config $(CONFIG) $(ARGS)

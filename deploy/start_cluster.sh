@@ -17,9 +17,22 @@
 # cores); replay and verifier are not pinned. --no-pin disables it. Learner ranks > 1 are launched with torchrun.
 #
 # --hostfile FILE: lines "host role" (role: replay, verifier, rollout, learner; several rollout lines spread the
-# engines round-robin). Roles on other hosts are started over ssh (BatchMode, same repository path there); the
-# services then bind 0.0.0.0 and connect to the hosts named here. --wait: block until the learner writes
-# RUN_DIR/DONE (or exits), then stop the cluster.
+# engines round-robin). Roles on other hosts (not localhost, 127.0.0.1 or this machine's name) are started over ssh,
+# with the same repository, python ($PYTHON, default REPO/.venv/bin/python) and RUN_DIR paths there: the remote
+# command is `bash -c 'cd REPO; mkdir -p RUN_DIR/{logs,pids}; env ... setsid nohup CMD >> RUN_DIR/logs/NAME.log
+# 2>&1 < /dev/null & echo $!'`, its environment ASYNC_VAPO_T0, PYTHONPATH=REPO[:$PYTHONPATH] and this shell's
+# ASYNC_VAPO_*, VLLM_*, HF_*, TRANSFORMERS_*, TORCH_*, NCCL_*, GLOO_*, OMP_NUM_THREADS, MKL_NUM_THREADS,
+# CUDA_VISIBLE_DEVICES, TOKENIZERS_PARALLELISM. The printed PID (= its process-group id there) goes to
+# RUN_DIR/pids/NAME.pid and the host to NAME.host; health is polled at http://HOST:PORT/health from here while
+# the process is checked over ssh. The services then bind 0.0.0.0 and connect to the hosts named here; roles on
+# this machine are announced to the others as ASYNC_VAPO_ADVERTISE_HOST (default: this machine's source address
+# towards the first remote host; 127.0.0.1 when every role is local). The base model must be visible at the same
+# path on every host (shared file system); engines on other hosts than the learner's fetch new weights over ZeroMQ
+# (cluster.weight_transfer "auto").
+#   ASYNC_VAPO_SSH: the ssh command of every remote call (start, liveness checks, log tails, stop), split on
+#   whitespace; default "ssh -o BatchMode=yes". E.g. ASYNC_VAPO_SSH="ssh -o BatchMode=yes -p 2222 -i KEY" or
+#   "ssh -F my_ssh_config". It is recorded in RUN_DIR/pids/cluster.env, so deploy/stop_cluster.sh uses the same one.
+# --wait: block until the learner writes RUN_DIR/DONE (or exits), then stop the cluster.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-$REPO/.venv/bin/python}
@@ -46,21 +59,38 @@ done
 # -- hostfile: role -> hosts, and the overrides that make services find each other -------------------------
 declare -A ROLE_HOSTS=()
 is_local() { case "$1" in localhost|127.0.0.1|"$(hostname)"|"$(hostname -f 2>/dev/null)") return 0 ;; esac; return 1; }
+SSH_CMD=${ASYNC_VAPO_SSH:-ssh -o BatchMode=yes}
+read -ra SSH <<< "$SSH_CMD"
+q() { local s=$1; printf "'%s'" "${s//\'/\'\\\'\'}"; }  # one word, single-quoted for the remote shell
+remote() {  # remote HOST SCRIPT: run SCRIPT with bash on HOST (stdin closed: never eats a caller's input)
+  "${SSH[@]}" "$1" "bash -c $(q "$2")" < /dev/null
+}
 if [ -n "$HOSTFILE" ]; then
   while read -r host role _; do
     case "$host" in ''|'#'*) continue ;; esac
     case "$role" in replay|verifier|rollout|learner) ;; *) echo "start_cluster: bad role '$role' in $HOSTFILE" >&2; exit 2 ;; esac
     ROLE_HOSTS[$role]="${ROLE_HOSTS[$role]:-} $host"
   done < "$HOSTFILE"
+  # Roles on this machine are announced under an address the remote hosts reach it at (not 127.0.0.1).
+  LOCAL_ADDR=127.0.0.1 first_remote=""
+  for role in replay verifier rollout learner; do
+    for h in ${ROLE_HOSTS[$role]:-}; do is_local "$h" || first_remote=${first_remote:-$h}; done
+  done
+  if [ -n "$first_remote" ]; then
+    LOCAL_ADDR=${ASYNC_VAPO_ADVERTISE_HOST:-$("$PY" -c 'import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.connect((sys.argv[1], 9))  # UDP: picks the route, sends nothing
+print(s.getsockname()[0])' "$first_remote" 2>/dev/null || hostname -f 2>/dev/null || hostname)}
+  fi
   OVERRIDES+=(cluster.bind_host=0.0.0.0)
   for role in replay verifier learner; do
     h=$(echo ${ROLE_HOSTS[$role]:-localhost} | awk '{print $1}')
-    is_local "$h" && h=127.0.0.1
+    is_local "$h" && h=$LOCAL_ADDR
     OVERRIDES+=("cluster.${role}_host=$h")
   done
   rh=()
   for h in ${ROLE_HOSTS[rollout]:-localhost}; do
-    is_local "$h" && h=127.0.0.1
+    is_local "$h" && h=$LOCAL_ADDR
     rh+=("\"$h\"")
   done
   OVERRIDES+=("cluster.rollout_hosts=[$(IFS=,; echo "${rh[*]}")]")
@@ -75,10 +105,30 @@ PLAN=$("$PY" -m async_vapo.cluster.common plan "${CONFIGS[@]}" ${RUN_DIR_ARG:+--
        --scrape-interval "$INTERVAL" -- "${OVERRIDES[@]}") || { echo "start_cluster: bad config" >&2; exit 2; }
 eval "$PLAN"
 mkdir -p "$RUN_DIR/logs" "$RUN_DIR/pids"
+# A cluster still running in RUN_DIR (remote groups checked over ssh, with the command the old run recorded
+# unless ASYNC_VAPO_SSH is set: as deploy/stop_cluster.sh does)
+OLD_SSH=("${SSH[@]}")
+if [ -z "${ASYNC_VAPO_SSH:-}" ] && [ -f "$RUN_DIR/pids/cluster.env" ]; then
+  old=$(sed -n 's/^ASYNC_VAPO_SSH=//p' "$RUN_DIR/pids/cluster.env")
+  [ -n "$old" ] && read -ra OLD_SSH <<< "$old"
+fi
 for f in "$RUN_DIR"/pids/*.pid; do
   [ -e "$f" ] || continue
-  if [ ! -e "$RUN_DIR/pids/$(basename "$f" .pid).host" ] && kill -0 -- "-$(cat "$f")" 2>/dev/null; then
-    echo "start_cluster: $RUN_DIR already has a running cluster ($(basename "$f" .pid)); stop it first:" >&2
+  name=$(basename "$f" .pid) running=0
+  if [ -e "$RUN_DIR/pids/$name.host" ]; then
+    host=$(cat "$RUN_DIR/pids/$name.host") rc=0
+    "${OLD_SSH[@]}" "$host" "bash -c $(q "kill -0 -- -$(cat "$f")")" < /dev/null 2>/dev/null || rc=$?
+    [ "$rc" = 0 ] && running=1
+    if [ "$rc" = 255 ]; then
+      echo "start_cluster: cannot check $name on $host over ssh (${OLD_SSH[*]}); stop it first or remove $RUN_DIR/pids:" >&2
+      echo "  deploy/stop_cluster.sh $RUN_DIR" >&2
+      exit 1
+    fi
+  elif kill -0 -- "-$(cat "$f")" 2>/dev/null; then
+    running=1
+  fi
+  if [ "$running" = 1 ]; then
+    echo "start_cluster: $RUN_DIR already has a running cluster ($name); stop it first:" >&2
     echo "  deploy/stop_cluster.sh $RUN_DIR" >&2
     exit 1
   fi
@@ -86,7 +136,7 @@ done
 rm -f "$RUN_DIR"/pids/* "$RUN_DIR/DONE"
 ASYNC_VAPO_T0=$(date +%s.%N)
 export ASYNC_VAPO_T0
-echo "STOP_GRACE=$STOP_GRACE" > "$RUN_DIR/pids/cluster.env"
+printf 'STOP_GRACE=%s\nASYNC_VAPO_SSH=%s\n' "$STOP_GRACE" "$SSH_CMD" > "$RUN_DIR/pids/cluster.env"
 echo "[start_cluster] run dir $RUN_DIR: $N_ROLLOUT rollout engine(s), $N_LEARNER learner rank(s)" >&2
 
 # -- the base model is built once here, not by four services at the same time -----------------------------------
@@ -116,6 +166,21 @@ fi
 
 # -- start ---------------------------------------------------------------------------------------------------------
 STARTED=()
+FORWARD_ENV='^(ASYNC_VAPO_[A-Z0-9_]+|VLLM_[A-Z0-9_]+|HF_[A-Z0-9_]+|TRANSFORMERS_[A-Z0-9_]+|TORCH_[A-Z0-9_]+|NCCL_[A-Z0-9_]+'
+FORWARD_ENV+='|GLOO_[A-Z0-9_]+|OMP_NUM_THREADS|MKL_NUM_THREADS|CUDA_VISIBLE_DEVICES|TOKENIZERS_PARALLELISM)$'
+remote_env() {  # the environment a remote service gets, as quoted words for env(1)
+  local v out
+  out="$(q "PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}")"
+  for v in $(compgen -e); do
+    [[ $v =~ $FORWARD_ENV ]] && [ "$v" != ASYNC_VAPO_SSH ] && out+=" $(q "$v=${!v}")"
+  done
+  echo "$out"
+}
+fail_start() {  # fail_start MESSAGE: stop what was started, exit 1
+  echo "start_cluster: $1" >&2
+  "$REPO/deploy/stop_cluster.sh" "$RUN_DIR" >&2 || true
+  exit 1
+}
 start() {  # start NAME HOST CPUS CMD...
   local name=$1 host=$2 cpus=$3; shift 3
   local log="$RUN_DIR/logs/$name.log" pin=()
@@ -128,10 +193,14 @@ start() {  # start NAME HOST CPUS CMD...
     fi
     echo $! > "$RUN_DIR/pids/$name.pid"
   else
-    local q; q=$(printf '%q ' "$@")
-    ssh -o BatchMode=yes "$host" "cd $(printf %q "$REPO") && mkdir -p $(printf %q "$RUN_DIR/logs") && \
-      ASYNC_VAPO_T0=$ASYNC_VAPO_T0 setsid nohup $q >> $(printf %q "$log") 2>&1 < /dev/null & echo \$!" \
-      > "$RUN_DIR/pids/$name.pid"
+    # `;` not `&&` before the `&`: only the service goes to the background, and $! is its PID (setsid needs no
+    # fork there: a background job of a non-interactive shell is no group leader), so PID = its group id.
+    local cmd="" a out rc=0
+    for a in "$@"; do cmd+=" $(q "$a")"; done
+    out=$(remote "$host" "cd $(q "$REPO") || exit 1; mkdir -p $(q "$RUN_DIR/logs") $(q "$RUN_DIR/pids") || exit 1; \
+env $(remote_env) setsid nohup$cmd >> $(q "$log") 2>&1 < /dev/null & echo \$!") || rc=$?
+    [[ $rc = 0 && $out =~ ^[0-9]+$ ]] || fail_start "starting $name on $host over ssh failed (exit $rc, output '$out'; ASYNC_VAPO_SSH='$SSH_CMD')"
+    echo "$out" > "$RUN_DIR/pids/$name.pid"
     echo "$host" > "$RUN_DIR/pids/$name.host"
   fi
   STARTED+=("$name")
@@ -171,12 +240,37 @@ health_url() {  # health_url NAME -> the plan's URL (on the role's host)
   var="HEALTH_${role^^}_${idx}"
   echo "${!var}"
 }
+alive() {  # alive NAME: its process still runs (a remote one checked over ssh; ssh failing counts as alive)
+  local pid rc=0
+  pid=$(cat "$RUN_DIR/pids/$1.pid")
+  [ -e "$RUN_DIR/pids/$1.host" ] || { kill -0 "$pid" 2>/dev/null; return; }
+  remote "$(cat "$RUN_DIR/pids/$1.host")" "kill -0 $pid" 2>/dev/null || rc=$?
+  [ "$rc" != 1 ]
+}
+wait_health_remote() {  # wait_health_remote NAME URL TIMEOUT_S: wait-health in short rounds, checking the process
+  local deadline=$(( SECONDS + $3 ))
+  while :; do
+    "$PY" -m async_vapo.cluster.common wait-health "$2" 5 2>/dev/null && return 0
+    alive "$1" || { echo "$1 ($(cat "$RUN_DIR/pids/$1.host")) exited before $2 became healthy" >&2; return 1; }
+    [ "$SECONDS" -lt "$deadline" ] || { echo "$2 not healthy after $3 s" >&2; return 1; }
+  done
+}
 for name in "${STARTED[@]}"; do
-  pid_arg=()
-  [ -e "$RUN_DIR/pids/$name.host" ] || pid_arg=("$(cat "$RUN_DIR/pids/$name.pid")")
-  if ! "$PY" -m async_vapo.cluster.common wait-health "$(health_url "$name")" "$HEALTH_TIMEOUT" "${pid_arg[@]}"; then
-    echo "[start_cluster] $name did not become healthy; last lines of $RUN_DIR/logs/$name.log:" >&2
-    tail -n 40 "$RUN_DIR/logs/$name.log" >&2 || true
+  if [ -e "$RUN_DIR/pids/$name.host" ]; then
+    wait_health_remote "$name" "$(health_url "$name")" "$HEALTH_TIMEOUT" && ok=1 || ok=0
+  else
+    "$PY" -m async_vapo.cluster.common wait-health "$(health_url "$name")" "$HEALTH_TIMEOUT" \
+      "$(cat "$RUN_DIR/pids/$name.pid")" && ok=1 || ok=0
+  fi
+  if [ "$ok" = 0 ]; then
+    if [ -e "$RUN_DIR/pids/$name.host" ]; then
+      host=$(cat "$RUN_DIR/pids/$name.host")
+      echo "[start_cluster] $name did not become healthy; last lines of $RUN_DIR/logs/$name.log on $host:" >&2
+      remote "$host" "tail -n 40 $(q "$RUN_DIR/logs/$name.log")" >&2 || true
+    else
+      echo "[start_cluster] $name did not become healthy; last lines of $RUN_DIR/logs/$name.log:" >&2
+      tail -n 40 "$RUN_DIR/logs/$name.log" >&2 || true
+    fi
     "$REPO/deploy/stop_cluster.sh" "$RUN_DIR" >&2 || true
     exit 1
   fi
@@ -184,17 +278,20 @@ for name in "${STARTED[@]}"; do
 done
 echo "[start_cluster] all services up; logs in $RUN_DIR/logs; stop with: deploy/stop_cluster.sh $RUN_DIR" >&2
 
+on_host_of() {  # on_host_of NAME SCRIPT: run SCRIPT where NAME runs (its RUN_DIR is there)
+  if [ -e "$RUN_DIR/pids/$1.host" ]; then remote "$(cat "$RUN_DIR/pids/$1.host")" "$2"; else bash -c "$2"; fi
+}
 if [ "$WAIT" = 1 ]; then
-  learner_pid=$(cat "$RUN_DIR/pids/learner.pid")
-  while [ ! -e "$RUN_DIR/DONE" ] && kill -0 "$learner_pid" 2>/dev/null; do sleep 2; done
+  done_file=$(q "$RUN_DIR/DONE") metrics=$(q "$RUN_DIR/metrics.jsonl")
+  while ! on_host_of learner "test -e $done_file" && alive learner; do sleep 2; done
   # rollout 0 evaluates the last version once it has loaded it: give it up to 2 minutes (when it evaluates at all)
-  if [ -e "$RUN_DIR/DONE" ] && grep -q '"kind": "eval"' "$RUN_DIR/metrics.jsonl" 2>/dev/null; then
-    last=$(cat "$RUN_DIR/DONE")
+  if last=$(on_host_of learner "cat $done_file" 2>/dev/null) \
+     && on_host_of rollout-0 "grep -q '\"kind\": \"eval\"' $metrics" 2>/dev/null; then
     for _ in $(seq 60); do
-      grep -q "\"kind\": \"eval\", \"step\": $last," "$RUN_DIR/metrics.jsonl" && break
+      on_host_of rollout-0 "grep -q '\"kind\": \"eval\", \"step\": $last,' $metrics" && break
       sleep 2
     done
   fi
   "$REPO/deploy/stop_cluster.sh" "$RUN_DIR"
-  [ -e "$RUN_DIR/DONE" ] || { echo "[start_cluster] the learner exited before finishing" >&2; exit 1; }
+  on_host_of learner "test -e $done_file" || { echo "[start_cluster] the learner exited before finishing" >&2; exit 1; }
 fi

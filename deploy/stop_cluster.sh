@@ -2,6 +2,10 @@
 # Stop exactly what deploy/start_cluster.sh started in RUN_DIR: the process groups recorded in RUN_DIR/pids/*.pid
 # (SIGTERM, then SIGKILL after cluster.stop_grace_s), plus the sandbox workers of the verifier and of rollout 0's
 # evaluation pool (they run in their own sessions; listed in RUN_DIR/pids/*.children). Exits 0 only when nothing of them is left.
+# Services started over ssh (RUN_DIR/pids/NAME.host names the host) are signalled and checked there, their sandbox
+# workers too (from that host's RUN_DIR/pids/NAME.children), with the ssh command start_cluster.sh recorded in
+# RUN_DIR/pids/cluster.env (ASYNC_VAPO_SSH set in the environment wins; default "ssh -o BatchMode=yes"); a host
+# that cannot be reached counts as not stopped.
 #
 #   deploy/stop_cluster.sh RUN_DIR [--grace SECONDS]
 set -uo pipefail
@@ -11,6 +15,11 @@ GRACE=20
 [ -f "$PIDS/cluster.env" ] && GRACE=$(sed -n 's/^STOP_GRACE=//p' "$PIDS/cluster.env")
 [ "${2:-}" = "--grace" ] && GRACE=${3:?--grace needs seconds}
 [ -d "$PIDS" ] || { echo "stop_cluster: no $PIDS: nothing was started there" >&2; exit 0; }
+SSH_CMD=${ASYNC_VAPO_SSH:-}
+[ -z "$SSH_CMD" ] && [ -f "$PIDS/cluster.env" ] && SSH_CMD=$(sed -n 's/^ASYNC_VAPO_SSH=//p' "$PIDS/cluster.env")
+read -ra SSH <<< "${SSH_CMD:-ssh -o BatchMode=yes}"
+ABS_PIDS=$(cd "$PIDS" && pwd -P)  # the remote shell starts in its home directory
+q() { local s=$1; printf "'%s'" "${s//\'/\'\\\'\'}"; }  # one word, single-quoted for the remote shell
 
 LOCAL=() REMOTE=()
 for f in "$PIDS"/*.pid; do
@@ -22,12 +31,25 @@ done
 CHILDREN=()
 for f in "$PIDS"/*.children; do
   [ -e "$f" ] || continue
+  [ -e "$PIDS/$(basename "$f" .children).host" ] && continue  # a remote service's: handled on its host
   while read -r pid; do
     [ -n "$pid" ] && grep -qa "async_vapo.verify.sandbox" "/proc/$pid/cmdline" 2>/dev/null && CHILDREN+=("$pid")
   done < "$f"
 done
 
 group_alive() { kill -0 -- "-$1" 2>/dev/null; }
+remote_do() {  # remote_do NAME SIG: signal NAME's group and sandbox workers on its host; SIG 0: print what is alive
+  local pgid cf
+  pgid=$(cat "$PIDS/$1.pid") cf=$(q "$ABS_PIDS/$1.children")
+  "${SSH[@]}" "$(cat "$PIDS/$1.host")" "bash -c $(q "
+    if [ $2 = 0 ]; then kill -0 -- -$pgid 2>/dev/null && echo 'pgid $pgid'; else kill -$2 -- -$pgid 2>/dev/null; fi
+    [ -f $cf ] || exit 0
+    for p in \$(cat $cf); do
+      grep -qa async_vapo.verify.sandbox /proc/\$p/cmdline 2>/dev/null || continue
+      if [ $2 = 0 ]; then echo \"sandbox-worker \$p\"; else kill -$2 \$p 2>/dev/null; fi
+    done
+    exit 0")" < /dev/null 2>/dev/null
+}
 signal_all() {  # signal_all SIG
   local name pid
   for name in "${LOCAL[@]}"; do
@@ -35,9 +57,7 @@ signal_all() {  # signal_all SIG
     group_alive "$pid" && kill -"$1" -- "-$pid" 2>/dev/null
   done
   for pid in "${CHILDREN[@]}"; do kill -"$1" "$pid" 2>/dev/null; done
-  for name in "${REMOTE[@]}"; do
-    ssh -o BatchMode=yes "$(cat "$PIDS/$name.host")" "kill -$1 -- -$(cat "$PIDS/$name.pid")" 2>/dev/null
-  done
+  for name in "${REMOTE[@]}"; do remote_do "$name" "$1"; done
 }
 left() {  # prints what is still alive
   local name pid
@@ -46,9 +66,13 @@ left() {  # prints what is still alive
     group_alive "$pid" && echo "$name(pgid $pid)"
   done
   for pid in "${CHILDREN[@]}"; do kill -0 "$pid" 2>/dev/null && echo "sandbox-worker($pid)"; done
+  local out
   for name in "${REMOTE[@]}"; do
-    ssh -o BatchMode=yes "$(cat "$PIDS/$name.host")" "kill -0 -- -$(cat "$PIDS/$name.pid")" 2>/dev/null \
-      && echo "$name@$(cat "$PIDS/$name.host")"
+    if out=$(remote_do "$name" 0); then
+      [ -n "$out" ] && echo "$name@$(cat "$PIDS/$name.host")($(echo "$out" | paste -sd, -))"
+    else
+      echo "$name@$(cat "$PIDS/$name.host")(ssh failed)"
+    fi
   done
 }
 

@@ -18,9 +18,10 @@ learner -> rollouts    XPUB/SUB     learner   PUB drops (learner never     recv:
  Heartbeat, Shutdown)                         [4]                          re-sent to each new subscriber [4]
 rollout -> learner     PUSH/PULL    learner   as rollout -> verifier       as rollout -> verifier
 (WeightsAck)
-weights, "zmq"         DEALER/      learner   as learner <-> replay        [header, raw] frames: header <= max_bytes,
-(WeightsFetch ->       ROUTER                                              raw <= max_blob_bytes and == header nbytes,
- TensorHeader + raw)                                                       checksum verified [5]
+weights fetch          DEALER/      learner   ROUTER_MANDATORY; at most   [header, raw] frames: header <= max_bytes,
+(WeightsFetch ->       ROUTER       (thread)  4 chunk requests in flight   raw <= chunk bytes and == header nbytes,
+ TensorHeader + raw,                          per engine (credit window)   crc32 verified [5]; each wait timeout_s,
+ or Ack(ok=False))                                                         then PeerTimeout
 =====================  ===========  ========  ===========================  ============================================
 
 [1] The sender handles BackpressureFull by a named policy (the rollout holds generation). A PUSH/PULL
