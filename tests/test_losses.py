@@ -368,3 +368,75 @@ def test_critic_error_by_age_separates_ages_and_ignores_padding():
     assert out["critic_age/2/value_error_abs"] == pytest.approx(1.0)
     assert set(out) == {f"critic_age/{a}/{k}" for a in (0, 2) for k in ("explained_variance", "value_error_abs",
                                                                             "samples")}
+
+
+# -- decoupled PPO: samples of older weights ------------------------------------------------------------------
+
+
+def test_behavior_weights_are_the_truncated_proximal_over_behaviour_ratio():
+    from async_vapo.algo.losses import behavior_weights
+
+    prox = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
+    behav = torch.tensor([[-1.0, -2.5, -0.2, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    w, m = behavior_weights(prox, behav, mask, cap=1.5)
+    torch.testing.assert_close(w[0, :3], torch.tensor([1.0, 1.5, math.exp(-0.3)]))  # exp(0.5) = 1.65 capped
+    assert w[0, 3] == 1.0  # padding
+    assert abs(float(m["behavior_weight_capped_frac"]) - 1 / 3) < 1e-6 and float(m["behavior_weight_max"]) == 1.5
+
+
+def test_policy_loss_weights_each_tokens_surrogate_and_nothing_else():
+    from async_vapo.algo.losses import policy_loss
+
+    torch.manual_seed(0)
+    lp = (torch.randn(3, 5) * 0.1 - 1).requires_grad_()
+    old = lp.detach() + torch.randn(3, 5) * 0.05
+    adv, mask = torch.randn(3, 5), torch.ones(3, 5)
+    mask[2, 3:] = 0
+    base, _ = policy_loss(lp, old, adv, mask, 0.2, 0.28)
+    ones, _ = policy_loss(lp, old, adv, mask, 0.2, 0.28, behavior_weights=torch.ones(3, 5))
+    assert torch.equal(base, ones)
+    w = torch.rand(3, 5) + 0.5
+    weighted, _ = policy_loss(lp, old, adv, mask, 0.2, 0.28, behavior_weights=w)
+    (g_w,) = torch.autograd.grad(weighted, lp)
+    (g_1,) = torch.autograd.grad(base, lp)
+    valid = mask.bool()
+    torch.testing.assert_close(g_w[valid], (g_1 * w)[valid])  # token-level mean: each token's gradient times w
+
+
+def test_decoupled_correction_leaves_on_policy_updates_alone_and_moves_stale_ones(tmp_path):
+    """Behaviour log-probs equal to the learner's own (on-policy): the switch changes nothing. Behaviour
+    log-probs of other weights (stale samples): it changes the update."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_data_parallel import FAST, _groups
+    from transformers import AutoTokenizer
+
+    from async_vapo.config import load_config
+    from async_vapo.learner.vapo import Learner, make_rollout_batch
+    from async_vapo.models.base import ensure_base_model
+
+    def run(correction: bool, shift: float) -> tuple[dict, dict]:
+        cfg = load_config([], FAST + [f"model.cache_dir={tmp_path}", f"algo.behavior_correction={correction}"])
+        base = ensure_base_model(cfg, progress=False)
+        tok = AutoTokenizer.from_pretrained(str(base))
+        torch.manual_seed(0)
+        learner = Learner(cfg, base)
+        batch = make_rollout_batch(_groups(tok), tok.pad_token_id)
+        with torch.no_grad():
+            own, _ = learner._forward_old(batch)
+        batch.behavior_logprobs = torch.where(batch.tokens.response_mask.bool(), own + shift, batch.behavior_logprobs)
+        metrics = learner.update(batch)
+        return {k: v.clone() for k, v in learner.policy.state_dict().items()}, metrics
+
+    on_a, m_on = run(True, 0.0)
+    on_b, _ = run(False, 0.0)
+    assert abs(m_on["actor/behavior_weight_mean"] - 1.0) < 1e-6 and m_on["behavior_logprob_gap"] < 1e-6
+    for k in on_a:
+        torch.testing.assert_close(on_a[k], on_b[k], rtol=0, atol=1e-6)
+    stale_a, m_stale = run(True, -0.3)  # the behaviour policy gave these tokens less mass: weight e^0.3
+    stale_b, _ = run(False, -0.3)
+    assert abs(m_stale["actor/behavior_weight_mean"] - math.exp(0.3)) < 1e-4
+    assert any(not torch.allclose(stale_a[k], stale_b[k], atol=1e-6) for k in stale_a)

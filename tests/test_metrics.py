@@ -30,11 +30,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 EXPECTED = {
     "rollout": ["generated_tokens_total", "generated_samples_total", "inflight_groups", "served_version",
-                "weight_load_seconds", "admission_rejects_total"],
+                "weight_load_seconds", "weight_transfers_total", "admission_rejects_total"],
     "verifier": ["checks_total", "timeouts_total", "rejects_total", "queue_depth", "check_seconds"],
     "replay": ["stored_groups", "stale_drops_total", "batch_assembly_seconds", "sample_age_versions", "batches_total"],
     "learner": ["step_seconds", "loss", "reward", "accuracy", "entropy", "clipfrac", "explained_variance", "version",
-                "broadcast_seconds", "value_pretrain_steps_total"],
+                "broadcast_seconds", "weight_fetch_bytes_total", "value_pretrain_steps_total"],
 }
 COMMON = ["process_cpu_ratio", "up", "info", "wire_rejects_total"]
 

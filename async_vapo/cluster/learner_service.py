@@ -143,10 +143,10 @@ class WeightSync:
         self.server: WeightServer | None = None
         if c.weight_transfer != "file":
             self.slots = WeightSlots(self.dir, max(2, c.keep_weight_versions))
-            served = m.counter("weight_fetch_bytes_total", "Weight bytes sent to engines fetching over ZeroMQ.")
             self.server = WeightServer(self.slots, fetch_endpoint or ctx.endpoint(c.bind_host, c.weights_fetch_port),
                                        chunk_bytes=c.weight_chunk_bytes, max_bytes=c.max_message_bytes,
-                                       send_timeout_s=c.send_timeout_s, sender=ctx.name, on_served=served.inc)
+                                       send_timeout_s=c.send_timeout_s, sender=ctx.name,
+                                       on_served=m.learner.weight_fetch_bytes_total.inc)
 
     def publish(self, version: int, state) -> float:
         """Write and announce ``state`` as ``version``; returns the seconds spent writing."""

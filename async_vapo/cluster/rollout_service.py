@@ -144,8 +144,6 @@ class RolloutService:
         self.sub = self.transport.subscriber(ctx.endpoint(c.learner_host, c.weights_port),
                                              decoder=ctx.decoder((WeightsAnnounce, Heartbeat, Shutdown), "weights"))
         self.m = ctx.metrics.rollout
-        self.transfers = ctx.metrics.counter("weight_transfers_total", "Weight versions loaded, by the way they came.",
-                                             labels=("via",))
         self.latest: WeightsAnnounce | None = None
         self.learner_version = 0
         self.failed_versions: set[int] = set()
@@ -189,7 +187,7 @@ class RolloutService:
         try:
             with self.ctx.busy("load_weights"):
                 path = self._load(a)
-            self.transfers.labels(via=path).inc()
+            self.m.weight_transfers_total.labels(via=path).inc()
         except Exception as exc:
             ok, error = False, f"{type(exc).__name__}: {exc}"
             self._next_retry = time.monotonic() + 5.0

@@ -5,9 +5,12 @@ One rollout step's groups become one ``RolloutBatch``; ``Learner.update`` then r
 losses are weighted by their share of the mini-batch's tokens (or sequences) — so the token-level loss
 is one mean over every valid token of the mini-batch however it is split.
 
-Log-probabilities of the behaviour policy (``old_logprobs``) are recomputed by the learner with the
-weights that generated the batch; the engine's own log-probs are kept only to report the
-engine/learner mismatch (``behavior_logprob_gap``).
+``old_logprobs`` are recomputed by the learner with its weights at the start of the update (the
+proximal policy): for on-policy samples these are the weights that generated them. Samples that older
+weights generated (asynchronous training, ``async.max_staleness`` > 0) are corrected by the decoupled PPO
+objective (``algo.behavior_correction``): each token's clipped surrogate is weighted by
+π_proximal / π_behaviour, with the engine's log-probs as π_behaviour, truncated at
+``algo.behavior_weight_cap``. ``behavior_logprob_gap`` reports the mean |log π_proximal − log π_behaviour|.
 
 Advantages by algorithm (the math lives in ``async_vapo.algo``):
 - vapo / ppo: GAE on the critic's values; actor λ = ``lam_policy`` or, with length-adaptive GAE,
@@ -29,6 +32,7 @@ from async_vapo.algo.advantages import broadcast_to_tokens, group_normalized_adv
 from async_vapo.algo.dapo import soft_overlong_punishment
 from async_vapo.algo.gae import compute_gae, length_adaptive_lambda
 from async_vapo.algo.losses import (
+    behavior_weights,
     loss_normalizer,
     microbatch_weight,
     policy_loss,
@@ -75,7 +79,7 @@ def make_rollout_batch(groups: Sequence[Group], pad_id: int, *, overlong_max_len
             versions.append(g.version)
             blp.append(s.behavior_logprobs)
     tokens = make_token_batch(prompts, responses, pad_id)
-    behavior = torch.zeros(tokens.response_mask.shape)
+    behavior = torch.full(tokens.response_mask.shape, float("nan"))  # NaN: not reported by the engine
     for i, lp in enumerate(blp):
         behavior[i, : len(lp)] = torch.as_tensor(lp, dtype=torch.float)
     r = torch.tensor(rewards, dtype=torch.float)
@@ -289,7 +293,13 @@ class Learner:
         mask = batch.tokens.response_mask
         old_lp, values = self._forward_old(batch)
         adv, returns, stats = self.advantages(batch, values)
-        stats["behavior_logprob_gap"] = float(masked_mean((old_lp - batch.behavior_logprobs).abs(), mask))
+        # tokens without an engine log-prob count as on-policy (weight 1)
+        behavior = torch.where(torch.isnan(batch.behavior_logprobs), old_lp, batch.behavior_logprobs)
+        stats["behavior_logprob_gap"] = float(masked_mean((old_lp - behavior).abs(), mask))
+        bw = None
+        if self.algo.behavior_correction:
+            bw, bstats = behavior_weights(old_lp, behavior, mask, self.algo.behavior_weight_cap)
+            stats.update({f"actor/{k}": float(v) for k, v in bstats.items()})
         if values is not None:
             stats.update(critic_error_by_age(values, returns, mask, self.version - batch.versions))
         token_level = self.algo.token_level_loss
@@ -309,7 +319,8 @@ class Learner:
                     with torch.no_grad():
                         ent = entropy_from_logits(logits)
                     pl, m = policy_loss(lp, old_lp[mi, :w], adv[mi, :w], tb.response_mask, self.algo.eps_low,
-                                        eps_high, token_level=token_level, entropy=ent)
+                                        eps_high, token_level=token_level, entropy=ent,
+                                        behavior_weights=None if bw is None else bw[mi, :w])
                     loss = microbatch_weight(tb.response_mask, total, token_level) * pl
                     row = {"actor/pg_loss": float(pl.detach()), **{f"actor/{k}": float(x) for k, x in m.items()}}
                     if self.algo.pos_lm_coef > 0:

@@ -132,6 +132,7 @@ class RolloutMetrics:
     inflight_groups: Gauge
     served_version: Gauge
     weight_load_seconds: Histogram
+    weight_transfers_total: Counter  # labels: via = shm | zmq | file
     admission_rejects_total: Counter  # labels: reason
 
     @classmethod
@@ -143,6 +144,9 @@ class RolloutMetrics:
             served_version=m.gauge("served_version", "Policy version whose weights the engine is serving."),
             weight_load_seconds=m.histogram("weight_load_seconds", "Time to load one policy version into the engine.",
                                             TRANSFER_BUCKETS),
+            weight_transfers_total=m.counter("weight_transfers_total",
+                                             "Policy versions loaded, by the way the weights came (shm, zmq, file).",
+                                             labels=("via",)),
             admission_rejects_total=m.counter("admission_rejects_total", "Requests refused at admission.",
                                               labels=("reason",)),
         )
@@ -209,6 +213,7 @@ class LearnerMetrics:
     explained_variance: Gauge
     version: Gauge
     broadcast_seconds: Histogram
+    weight_fetch_bytes_total: Counter
     value_pretrain_steps_total: Counter
 
     @classmethod
@@ -231,6 +236,8 @@ class LearnerMetrics:
             version=m.gauge("version", "Policy version after the last update."),
             broadcast_seconds=m.histogram("broadcast_seconds", "Time to publish one policy version.",
                                           TRANSFER_BUCKETS),
+            weight_fetch_bytes_total=m.counter("weight_fetch_bytes_total",
+                                               "Weight bytes sent to engines fetching over ZeroMQ (other hosts)."),
             value_pretrain_steps_total=m.counter("value_pretrain_steps_total", "Critic-only pretraining steps."),
         )
 
