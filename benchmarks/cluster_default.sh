@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The embedded default on the services (rollout, verifier, replay, learner as separate processes over
-# ZeroMQ), with configs/tiny_cpu.toml's async.max_staleness (1; its committed result was measured at 0).
+# ZeroMQ), with configs/tiny_cpu.toml's async.max_staleness (1).
 #   bash benchmarks/cluster_default.sh [key.sub=value ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
