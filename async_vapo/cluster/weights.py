@@ -125,13 +125,13 @@ class WeightSlots:
         self.buffers = [SharedWeightBuffer(str(directory), header=HEADER_BYTES, persistent=True, prefix=f"slot{i}-")
                         for i in range(slots)]
         self._next = 0
-        self._lock = threading.Lock()  # a slot growing (a new file) against a reader picking it
+        self.lock = threading.Lock()  # a slot growing (a new file) against a reader picking it
 
     def write(self, version: int, state: Mapping) -> SlotWrite:
         layout, span = flat_layout(state, HEADER_BYTES)
         buf = self.buffers[self._next]
         self._next = (self._next + 1) % len(self.buffers)
-        with self._lock:
+        with self.lock:
             mm = buf.reserve(span)
         _STATE.pack_into(mm, _STATE_OFFSET, WRITING)  # first: readers of the old version see it go
         copy_into(mm, state, layout)
@@ -145,8 +145,8 @@ class WeightSlots:
     def read(self, version: int, start: int, stop: int) -> bytes:
         """A copy of data bytes ``[start, stop)`` of ``version``; WeightsUnavailable if no slot holds it
         complete, before and after the copy."""
-        with self._lock:
-            mms = [b._mm for b in self.buffers if b._mm is not None]
+        with self.lock:
+            mms = [b.mapping for b in self.buffers if b.mapping is not None]
         for mm in mms:
             try:
                 h = read_header(mm)
@@ -163,7 +163,7 @@ class WeightSlots:
         raise WeightsUnavailable(f"version {version} is not held any more (the learner keeps {len(self.buffers)})")
 
     def close(self) -> None:
-        with self._lock:
+        with self.lock:
             for b in self.buffers:
                 b.close()
 
@@ -244,8 +244,8 @@ class WeightServer:
             self.on_served(len(data))
 
     def _total(self, version: int) -> int:
-        with self.slots._lock:
-            mms = [b._mm for b in self.slots.buffers if b._mm is not None]
+        with self.slots.lock:
+            mms = [b.mapping for b in self.slots.buffers if b.mapping is not None]
         for mm in mms:
             h = read_header(mm)
             if h is not None and h[0] == READY and h[1] == version:

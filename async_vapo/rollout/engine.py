@@ -5,7 +5,7 @@ weights in place (no restart) and reports the weight version it serves. Prompts 
 responses come back as token ids (``skip_tokenizer_init``): tokenisation stays on our side, so the
 same code serves a character tokenizer and Qwen2.5's BPE.
 
-Weights reach the engine's workers (``worker_ext.py``) in one of two ways, both ending in vLLM's own
+Weights reach the engine's workers (``worker_ext.py``) in one of these ways, all ending in vLLM's own
 ``reload_weights``:
 
 * ``load_weights(state, version)`` (the one-process trainer): the state dict is copied, one memcpy
@@ -13,9 +13,14 @@ Weights reach the engine's workers (``worker_ext.py``) in one of two ways, both 
   push; the RPC carries only names, dtypes, shapes and offsets. The buffer is kept between
   pushes (it holds one copy of the weights in host memory until ``close`` or
   ``release_weight_buffer``), so a push faults in no pages.
-* ``load_weights_from_file(path, version)`` (the cluster): a safetensors file the learner wrote.
+* ``load_weights_from_shared(path, nbytes, layout, version)`` (the cluster, an engine on the learner's
+  host): a flat buffer the learner wrote in its own shared-memory slot (``async_vapo.cluster.weights``),
+  mapped by the workers.
+* ``receive_buffer(nbytes)`` then ``load_received(layout, version)`` (the cluster, an engine on another
+  host): the caller fills the engine's own shared buffer (fetched over ZeroMQ) and it is loaded as above.
+* ``load_weights_from_file(path, version)``: a safetensors file (``cluster.weight_transfer = "file"``).
 
-``benchmarks/weight_sync.py`` measures both against a plain memcpy of the same bytes; vLLM's
+``benchmarks/weight_sync.py`` measures them against a plain memcpy of the same bytes; vLLM's
 ``reload_weights`` (which rebuilds each layer and, on the CPU backend, repacks every linear weight
 for oneDNN) is most of a push either way.
 
@@ -135,6 +140,11 @@ class SharedWeightBuffer:
         self.capacity = 0
         self._mm: mmap.mmap | None = None
         self._linked = False
+
+    @property
+    def mapping(self) -> mmap.mmap | None:
+        """The writable mapping of the current file, None before the first write."""
+        return self._mm
 
     @property
     def buffer(self) -> mmap.mmap:
