@@ -62,3 +62,26 @@ def assert_engine_serves(engine, policy, tok, prompt="5+5-3="):
         with torch.no_grad():
             lp = logprobs_from_logits(response_logits(policy, batch), batch.response_ids)[0]
         torch.testing.assert_close(lp, torch.tensor(sample.logprobs), atol=1e-3, rtol=0)
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports free on ``host`` right now (the services bind 0.0.0.0 under --hostfile)."""
+    import socket
+
+    socks = []
+    for _ in range(n):
+        sock = socket.socket()
+        sock.bind((host, 0))
+        socks.append(sock)
+    ports = [sock.getsockname()[1] for sock in socks]
+    for sock in socks:
+        sock.close()
+    return ports
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from conftest import free_ports, group_alive
 
 from async_vapo.cluster.common import make_context
 from async_vapo.cluster.learner_service import Rotation
@@ -177,16 +177,6 @@ def test_replay_service_counts_bad_frames_and_keeps_serving(tmp_path):
 
 # -- the cluster, end to end ---------------------------------------------------------------------------------------
 
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _prom_query(port: int, query: str) -> list[dict]:
@@ -205,12 +195,6 @@ def _prom_value(port: int, query: str) -> float | None:
     return float(res[0]["value"][1]) if res else None
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.mark.slow
@@ -220,7 +204,7 @@ def test_cluster_end_to_end_with_prometheus(tiny_cfg, tiny_base, tmp_path):
         pytest.skip("the prometheus binary is not installed (.ci/install_prometheus.sh installs Debian's package)")
     names = ["verifier_port", "replay_port", "replay_batch_port", "weights_port", "acks_port", "weights_fetch_port",
              "replay_metrics_port", "verifier_metrics_port", "learner_metrics_port", "rollout_metrics_port"]
-    ports = _free_ports(len(names) + 1)
+    ports = free_ports(len(names) + 1)
     prom_port = ports.pop()
     total_steps = 6
     config = tmp_path / "cluster.toml"
@@ -322,7 +306,7 @@ def test_cluster_end_to_end_with_prometheus(tiny_cfg, tiny_base, tmp_path):
             prom.kill()
     assert stop.returncode == 0, stop.stderr
     pids = {p.stem: int(p.read_text()) for p in (run_dir / "pids").glob("*.pid")}
-    assert pids and not [name for name, pgid in pids.items() if _group_alive(pgid)]
+    assert pids and not [name for name, pgid in pids.items() if group_alive(pgid)]
     children = [int(x) for f in (run_dir / "pids").glob("*.children") for x in f.read_text().split()]
     assert children  # the verifier's sandbox workers were recorded, and are gone too
     assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]
@@ -345,7 +329,7 @@ def test_cluster_end_to_end_with_prometheus(tiny_cfg, tiny_base, tmp_path):
 def _learner_cfg(tiny_cfg, total_steps: int):
     from conftest import TINY_TEST_OVERRIDES
 
-    ports = _free_ports(6)
+    ports = free_ports(6)
     names = ["replay_port", "replay_batch_port", "weights_port", "acks_port", "verifier_port", "weights_fetch_port"]
     return load_config([], [*TINY_TEST_OVERRIDES, f"model.cache_dir={tiny_cfg.model.cache_dir}",
                             f"train.total_steps={total_steps}", "train.checkpoint_every=1", "cluster.fsync=never",

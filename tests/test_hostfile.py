@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -20,21 +19,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import free_ports, group_alive
 
 REPO = Path(__file__).resolve().parents[1]
 REMOTE = "127.0.0.2"  # a loopback address, but not one is_local() in start_cluster.sh accepts
 
 
-def _free_ports(n: int, host: str = "0.0.0.0") -> list[int]:  # the services bind 0.0.0.0 under --hostfile
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind((host, 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _tail(path: Path, n: int = 60) -> str:
@@ -44,12 +34,6 @@ def _tail(path: Path, n: int = 60) -> str:
         return f"({exc})"
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -71,7 +55,7 @@ def sshd(tmp_path):
         pytest.skip("the OpenSSH server/client is not installed (.ci/install_sshd.sh installs Debian's openssh-server)")
     sshd_bin, ssh_bin, keygen = tools
     try:
-        port = _free_ports(1, REMOTE)[0]
+        port = free_ports(1, REMOTE)[0]
     except OSError as exc:
         pytest.skip(f"cannot bind {REMOTE} (not a Linux loopback?): {exc}")
     if os.geteuid() == 0:
@@ -143,7 +127,7 @@ def test_hostfile_roles_start_and_stop_over_ssh(sshd, tiny_cfg, tiny_base, tmp_p
     from async_vapo.config.schema import ClusterConfig
 
     port_names = [k for k in ClusterConfig.model_fields if k.endswith("_port")]  # every socket: a free port
-    ports = dict(zip(port_names, _free_ports(len(port_names)), strict=True))
+    ports = dict(zip(port_names, free_ports(len(port_names), "0.0.0.0"), strict=True))
     total_steps = 3
     config = tmp_path / "cluster.toml"
     config.write_text("[cluster]\n" + "".join(f"{k} = {p}\n" for k, p in ports.items())
@@ -262,7 +246,7 @@ def test_hostfile_roles_start_and_stop_over_ssh(sshd, tiny_cfg, tiny_base, tmp_p
             stop = SimpleNamespace(returncode=None, stderr=f"timed out: {exc.stderr}")
         pids = {p.stem: int(p.read_text()) for p in pids_dir.glob("*.pid")}
         children = [int(x) for f in pids_dir.glob("*.children") for x in f.read_text().split()]
-        left = [n for n, pgid in pids.items() if _group_alive(pgid)] + [
+        left = [n for n, pgid in pids.items() if group_alive(pgid)] + [
             c for c in children if Path(f"/proc/{c}/cmdline").exists()
             and b"async_vapo.verify.sandbox" in Path(f"/proc/{c}/cmdline").read_bytes()]
         for pgid in pids.values():  # never leave a cluster behind, whatever stop_cluster.sh did

@@ -26,21 +26,26 @@ from async_vapo.rollout.engine import SharedWeightBuffer
 from async_vapo.transport import PeerTimeout, ProtocolError
 
 
+def _unflatten(buf, layout, base: int = 0) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, dtype, shape, offset in layout:
+        dt = getattr(torch, dtype)
+        n = int(torch.Size(shape).numel()) * dt.itemsize
+        out[name] = torch.frombuffer(bytearray(buf[base + offset: base + offset + n]), dtype=dt).view(shape)
+    return out
+
+
 def _read_back(path: str, nbytes: int, layout) -> dict[str, torch.Tensor]:
-    """What a worker sees: views of the mapped file at the layout's offsets (as worker_ext builds them)."""
+    """What a worker sees: the mapped file's bytes at the layout's offsets."""
     fd = os.open(path, os.O_RDONLY)
     try:
         buf = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
     finally:
         os.close(fd)
-    data = bytes(buf)
-    buf.close()
-    out = {}
-    for name, dtype, shape, offset in layout:
-        dt = getattr(torch, dtype)
-        count = int(torch.Size(shape).numel())
-        out[name] = torch.frombuffer(bytearray(data[offset: offset + count * dt.itemsize]), dtype=dt).view(shape)
-    return out
+    try:
+        return _unflatten(buf, layout)
+    finally:
+        buf.close()
 
 
 def test_shared_buffer_holds_every_tensor_at_an_aligned_offset(tmp_path):
@@ -78,15 +83,6 @@ def test_shared_buffer_grows_into_a_new_file_and_leaves_none_behind(tmp_path):
         buf.write({})
     buf.close()
     assert list(tmp_path.iterdir()) == []
-
-
-def _unflatten(buf, layout, base: int = 0) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, dtype, shape, offset in layout:
-        dt = getattr(torch, dtype)
-        n = int(torch.Size(shape).numel()) * dt.itemsize
-        out[name] = torch.frombuffer(bytearray(buf[base + offset: base + offset + n]), dtype=dt).view(shape)
-    return out
 
 
 def test_slots_hold_the_newest_versions_round_robin_and_name_the_rest_unavailable(tmp_path):
