@@ -142,25 +142,37 @@ class WeightSlots:
                          layout=[(n, d, s, off - HEADER_BYTES) for n, d, s, off in layout], base=HEADER_BYTES,
                          token=self.token.hex())
 
-    def read(self, version: int, start: int, stop: int) -> bytes:
-        """A copy of data bytes ``[start, stop)`` of ``version``; WeightsUnavailable if no slot holds it
-        complete, before and after the copy."""
+    def _holding(self, version: int):
+        """``(mapping, data bytes)`` of the slot that holds ``version`` complete; WeightsUnavailable if none."""
         with self.lock:
             mms = [b.mapping for b in self.buffers if b.mapping is not None]
         for mm in mms:
             try:
                 h = read_header(mm)
-                if h is None or h[0] != READY or h[1] != version:
-                    continue
-                if not 0 <= start < stop <= h[2]:
-                    raise WeightsUnavailable(f"bytes [{start}, {stop}) outside version {version}'s {h[2]}")
-                data = mm[HEADER_BYTES + start: HEADER_BYTES + stop]
-                h2 = read_header(mm)
             except ValueError:  # the slot grew meanwhile and its old mapping was closed
                 continue
-            if h2 is not None and h2[0] == READY and h2[1] == version:
-                return data
+            if h is not None and h[0] == READY and h[1] == version:
+                return mm, h[2]
         raise WeightsUnavailable(f"version {version} is not held any more (the learner keeps {len(self.buffers)})")
+
+    def nbytes(self, version: int) -> int:
+        """Data bytes of ``version``; WeightsUnavailable if no slot holds it."""
+        return self._holding(version)[1]
+
+    def read(self, version: int, start: int, stop: int) -> bytes:
+        """A copy of data bytes ``[start, stop)`` of ``version``; WeightsUnavailable if no slot holds it
+        complete, before and after the copy."""
+        mm, nbytes = self._holding(version)
+        if not 0 <= start < stop <= nbytes:
+            raise WeightsUnavailable(f"bytes [{start}, {stop}) outside version {version}'s {nbytes}")
+        try:
+            data = mm[HEADER_BYTES + start: HEADER_BYTES + stop]
+            h = read_header(mm)
+        except ValueError:
+            h = None
+        if h is None or h[0] != READY or h[1] != version:
+            raise WeightsUnavailable(f"version {version} was rewritten while it was read")
+        return data
 
     def close(self) -> None:
         with self.lock:
@@ -220,7 +232,7 @@ class WeightServer:
         try:
             # the version's size comes from the slot; chunk `index` of it
             start = req.index * self.chunk_bytes
-            total = self._total(req.version)
+            total = self.slots.nbytes(req.version)
             stop = min(start + self.chunk_bytes, total)
             if req.index < 0 or start >= total:
                 raise WeightsUnavailable(f"chunk {req.index} outside version {req.version} ({total} bytes)")
@@ -243,15 +255,6 @@ class WeightServer:
         if self.on_served is not None:
             self.on_served(len(data))
 
-    def _total(self, version: int) -> int:
-        with self.slots.lock:
-            mms = [b.mapping for b in self.slots.buffers if b.mapping is not None]
-        for mm in mms:
-            h = read_header(mm)
-            if h is not None and h[0] == READY and h[1] == version:
-                return h[2]
-        raise WeightsUnavailable(f"version {version} is not held any more")
-
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
@@ -273,7 +276,7 @@ def fetch_weights(endpoint: str, version: int, nbytes: int, dst, *, chunk_bytes:
     sock = make_socket(shared_context(), zmq.DEALER)
     try:
         connect(sock, endpoint)
-        sent = done = 0
+        sent = 0
 
         def ask(index: int) -> None:
             env = make_envelope(WeightsFetch(engine_id=engine_id, version=version, index=index), sender=engine_id)
@@ -284,7 +287,7 @@ def fetch_weights(endpoint: str, version: int, nbytes: int, dst, *, chunk_bytes:
             ask(sent)
             sent += 1
         got: set[int] = set()
-        while done < count:
+        while len(got) < count:
             parts = _recv_parts(sock, time.monotonic() + timeout_s)
             if parts is None:
                 raise PeerTimeout(endpoint, timeout_s, f"chunk of version {version}")
@@ -302,7 +305,6 @@ def fetch_weights(endpoint: str, version: int, nbytes: int, dst, *, chunk_bytes:
                                                   f"does not fit version {version} of {nbytes} bytes")
             dst[start: start + raw.nbytes] = raw
             got.add(h.index)
-            done += 1
             if sent < count:
                 ask(sent)
                 sent += 1
