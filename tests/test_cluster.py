@@ -346,7 +346,7 @@ def _run_learner_until_done(cfg, run_dir: Path, tok, resume: str | None = None):
     replay = ReplayService(rctx)
     lctx = make_context("learner", cfg=cfg, run_dir=run_dir, serve_metrics=False, install_signals=False)
     learner = LearnerService(lctx, resume=resume)
-    resumed_at = (learner.learner.version, learner.start_step, learner.replay_cursor)
+    resumed_at = (learner.learner.version, learner.loop.start_step, learner.replay.cursor)
     threads = [threading.Thread(target=replay.run, daemon=True), threading.Thread(target=learner.run, daemon=True)]
     for t in threads:
         t.start()

@@ -249,25 +249,6 @@ def run_service(service: str, argv: Sequence[str] | None, body: Callable[[Servic
         ctx.close()
 
 
-class JsonlAppender:
-    """One JSON object per line, each appended with a single ``write(2)`` on an ``O_APPEND`` descriptor,
-    so two processes (learner: pretrain/train rows, rollout 0: eval rows) can share ``metrics.jsonl``
-    without interleaving inside a line (rows are far below the size where that could happen)."""
-
-    def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    def write(self, row: dict) -> None:
-        os.write(self._fd, (json.dumps(row) + "\n").encode())
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
 # -- start_cluster.sh helpers ----------------------------------------------------------------------------------
 
 def _plan(argv: Sequence[str]) -> int:

@@ -51,8 +51,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from async_vapo.cluster.common import JsonlAppender, ServiceContext
+from async_vapo.cluster.common import ServiceContext
 from async_vapo.cluster.weights import WeightServer, WeightSlots, slot_announce, write_file_version
+from async_vapo.learner.dist import destroy_process_group, init_process_group
+from async_vapo.metrics.jsonl import JsonlWriter
 from async_vapo.transport import (
     BatchMsg,
     BatchRequest,
@@ -203,24 +205,87 @@ class WeightSync:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def init_process_group():
-    """(rank, world size): torchrun's env:// when set, else a world of one over a loopback TCPStore."""
-    import torch
-    import torch.distributed as dist
-
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend)
-    else:
-        store = dist.TCPStore("127.0.0.1", 0, 1, True)
-        dist.init_process_group(backend, store=store, rank=0, world_size=1)
-    return dist.get_rank(), dist.get_world_size()
-
-
 def latest_checkpoint(run_dir: Path) -> Path | None:
     steps = [(int(p.name.split("_")[1]), p) for p in (run_dir / "checkpoints").glob("step_*")
              if p.name.split("_")[1].isdigit() and (p / "learner_state.pt").exists()]
     return max(steps)[1] if steps else None
+
+
+class ReplaySource:
+    """The learner's batch source: whole groups from the replay service, within the staleness bound.
+
+    While it waits it keeps the weight sync alive (heartbeats, acks). ``next_groups`` returns None once the
+    service is stopped."""
+
+    def __init__(self, ctx: ServiceContext, transport, sync: WeightSync, learner):
+        c = ctx.cfg.cluster
+        self.ctx, self.sync, self.learner = ctx, sync, learner
+        self.req = transport.requester(ctx.endpoint(c.replay_host, c.replay_batch_port),
+                                       decoder=ctx.decoder((BatchMsg,), "batches"), name=ctx.name)
+        self.cursor = 0
+        m = ctx.metrics
+        self.replay_timeouts = m.counter("replay_timeouts_total", "Batch requests the replay did not answer.")
+        self.stale_rejected = m.counter("stale_groups_rejected_total",
+                                        "Groups in a batch beyond the staleness bound (never used).")
+        self.wait_seconds = m.counter("batch_wait_seconds_total", "Time spent waiting for batches.")
+
+    def handshake(self) -> bool:
+        while not self.ctx.stop.is_set():
+            try:
+                self.req.handshake(self.ctx.cfg.cluster.batch_request_timeout_s)
+                return True
+            except PeerTimeout as exc:
+                self.replay_timeouts.inc()
+                self.ctx.log.warning("learner: replay not answering READY yet: %s", exc)
+                self.sync.heartbeat(self.learner.version)
+                self.sync.poll(0)
+        return False
+
+    def next_groups(self, n: int):
+        """``n`` whole groups admissible for the current version, with the wait; None when stopped first."""
+        c, v = self.ctx.cfg.cluster, self.learner.version
+        floor = v - self.ctx.cfg.async_.max_staleness
+        t0 = time.perf_counter()
+        try:
+            while not self.ctx.stop.is_set():
+                self.sync.heartbeat(v)
+                self.sync.poll(0)
+                env = make_envelope(BatchRequest(n_groups=n, for_version=v, min_version=floor),
+                                    sender=self.ctx.name, policy_version=v)
+                try:
+                    reply = self.req.request(env, c.batch_request_timeout_s)
+                except PeerTimeout as exc:
+                    self.replay_timeouts.inc()
+                    self.ctx.log.warning("learner: %s", exc)
+                    continue
+                batch: BatchMsg = reply.body
+                if batch.cursor < self.cursor:
+                    self.ctx.log.warning("learner: replay cursor %d is behind the checkpoint's %d (replay store "
+                                         "replaced?)", batch.cursor, self.cursor)
+                self.cursor = batch.cursor
+                ok = [g for g in batch.groups if floor <= g.version <= v]
+                if len(ok) != len(batch.groups):  # the replay enforces the bound; never use what breaks it
+                    self.stale_rejected.inc(len(batch.groups) - len(ok))
+                if ok:
+                    return ok, {"time/wait_batch_s": time.perf_counter() - t0}
+                self.sync.poll(c.batch_poll_s)
+            return None
+        finally:
+            self.wait_seconds.inc(time.perf_counter() - t0)
+
+    def row_metrics(self, kept, version: int) -> dict[str, float]:
+        versions = [g.version for g in kept] or [version - 1]
+        return {"replay/max_age": (version - 1) - min(versions), "replay/cursor": self.cursor,
+                "cluster/engines_in_rotation": len(self.sync.rotation.members)}
+
+    def state(self) -> dict:
+        return {"replay_cursor": self.cursor}
+
+    def restore(self, state: dict) -> None:
+        self.cursor = state.get("replay_cursor", 0)
+
+    def close(self) -> None:
+        pass
 
 
 class LearnerService:
@@ -228,6 +293,7 @@ class LearnerService:
         import torch
         from transformers import AutoTokenizer
 
+        from async_vapo.learner.loop import BroadcastSource, StepLoop
         from async_vapo.learner.vapo import Learner
         from async_vapo.models.base import ensure_base_model
         from async_vapo.models.reward import resolve_critic_path
@@ -248,92 +314,29 @@ class LearnerService:
         if ckpt is not None:
             policy_path = ckpt / "policy"
         self.learner = Learner(cfg, policy_path, critic_path)
-        self.start_step, self.replay_cursor, self.samples_seen = 0, 0, 0
-        self.step = self.last_checkpoint = 0
-        self.resumed = ckpt is not None
-        if ckpt is not None:
-            extra = self.learner.load_state(ckpt)
-            self.start_step = self.step = self.last_checkpoint = extra.get("step", self.learner.version)
-            self.replay_cursor = extra.get("replay_cursor", 0)
-            self.samples_seen = extra.get("samples_seen", 0)
-            ctx.log.info("learner: resumed from %s at version %d", ckpt, self.learner.version)
-        self.transport = self.sync = self.req = self.log = None
-        if self.rank == 0:
-            c = cfg.cluster
+        self.transport = self.sync = self.replay = self.log = None
+        leader = self.rank == 0
+        if leader:
             self.transport = ZmqTransport()
             self.sync = WeightSync(ctx, self.transport)
-            self.req = self.transport.requester(ctx.endpoint(c.replay_host, c.replay_batch_port),
-                                                decoder=ctx.decoder((BatchMsg,), "batches"), name=ctx.name)
-            self.log = JsonlAppender(ctx.run_dir / "metrics.jsonl")
-        lm = ctx.metrics.learner
-        self.lm = lm
-        self.replay_timeouts = ctx.metrics.counter("replay_timeouts_total", "Batch requests the replay did not answer.")
-        self.stale_rejected = ctx.metrics.counter("stale_groups_rejected_total",
-                                                  "Groups in a batch beyond the staleness bound (never used).")
-        self.wait_seconds = ctx.metrics.counter("batch_wait_seconds_total", "Time spent waiting for batches.")
-        lm.version.set(self.learner.version)
-
-    # -- batches -------------------------------------------------------------------------------------------------
-    def _make_batch(self, groups):
-        from async_vapo.learner.vapo import make_rollout_batch
-
-        cfg = self.ctx.cfg
-        return make_rollout_batch(groups, self.tokenizer.pad_token_id, overlong_max_len=cfg.rollout.max_response_tokens,
-                                  overlong_buffer=cfg.algo.overlong_buffer)
-
-    def handshake(self) -> bool:
-        while not self.ctx.stop.is_set():
-            try:
-                self.req.handshake(self.ctx.cfg.cluster.batch_request_timeout_s)
-                return True
-            except PeerTimeout as exc:
-                self.replay_timeouts.inc()
-                self.ctx.log.warning("learner: replay not answering READY yet: %s", exc)
-                self.sync.heartbeat(self.learner.version)
-                self.sync.poll(0)
-        return False
-
-    def fetch(self, n_groups: int) -> list | None:
-        """``n_groups`` whole groups admissible for the current version; None when stopped first."""
-        c, v = self.ctx.cfg.cluster, self.learner.version
-        floor = v - self.ctx.cfg.async_.max_staleness
-        t0 = time.perf_counter()
-        try:
-            while not self.ctx.stop.is_set():
-                self.sync.heartbeat(v)
-                self.sync.poll(0)
-                env = make_envelope(BatchRequest(n_groups=n_groups, for_version=v, min_version=floor),
-                                    sender=self.ctx.name, policy_version=v)
-                try:
-                    reply = self.req.request(env, c.batch_request_timeout_s)
-                except PeerTimeout as exc:
-                    self.replay_timeouts.inc()
-                    self.ctx.log.warning("learner: %s", exc)
-                    continue
-                batch: BatchMsg = reply.body
-                if batch.cursor < self.replay_cursor:
-                    self.ctx.log.warning("learner: replay cursor %d is behind the checkpoint's %d (replay store "
-                                         "replaced?)", batch.cursor, self.replay_cursor)
-                self.replay_cursor = batch.cursor
-                ok = [g for g in batch.groups if floor <= g.version <= v]
-                if len(ok) != len(batch.groups):  # the replay enforces the bound; never use what breaks it
-                    self.stale_rejected.inc(len(batch.groups) - len(ok))
-                if ok:
-                    return ok
-                self.sync.poll(c.batch_poll_s)
-            return None
-        finally:
-            self.wait_seconds.inc(time.perf_counter() - t0)
-
-    def _broadcast(self, kind: str, groups) -> None:
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.broadcast_object_list([(kind, groups)], src=0)
+            self.replay = ReplaySource(ctx, self.transport, self.sync, self.learner)
+            self.log = JsonlWriter(ctx.run_dir / "metrics.jsonl")
+        self.lm = ctx.metrics.learner
+        self.loop = StepLoop(cfg, self.learner, BroadcastSource(self.replay, self.world),
+                             pad_id=self.tokenizer.pad_token_id, run_dir=ctx.run_dir, log_writer=self.log,
+                             leader=leader, publish=self.sync.publish if leader else None,
+                             on_row=self._export if leader else None, busy=ctx.busy, should_stop=ctx.stop.is_set,
+                             wall=ctx.elapsed, logger=ctx.log)
+        if ckpt is not None:
+            self.loop.resume(self.learner.load_state(ckpt))
+            ctx.log.info("learner: resumed from %s at version %d", ckpt, self.learner.version)
+        self.lm.version.set(self.learner.version)
 
     # -- metrics -------------------------------------------------------------------------------------------------
     def _export(self, row: dict) -> None:
         lm = self.lm
+        if row["kind"] == "pretrain":
+            lm.value_pretrain_steps_total.inc()
         for kind, key in (("policy", "actor/pg_loss"), ("value", "critic/value_loss"), ("pos_lm", "actor/pos_lm_nll")):
             if key in row:
                 lm.loss.labels(kind=kind).set(row[key])
@@ -355,134 +358,30 @@ class LearnerService:
         self.ctx.metrics.set_health(policy_version=self.learner.version, step=row.get("step", 0),
                                     phase=row["kind"])
 
-    # -- phases -------------------------------------------------------------------------------------------------
-    def pretrain(self) -> bool:
-        from async_vapo.trainer import group_stats
-
-        a = self.ctx.cfg.algo
-        if not a.uses_critic or a.value_pretrain_steps == 0 or self.resumed:
-            return True
-        for k in range(a.value_pretrain_steps):
-            t0 = time.perf_counter()
-            groups = self.fetch(a.prompts_per_step)
-            if groups is None:
-                return False
-            t1 = time.perf_counter()
-            self._broadcast("pretrain", groups)
-            with self.ctx.busy("learn"):
-                m = self.learner.pretrain_critic(self._make_batch(groups))
-            self.lm.value_pretrain_steps_total.inc()
-            row = {"kind": "pretrain", "step": k, "version": self.learner.version, "wall_s": self.ctx.elapsed(),
-                   **group_stats(groups, "rollout"), **m, "time/wait_batch_s": t1 - t0,
-                   "time/learn_s": time.perf_counter() - t1, "time/step_s": time.perf_counter() - t0}
-            self.log.write(row)
-            self._export(row)
-        return True
-
-    def train(self) -> int:
-        from async_vapo.trainer import group_stats
-
-        cfg, a = self.ctx.cfg, self.ctx.cfg.algo
-        t_start = time.perf_counter()
-        step = self.start_step
-        while step < cfg.train.total_steps and not self.ctx.stop.is_set():
-            t0 = time.perf_counter()
-            groups = self.fetch(a.prompts_per_step)
-            if groups is None:
-                break
-            kept = groups
-            if a.dynamic_sampling:
-                from async_vapo.learner.vapo import dynamic_sampling
-
-                kept, groups = dynamic_sampling(groups, lambda: self.fetch(a.prompts_per_step), a.prompts_per_step,
-                                                a.max_resample_rounds)
-            self.samples_seen += sum(len(g.samples) for g in groups)
-            t1 = time.perf_counter()
-            self._broadcast("train", kept)
-            if kept:
-                with self.ctx.busy("learn"):
-                    m = self.learner.update(self._make_batch(kept))
-            else:  # every group degenerate: nothing to learn from, still a version (as the one-process trainer)
-                m, self.learner.version = {"dapo/empty_batch": 1.0}, self.learner.version + 1
-            t2 = time.perf_counter()
-            with self.ctx.busy("publish"):
-                push_s = self.sync.publish(self.learner.version, self.learner.policy_state())
-            step += 1
-            self.step = step
-            versions = [g.version for g in kept] or [self.learner.version - 1]
-            row = {"kind": "train", "step": step, "version": self.learner.version, "wall_s": self.ctx.elapsed(),
-                   "samples_seen": self.samples_seen, "groups_kept": len(kept), **group_stats(groups, "rollout"),
-                   **m, "replay/max_age": (self.learner.version - 1) - min(versions),
-                   "replay/cursor": self.replay_cursor,
-                   "cluster/engines_in_rotation": len(self.sync.rotation.members), "time/wait_batch_s": t1 - t0,
-                   "time/learn_s": t2 - t1, "time/weight_push_s": push_s, "time/step_s": time.perf_counter() - t0}
-            self.log.write(row)
-            self._export(row)
-            self.ctx.log.info("learner: step %d version %d acc %.3f (%.1f s, waited %.1f s)", step,
-                              self.learner.version, row.get("rollout/accuracy", float("nan")), row["time/step_s"],
-                              t1 - t0)
-            limit = cfg.train.max_minutes
-            out_of_time = limit is not None and time.perf_counter() - t_start > 60 * limit
-            done = step >= cfg.train.total_steps or out_of_time
-            if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or done:
-                self.checkpoint(step)
-            if out_of_time:
-                break
-        return step
-
-    def checkpoint(self, step: int) -> Path:
-        self.last_checkpoint = step
-        path = self.learner.save(self.ctx.run_dir / "checkpoints" / f"step_{step}",
-                                 extra={"step": step, "replay_cursor": self.replay_cursor,
-                                        "samples_seen": self.samples_seen})
-        self.ctx.log.info("learner: checkpoint %s", path)
-        return path
-
+    # -- run ------------------------------------------------------------------------------------------------------
     def run(self) -> None:
         if self.rank != 0:
-            return self.follow()
+            self.loop.run()
+            return None
         v = self.learner.version
         self.sync.publish(v, self.learner.policy_state())
         self.ctx.ready(policy_version=v, phase="handshake")
-        if not self.handshake():
+        if not self.replay.handshake():
+            self.loop.source.close()
             return None
-        finished = False
-        if self.pretrain():
-            step = self.train()
-            finished = not self.ctx.stop.is_set()  # train() returned because it was done or out of time
-            if finished:
-                summary = {"run_dir": str(self.ctx.run_dir), "steps": step, "version": self.learner.version,
-                           "wall_s": self.ctx.elapsed(), "samples_seen": self.samples_seen,
-                           "replay_cursor": self.replay_cursor}
-                (self.ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-                (self.ctx.run_dir / "DONE").write_text(f"{step}\n")
-                self.ctx.metrics.set_health(phase="done")
-                self.ctx.log.info("learner: done after %d updates", step)
-        if not finished and self.step > self.last_checkpoint:  # stopped mid-run: keep what was learned
-            self.checkpoint(self.step)
-        self._broadcast("stop", None)
+        if self.loop.run():
+            step = self.loop.step
+            summary = {"run_dir": str(self.ctx.run_dir), "steps": step, "version": self.learner.version,
+                       "wall_s": self.ctx.elapsed(), "samples_seen": self.loop.samples_seen,
+                       "replay_cursor": self.replay.cursor}
+            (self.ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            (self.ctx.run_dir / "DONE").write_text(f"{step}\n")
+            self.ctx.metrics.set_health(phase="done")
+            self.ctx.log.info("learner: done after %d updates", step)
         while not self.ctx.stop.is_set():  # keep heartbeats and /metrics up until stopped
             self.sync.heartbeat(self.learner.version)
             self.sync.poll(0.5)
         return None
-
-    def follow(self) -> None:
-        """Ranks > 0: take part in rank 0's steps on the broadcast batches (data-parallel, see the module
-        docstring)."""
-        import torch.distributed as dist
-
-        while True:
-            obj = [None]
-            dist.broadcast_object_list(obj, src=0)
-            kind, groups = obj[0]
-            if kind == "stop":
-                return
-            if kind == "pretrain":
-                self.learner.pretrain_critic(self._make_batch(groups))
-            elif groups:
-                self.learner.update(self._make_batch(groups))
-            else:
-                self.learner.version += 1
 
     def close(self) -> None:
         if self.transport is not None:
@@ -491,10 +390,7 @@ class LearnerService:
             self.sync.close()
         if self.log is not None:
             self.log.close()
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_group()
 
 
 def run_learner(ctx: ServiceContext, resume: str | None = None) -> None:

@@ -39,23 +39,25 @@ started now is consumed at a learner version â‰¥ L, so it is usable only if L âˆ
   * a budget that is spent while no new version arrives for ``cluster.admission_refill_s`` is topped up by
     one share (groups lost to a crash elsewhere must not starve the learner forever).
 
-Evaluation: rollout 0 evaluates the held-out split (``trainer.evaluate``, with its own one-worker
+Evaluation: rollout 0 evaluates the held-out split (``rollout.generate.evaluate``, with its own one-worker
 ``VerifierPool``) whenever it serves the learner's latest version and that is a multiple of
 ``train.eval_every`` or the last one (``train.total_steps``), and appends ``kind="eval"`` rows, in the
 one-process trainer's format, to ``RUN_DIR/metrics.jsonl`` (shared with the learner, see
-:class:`~async_vapo.cluster.common.JsonlAppender`).
+:class:`~async_vapo.metrics.jsonl.JsonlWriter`).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from async_vapo.cluster.common import JsonlAppender, ServiceContext
+from async_vapo.cluster.common import ServiceContext
 from async_vapo.cluster.weights import load_announced
-from async_vapo.rollout.types import Group, Trajectory
+from async_vapo.metrics.jsonl import JsonlWriter
+from async_vapo.rollout.generate import PromptEncoder, Rollout, evaluate, generate_groups
+from async_vapo.rollout.types import Group
+from async_vapo.tasks import PromptSampler
 from async_vapo.transport import (
     GroupsMsg,
     Heartbeat,
@@ -109,22 +111,8 @@ class Admission:
         self.used[version] = self.used.get(version, 0) + groups
 
 
-def generate_groups(engine, encode: Callable, problems: Sequence, *, version: int, n: int, temperature: float,
-                    top_p: float, max_tokens: int, eos_id: int) -> list[Group]:
-    """The unscored groups of ``problems`` (G = ``n`` samples each), stamped with ``version``."""
-    prompts = [encode(p) for p in problems]
-    outs = engine.generate(prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                           stop_token_ids=[eos_id])
-    return [Group(uid=p.uid, prompt=p.prompt, answer=p.answer, prompt_ids=ids, version=version,
-                  samples=[Trajectory(response_ids=s.token_ids, behavior_logprobs=s.logprobs,
-                                      finish_reason=s.finish_reason) for s in samples])
-            for p, ids, samples in zip(problems, prompts, outs, strict=True)]
-
-
 class RolloutService:
     def __init__(self, ctx: ServiceContext, engine, tokenizer, train_set, eval_set, *, pretrain_batches: int):
-        from async_vapo.trainer import PromptSampler
-
         self.ctx, self.engine, self.tokenizer = ctx, engine, tokenizer
         cfg, c = ctx.cfg, ctx.cfg.cluster
         self.train_set, self.eval_set = train_set, eval_set
@@ -147,9 +135,9 @@ class RolloutService:
         self.latest: WeightsAnnounce | None = None
         self.learner_version = 0
         self.failed_versions: set[int] = set()
-        self.prompt_cache: dict[str, list[int]] = {}
+        self.encoder = PromptEncoder.from_config(cfg, tokenizer)
         self.evaluated: set[int] = set()
-        self.metrics_log = JsonlAppender(ctx.run_dir / "metrics.jsonl") if ctx.instance == 0 else None
+        self.metrics_log = JsonlWriter(ctx.run_dir / "metrics.jsonl") if ctx.instance == 0 else None
         self.eval_pool = None
         self.samples_generated = 0
         self._last_beat = 0.0
@@ -226,13 +214,6 @@ class RolloutService:
             self.ctx.send(self.acks, env, "heartbeat")
 
     # -- generation ---------------------------------------------------------------------------------------------
-    def encode(self, p) -> list[int]:
-        ids = self.prompt_cache.get(p.uid)
-        if ids is None:
-            ids = self.tokenizer(self.ctx.cfg.task.prompt_template.format(prompt=p.prompt)).input_ids
-            self.prompt_cache[p.uid] = ids
-        return ids
-
     def generate_once(self) -> list[Group]:
         r = self.ctx.cfg.rollout
         version = self.engine.version
@@ -240,10 +221,9 @@ class RolloutService:
         self.m.inflight_groups.set(len(problems))
         try:
             with self.ctx.busy("generate"):
-                groups = generate_groups(self.engine, self.encode, problems, version=version,
+                groups = generate_groups(self.engine, self.encoder, problems, version=version,
                                          n=self.ctx.cfg.algo.group_size, temperature=r.temperature, top_p=r.top_p,
-                                         max_tokens=r.max_response_tokens,
-                                         eos_id=self.tokenizer.eos_token_id)
+                                         max_tokens=r.max_response_tokens, stop_token_ids=[self.encoder.eos_id])
             self.admission.record(version, len(groups))
             samples = [s for g in groups for s in g.samples]
             self.m.generated_samples_total.inc(len(samples))
@@ -266,22 +246,17 @@ class RolloutService:
         if v % cfg.train.eval_every and v != cfg.train.total_steps:
             return
         self.evaluated.add(v)
-        from async_vapo.trainer import Rollout, evaluate
         from async_vapo.verify.sandbox import VerifierPool
 
         if self.eval_pool is None:
-            vc = cfg.verifier
-            self.eval_pool = VerifierPool(num_workers=1, timeout_s=vc.timeout_s, memory_limit_mb=vc.memory_limit_mb,
-                                          max_response_chars=vc.max_response_chars, reward_correct=vc.reward_correct,
-                                          reward_incorrect=vc.reward_incorrect)
+            self.eval_pool = VerifierPool.from_config(cfg.verifier, num_workers=1)
             pids = self.ctx.run_dir / "pids"
             if pids.is_dir():  # its worker runs in its own session: stop_cluster.sh stops it by PID
                 (pids / f"{self.engine_id}.children").write_text(
                     "\n".join(map(str, self.eval_pool.worker_pids)) + "\n")
         try:
             with self.ctx.busy("evaluate"):
-                m, _ = evaluate(Rollout(cfg, self.engine, self.eval_pool, self.tokenizer, self.prompt_cache),
-                                self.eval_set, cfg)
+                m, _ = evaluate(Rollout(cfg, self.engine, self.eval_pool, self.encoder), self.eval_set, cfg)
         except Exception:
             self.ctx.processing_error("evaluate", f"evaluation of version {v}")
             return
@@ -328,19 +303,14 @@ def run_rollout(ctx: ServiceContext) -> None:
 
     from async_vapo.models.base import ensure_base_model
     from async_vapo.rollout.engine import EngineSpec, VLLMEngine
-    from async_vapo.trainer import load_task
+    from async_vapo.tasks import load_task
 
     cfg = ctx.cfg
     base = ensure_base_model(cfg, progress=False)
     tokenizer = AutoTokenizer.from_pretrained(str(base))
     train_set, eval_set = load_task(cfg)
-    r = cfg.rollout
-    longest = max(len(tokenizer(cfg.task.prompt_template.format(prompt=p.prompt)).input_ids)
-                  for p in train_set + eval_set)
-    spec = EngineSpec(model_path=str(base), dtype=cfg.model.dtype, seed=r.seed + ctx.instance,
-                      kv_cache_gib=r.kv_cache_gib, max_model_len=longest + r.max_response_tokens + 1,
-                      gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
-                      max_num_seqs=r.max_num_seqs)
+    longest = PromptEncoder.from_config(cfg, tokenizer).longest(train_set + eval_set)
+    spec = EngineSpec.from_config(cfg, base, longest_prompt=longest, instance=ctx.instance)
     ctx.log.info("%s: starting the vLLM engine on %s", ctx.name, base)
     engine = VLLMEngine(spec, version=0)
     ctx.log.info("%s: engine up in %.1f s", ctx.name, engine.start_seconds)

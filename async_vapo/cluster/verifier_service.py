@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 
 from async_vapo.cluster.common import ServiceContext
+from async_vapo.rollout.generate import score_groups
 from async_vapo.rollout.types import Group
 from async_vapo.transport import GroupsMsg, Heartbeat, ZmqTransport, make_envelope
 
@@ -30,9 +31,7 @@ class VerifierService:
 
         self.ctx = ctx
         c, v = ctx.cfg.cluster, ctx.cfg.verifier
-        self.pool = pool or VerifierPool(num_workers=v.num_workers, timeout_s=v.timeout_s,
-                                         memory_limit_mb=v.memory_limit_mb, max_response_chars=v.max_response_chars,
-                                         reward_correct=v.reward_correct, reward_incorrect=v.reward_incorrect)
+        self.pool = pool or VerifierPool.from_config(v)
         self.transport = ZmqTransport()
         self.pull = self.transport.receiver(in_endpoint or ctx.endpoint(c.bind_host, c.verifier_port),
                                             decoder=ctx.decoder((GroupsMsg, Heartbeat), "in"), bind=True)
@@ -47,21 +46,17 @@ class VerifierService:
             (pids / "verifier.children").write_text("\n".join(map(str, self.pool.worker_pids)) + "\n")
 
     def verify(self, groups: list[Group], decode) -> list[Group]:
-        items = [(decode(s.response_ids), g.answer) for g in groups for s in g.samples]
-        self.m.queue_depth.set(len(items))
+        self.m.queue_depth.set(sum(len(g.samples) for g in groups))
         try:
             with self.ctx.busy("verify"):
-                results = iter(self.pool.verify(items))
+                results = score_groups(groups, self.pool, decode)
         finally:
             self.m.queue_depth.set(0)
-        for g in groups:
-            for s in g.samples:
-                r = next(results)
-                s.reward, s.correct, s.verdict = r.reward, r.correct, r.reason
-                self.m.checks_total.labels(reason=r.reason).inc()
-                self.m.check_seconds.observe(r.seconds)
-                if r.reason == "timeout":
-                    self.m.timeouts_total.inc()
+        for r in results:
+            self.m.checks_total.labels(reason=r.reason).inc()
+            self.m.check_seconds.observe(r.seconds)
+            if r.reason == "timeout":
+                self.m.timeouts_total.inc()
         return groups
 
     def run(self, decode) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +41,7 @@ from async_vapo.algo.losses import (
 )
 from async_vapo.algo.utils import entropy_from_logits, logprobs_from_logits, masked_mean, masked_whiten
 from async_vapo.config import Config
+from async_vapo.learner.dist import allreduce_gradients, data_parallel_world
 from async_vapo.models.rl import (
     TokenBatch,
     load_critic,
@@ -88,59 +89,12 @@ def make_rollout_batch(groups: Sequence[Group], pad_id: int, *, overlong_max_len
     return RolloutBatch(tokens, r, torch.tensor(correct), torch.tensor(gids), torch.tensor(versions), behavior)
 
 
-def dynamic_sampling(groups: list[Group], fetch_more: Callable[[], list[Group] | None], want: int,
-                     max_rounds: int) -> tuple[list[Group], list[Group]]:
-    """DAPO dynamic sampling: keep the groups whose rewards are not all equal, fetching more groups for at most
-    ``max_rounds`` rounds until ``want`` are kept (``fetch_more`` returning None stops early).
-    Returns (the kept groups, at most ``want``; every group generated, for statistics)."""
-    seen = list(groups)
-    kept = [g for g in groups if len(set(g.rewards)) > 1]
-    for _ in range(max_rounds):
-        if len(kept) >= want:
-            break
-        more = fetch_more()
-        if more is None:
-            break
-        seen += more
-        kept += [g for g in more if len(set(g.rewards)) > 1]
-    return kept[:want], seen
-
-
 def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
     acc: dict[str, list[float]] = defaultdict(list)
     for row in rows:
         for k, v in row.items():
             acc[k].append(v)
     return {k: sum(v) / len(v) for k, v in acc.items()}
-
-
-def data_parallel_world() -> tuple[int, int]:
-    """(rank, world size) of the initialised torch.distributed group, (0, 1) without one."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def allreduce_gradients(model: torch.nn.Module) -> None:
-    """Sum every parameter's gradient over the data-parallel ranks (one flat all-reduce; a rank that had no
-    micro-batch contributes zeros). No-op in a world of one."""
-    import torch.distributed as dist
-
-    if data_parallel_world()[1] == 1:
-        return
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad.copy_(flat[offset: offset + n].view_as(p.grad))
-        offset += n
 
 
 def critic_error_by_age(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, ages: torch.Tensor
@@ -347,6 +301,12 @@ class Learner:
         return metrics
 
     # ---------------------------------------------------------------- weights and checkpoints
+    def empty_update(self) -> dict[str, float]:
+        """A step in which no group was informative (DAPO dynamic sampling): nothing to learn from, but still a
+        version, so that engines, replay and checkpoints count steps alike."""
+        self.version += 1
+        return {"dapo/empty_batch": 1.0}
+
     def policy_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.policy.state_dict().items()}
 

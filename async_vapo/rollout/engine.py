@@ -64,6 +64,16 @@ class EngineSpec:
     weights_timeout_s: float = 600.0
     """Limit of one weight load in the workers; past it the load raises TimeoutError instead of hanging."""
 
+    @classmethod
+    def from_config(cls, cfg, model_path, *, longest_prompt: int, instance: int = 0) -> EngineSpec:
+        """The engine of ``cfg.rollout`` serving ``model_path``; replica ``instance`` samples from its own seed.
+        ``max_model_len`` fits the longest prompt and a full response."""
+        r = cfg.rollout
+        return cls(model_path=str(model_path), dtype=cfg.model.dtype, seed=r.seed + instance,
+                   kv_cache_gib=r.kv_cache_gib, max_model_len=longest_prompt + r.max_response_tokens + 1,
+                   gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
+                   max_num_seqs=r.max_num_seqs)
+
 
 def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()

@@ -224,6 +224,13 @@ class VerifierPool:
 
     # ----------------------------------------------------------------------------------- public
 
+    @classmethod
+    def from_config(cls, v, *, num_workers: int | None = None) -> VerifierPool:
+        """The pool of a ``VerifierConfig`` (``num_workers`` overrides its worker count)."""
+        return cls(num_workers=num_workers or v.num_workers, timeout_s=v.timeout_s, memory_limit_mb=v.memory_limit_mb,
+                   max_response_chars=v.max_response_chars, reward_correct=v.reward_correct,
+                   reward_incorrect=v.reward_incorrect)
+
     def verify(self, items: Sequence[tuple[str, str]]) -> list[VerifyResult]:
         """Grade ``(response, answer)`` pairs; results come back in input order."""
         with self._lock:

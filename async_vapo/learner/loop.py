@@ -1,0 +1,320 @@
+"""The step loop: one implementation for the one-process trainer and the learner service.
+
+    value pretraining: critic-only steps on the initial policy (skipped when resumed)
+    each update:  groups from the source -> DAPO dynamic sampling -> Learner.update (or, when no group is
+                  informative, an empty step that still makes a version) -> publish the version ->
+                  metric row -> evaluation and checkpoint cadence
+
+Where a step's scored groups come from is a :class:`BatchSource`:
+
+* :class:`InProcessSource` generates them with this process's engine and grades them with its verifier
+  pool (the one-process trainer: staleness 0, each batch from the weights the learner holds);
+* ``ReplaySource`` (``async_vapo.cluster.learner_service``) fetches them from the replay service;
+* :class:`BroadcastSource` wraps either for data-parallel ranks: rank 0 broadcasts what its source returned,
+  the other ranks receive it, and every rank runs this same loop on the same groups. Only rank 0 (the
+  *leader*) decides when to stop, publishes, writes rows and checkpoints; the others run until their
+  source says stop.
+
+Rows (``metrics.jsonl``): ``kind`` = pretrain / train, with the step, version, wall seconds, the generated
+groups' statistics (``rollout/*``), the learner's metrics, the source's timing and its own row metrics, and
+``time/learn_s``, ``time/weight_push_s``, ``time/step_s``. ``train.max_minutes`` counts from the start of
+the loop (value pretraining included). Checkpoints (``checkpoints/step_N``) every
+``train.checkpoint_every`` updates, at the end, and when stopped mid-run; their ``extra`` holds the step,
+the samples seen and the source's cursor (:meth:`BatchSource.state`), from which :meth:`StepLoop.resume`
+continues.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from async_vapo.algo.dapo import dynamic_sampling_keep
+from async_vapo.config import Config
+from async_vapo.learner.dist import broadcast_object
+from async_vapo.rollout.generate import Rollout, group_stats
+from async_vapo.rollout.types import Group
+from async_vapo.tasks import PromptSampler
+
+log = logging.getLogger(__name__)
+
+Timing = dict[str, float]
+
+
+class BatchSource(Protocol):
+    """Where the loop's groups come from."""
+
+    def next_groups(self, n: int) -> tuple[list[Group], Timing] | None:
+        """``n`` scored groups and the time it took by stage; None when the run is to stop."""
+
+    def row_metrics(self, kept: Sequence[Group], version: int) -> dict[str, float]:
+        """Source-specific metrics of the step that used ``kept`` and made ``version``."""
+
+    def state(self) -> dict:
+        """What a checkpoint keeps to resume the source (a cursor)."""
+
+    def restore(self, state: dict) -> None:
+        """Continue from a checkpoint's :meth:`state`."""
+
+    def close(self) -> None: ...
+
+
+class InProcessSource:
+    """Generate with this process's engine, grade with its verifier pool (``rollout.Rollout``)."""
+
+    def __init__(self, cfg: Config, rollout: Rollout, sampler: PromptSampler):
+        self.cfg, self.rollout, self.sampler = cfg, rollout, sampler
+
+    def next_groups(self, n: int) -> tuple[list[Group], Timing]:
+        r = self.cfg.rollout
+        return self.rollout.groups(self.sampler.take(n), n=self.cfg.algo.group_size, temperature=r.temperature,
+                                   top_p=r.top_p)
+
+    def row_metrics(self, kept: Sequence[Group], version: int) -> dict[str, float]:
+        return {}
+
+    def state(self) -> dict:
+        return {"prompt_cursor": self.sampler.cursor}
+
+    def restore(self, state: dict) -> None:
+        self.sampler.cursor = state.get("prompt_cursor", 0)
+
+    def close(self) -> None:
+        pass
+
+
+class BroadcastSource:
+    """Data-parallel ranks: rank 0 (``inner`` set) broadcasts each answer of its source, the other ranks
+    (``inner`` None) receive it. A None answer (stop) is broadcast once; ``close`` on rank 0 sends it if
+    the loop ended on its own decision (done, out of time), so the other ranks' loops end too."""
+
+    def __init__(self, inner: BatchSource | None, world: int):
+        self.inner, self.world = inner, world
+        self.stopped = False
+
+    def next_groups(self, n: int) -> tuple[list[Group], Timing] | None:
+        if self.stopped:
+            return None
+        got = self.inner.next_groups(n) if self.inner is not None else None
+        if self.world > 1:
+            got = broadcast_object(got if self.inner is not None else None)
+        self.stopped = got is None
+        return got
+
+    def row_metrics(self, kept: Sequence[Group], version: int) -> dict[str, float]:
+        return self.inner.row_metrics(kept, version) if self.inner is not None else {}
+
+    def state(self) -> dict:
+        return self.inner.state() if self.inner is not None else {}
+
+    def restore(self, state: dict) -> None:
+        if self.inner is not None:
+            self.inner.restore(state)
+
+    def close(self) -> None:
+        if self.inner is not None and not self.stopped and self.world > 1:
+            broadcast_object(None)
+        self.stopped = True
+        if self.inner is not None:
+            self.inner.close()
+
+
+def informative(groups: Sequence[Group]) -> list[bool]:
+    """Per group: its rewards are not all equal (``algo.dapo.dynamic_sampling_keep``, DAPO's rule)."""
+    if not groups:
+        return []
+    rewards = torch.tensor([s.reward for g in groups for s in g.samples], dtype=torch.float64)
+    ids = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples])
+    keep = dynamic_sampling_keep(rewards, ids)
+    first = torch.tensor([0] + [len(g.samples) for g in groups[:-1]]).cumsum(0)
+    return [bool(keep[i]) if len(g.samples) else False for i, g in zip(first.tolist(), groups, strict=True)]
+
+
+def dynamic_sampling(groups: list[Group], fetch_more: Callable[[], list[Group] | None], want: int,
+                     max_rounds: int) -> tuple[list[Group], list[Group]]:
+    """DAPO dynamic sampling: keep the informative groups, fetching more for at most ``max_rounds`` rounds
+    until ``want`` are kept (``fetch_more`` returning None stops early). Returns (the kept groups, at most
+    ``want``; every group seen, for statistics)."""
+    seen = list(groups)
+    kept = [g for g, k in zip(groups, informative(groups), strict=True) if k]
+    for _ in range(max_rounds):
+        if len(kept) >= want:
+            break
+        more = fetch_more()
+        if more is None:
+            break
+        seen += more
+        kept += [g for g, k in zip(more, informative(more), strict=True) if k]
+    return kept[:want], seen
+
+
+def _fmt(m: dict[str, float], keys: Sequence[tuple[str, str]]) -> dict[str, str]:
+    return {short: f"{m[k]:.3g}" for k, short in keys if k in m}
+
+
+class StepLoop:
+    """Runs value pretraining and the updates of one run (see the module docstring).
+
+    ``leader``: this rank writes rows, publishes, evaluates and checkpoints, and decides when to stop.
+    Hooks, each optional: ``publish(version, state) -> seconds`` (weights to the engines), ``evaluate(step)``
+    (held-out evaluation, which writes its own row), ``on_row(row)`` (after each row is written, e.g. to
+    Prometheus), ``busy(stage)`` (a context manager around learning), ``should_stop()`` (checked between
+    steps), ``wall()`` (the rows' ``wall_s``).
+    """
+
+    def __init__(self, cfg: Config, learner, source: BatchSource, *, pad_id: int, run_dir: Path, log_writer=None,
+                 leader: bool = True, publish: Callable[[int, dict], float] | None = None,
+                 evaluate: Callable[[int], object] | None = None, on_row: Callable[[dict], None] | None = None,
+                 busy: Callable[[str], contextlib.AbstractContextManager] | None = None,
+                 should_stop: Callable[[], bool] | None = None, wall: Callable[[], float] | None = None,
+                 progress: bool = False, logger: logging.Logger | None = None):
+        self.cfg, self.learner, self.source = cfg, learner, source
+        self.run_dir, self.writer, self.leader = run_dir, log_writer, leader
+        self._publish, self._evaluate, self._on_row = publish, evaluate, on_row
+        self._busy = busy or (lambda stage: contextlib.nullcontext())
+        self._should_stop = should_stop or (lambda: False)
+        self._t0 = time.perf_counter()
+        self.wall = wall or (lambda: time.perf_counter() - self._t0)
+        self.progress, self.log = progress, logger or log
+        self.start_step = self.step = self.last_checkpoint = 0
+        self.samples_seen = 0
+        self.resumed = False
+        self.pad_id = pad_id
+
+    def make_batch(self, groups: Sequence[Group]):
+        from async_vapo.learner.vapo import make_rollout_batch
+
+        return make_rollout_batch(groups, self.pad_id, overlong_max_len=self.cfg.rollout.max_response_tokens,
+                                  overlong_buffer=self.cfg.algo.overlong_buffer)
+
+    # -- state ----------------------------------------------------------------------------------------------
+    def resume(self, extra: dict) -> None:
+        """Continue from a checkpoint's ``extra`` (the learner has loaded its state already)."""
+        self.start_step = self.step = self.last_checkpoint = extra.get("step", self.learner.version)
+        self.samples_seen = extra.get("samples_seen", 0)
+        self.source.restore(extra)
+        self.resumed = True
+
+    def checkpoint(self, step: int) -> Path:
+        self.last_checkpoint = step
+        path = self.learner.save(self.run_dir / "checkpoints" / f"step_{step}",
+                                 extra={"step": step, "samples_seen": self.samples_seen, **self.source.state()})
+        self.log.info("checkpoint %s", path)
+        return path
+
+    def _write(self, row: dict) -> None:
+        if self.writer is not None:
+            self.writer.write(row)
+        if self._on_row is not None:
+            self._on_row(row)
+
+    def _fetch(self, timing: Timing) -> list[Group] | None:
+        got = self.source.next_groups(self.cfg.algo.prompts_per_step)
+        if got is None:
+            return None
+        groups, t = got
+        for k, v in t.items():
+            timing[k] = timing.get(k, 0.0) + v
+        return groups
+
+    # -- phases ---------------------------------------------------------------------------------------------
+    def pretrain(self) -> bool:
+        """Value pretraining; False if the source stopped first."""
+        from tqdm import tqdm
+
+        a = self.cfg.algo
+        if not a.uses_critic or a.value_pretrain_steps == 0 or self.resumed:
+            return True
+        bar = tqdm(range(a.value_pretrain_steps), desc="value pretraining",
+                   disable=not (self.progress and self.leader), dynamic_ncols=True)
+        for k in bar:
+            t0 = time.perf_counter()
+            timing: Timing = {}
+            groups = self._fetch(timing)
+            if groups is None:
+                return False
+            t1 = time.perf_counter()
+            with self._busy("learn"):
+                m = self.learner.pretrain_critic(self.make_batch(groups))
+            if not self.leader:
+                continue
+            row = {"kind": "pretrain", "step": k, "version": self.learner.version, "wall_s": self.wall(),
+                   **group_stats(groups, "rollout"), **m, **timing, "time/learn_s": time.perf_counter() - t1,
+                   "time/step_s": time.perf_counter() - t0}
+            self._write(row)
+            bar.set_postfix(_fmt(row, [("critic/value_loss", "vloss"), ("critic/explained_variance", "ev")]))
+        return True
+
+    def train(self) -> bool:
+        """Updates until ``train.total_steps`` (or out of time, or stopped); True when done or out of time."""
+        from tqdm import tqdm
+
+        cfg, a = self.cfg, self.cfg.algo
+        total = cfg.train.total_steps
+        bar = tqdm(total=total, initial=self.step, desc=f"{a.name} updates",
+                   disable=not (self.progress and self.leader), dynamic_ncols=True)
+        try:
+            while not self.leader or (self.step < total and not self._should_stop()):
+                t0 = time.perf_counter()
+                timing: Timing = {}
+                groups = self._fetch(timing)
+                if groups is None:
+                    return False
+                kept = groups
+                if a.dynamic_sampling:
+                    kept, groups = dynamic_sampling(groups, functools.partial(self._fetch, timing), a.prompts_per_step,
+                                                    a.max_resample_rounds)
+                self.samples_seen += sum(len(g.samples) for g in groups)
+                t1 = time.perf_counter()
+                with self._busy("learn"):
+                    m = self.learner.update(self.make_batch(kept)) if kept else self.learner.empty_update()
+                t2 = time.perf_counter()
+                self.step += 1
+                if not self.leader:
+                    continue
+                push_s = 0.0
+                if self._publish is not None:
+                    with self._busy("publish"):
+                        push_s = self._publish(self.learner.version, self.learner.policy_state())
+                row = {"kind": "train", "step": self.step, "version": self.learner.version, "wall_s": self.wall(),
+                       "samples_seen": self.samples_seen, "groups_kept": len(kept), **group_stats(groups, "rollout"),
+                       **m, **self.source.row_metrics(kept, self.learner.version), **timing, "time/learn_s": t2 - t1,
+                       "time/weight_push_s": push_s, "time/step_s": time.perf_counter() - t0}
+                self._write(row)
+                bar.update(1)
+                bar.set_postfix(_fmt(row, [("rollout/accuracy", "acc"), ("rollout/response_length", "len"),
+                                           ("critic/explained_variance", "ev"), ("time/step_s", "s/step")]))
+                if not self.progress:
+                    self.log.info("step %d version %d acc %.3f (%.1f s)", self.step, self.learner.version,
+                                  row.get("rollout/accuracy", float("nan")), row["time/step_s"])
+                limit = cfg.train.max_minutes
+                out_of_time = limit is not None and time.perf_counter() - self._t0 > 60 * limit
+                done = self.step >= total or out_of_time
+                if self._evaluate is not None and (self.step % cfg.train.eval_every == 0 or done):
+                    self._evaluate(self.step)
+                if (cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0) or done:
+                    self.checkpoint(self.step)
+                if out_of_time:
+                    return True
+            return self.step >= total
+        finally:
+            bar.close()
+
+    def run(self) -> bool:
+        """Pretraining and updates; True when the run finished (done or out of time). A leader stopped
+        mid-run checkpoints what it learned since the last checkpoint."""
+        try:
+            finished = self.pretrain() and self.train()
+        finally:
+            if self.leader:
+                self.source.close()  # tells the other ranks to stop
+        if self.leader and not finished and self.step > self.last_checkpoint:
+            self.checkpoint(self.step)
+        return finished

@@ -1,0 +1,128 @@
+"""Groups from the engine: prompts in, version-stamped groups of G samples out; scoring and evaluation.
+
+One implementation serves the one-process trainer (generate, then score in the same process), the
+rollout service (generate; the verifier service scores) and evaluation (both, on the held-out split).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from async_vapo.config import Config
+from async_vapo.rollout.types import Group, Trajectory
+from async_vapo.tasks.base import Problem
+
+
+class PromptEncoder:
+    """Problem -> prompt token ids (``task.prompt_template`` filled with the problem), cached by uid; and
+    response ids -> text for the verifier."""
+
+    def __init__(self, tokenizer, template: str = "{prompt}"):
+        self.tokenizer, self.template = tokenizer, template
+        self.cache: dict[str, list[int]] = {}
+
+    @classmethod
+    def from_config(cls, cfg: Config, tokenizer) -> PromptEncoder:
+        return cls(tokenizer, cfg.task.prompt_template)
+
+    def __call__(self, p: Problem) -> list[int]:
+        ids = self.cache.get(p.uid)
+        if ids is None:
+            ids = self.tokenizer(self.template.format(prompt=p.prompt)).input_ids
+            self.cache[p.uid] = ids
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def longest(self, problems: Sequence[Problem]) -> int:
+        """Tokens of the longest prompt (sizes the engine's ``max_model_len``)."""
+        return max(len(self(p)) for p in problems)
+
+    @property
+    def eos_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+
+def generate_groups(engine, encode: Callable[[Problem], list[int]], problems: Sequence[Problem], *, version: int,
+                    n: int, temperature: float, top_p: float, max_tokens: int, stop_token_ids: Sequence[int],
+                    seed: int | None = None) -> list[Group]:
+    """The unscored groups of ``problems`` (G = ``n`` samples each), stamped with ``version``: the weights
+    the engine served when the call started."""
+    prompts = [encode(p) for p in problems]
+    outs = engine.generate(prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                           stop_token_ids=list(stop_token_ids), seed=seed)
+    return [Group(uid=p.uid, prompt=p.prompt, answer=p.answer, prompt_ids=ids, version=version,
+                  samples=[Trajectory(response_ids=s.token_ids, behavior_logprobs=s.logprobs,
+                                      finish_reason=s.finish_reason) for s in samples])
+            for p, ids, samples in zip(problems, prompts, outs, strict=True)]
+
+
+def score_groups(groups: Sequence[Group], verifier, decode: Callable[[Sequence[int]], str]) -> list:
+    """Grade every sample with ``verifier`` (a VerifierPool), filling reward, correct and verdict in place;
+    returns the pool's results in sample order."""
+    items = [(decode(s.response_ids), g.answer) for g in groups for s in g.samples]
+    results = verifier.verify(items)
+    it = iter(results)
+    for g in groups:
+        for s in g.samples:
+            r = next(it)
+            s.reward, s.correct, s.verdict = r.reward, r.correct, r.reason
+    return results
+
+
+@dataclass
+class Rollout:
+    """Generation + verification of groups with one engine and one verifier pool, in this process."""
+
+    cfg: Config
+    engine: object
+    verifier: object
+    encoder: PromptEncoder
+
+    def groups(self, problems: Sequence[Problem], *, n: int, temperature: float, top_p: float,
+               seed: int | None = None) -> tuple[list[Group], dict[str, float]]:
+        t0 = time.perf_counter()
+        groups = generate_groups(self.engine, self.encoder, problems, version=self.engine.version, n=n,
+                                 temperature=temperature, top_p=top_p, max_tokens=self.cfg.rollout.max_response_tokens,
+                                 stop_token_ids=[self.encoder.eos_id], seed=seed)
+        t1 = time.perf_counter()
+        score_groups(groups, self.verifier, self.encoder.decode)
+        t2 = time.perf_counter()
+        tokens = sum(len(s.response_ids) for g in groups for s in g.samples)
+        return groups, {"time/generate_s": t1 - t0, "time/verify_s": t2 - t1, "rollout/tokens": tokens,
+                        "rollout/tokens_per_s": tokens / max(t1 - t0, 1e-9)}
+
+
+def group_stats(groups: Sequence[Group], prefix: str) -> dict[str, float]:
+    """Mean reward, accuracy, response length, truncated fraction and each non-plain verdict's fraction."""
+    samples = [s for g in groups for s in g.samples]
+    n = max(len(samples), 1)
+    out = {f"{prefix}/reward": sum(s.reward for s in samples) / n,
+           f"{prefix}/accuracy": sum(s.correct for s in samples) / n,
+           f"{prefix}/response_length": sum(len(s.response_ids) for s in samples) / n,
+           f"{prefix}/truncated_frac": sum(s.finish_reason == "length" for s in samples) / n}
+    verdicts: dict[str, int] = defaultdict(int)
+    for s in samples:
+        verdicts[s.verdict] += 1
+    out.update({f"{prefix}/verdict_{k}": v / n for k, v in verdicts.items() if k not in ("correct", "incorrect")})
+    return out
+
+
+def evaluate(rollout: Rollout, problems: Sequence[Problem], cfg: Config) -> tuple[dict[str, float], list[dict]]:
+    """Held-out metrics (``eval/*``, by number of operations where the task has it) and a few examples."""
+    r = cfg.rollout
+    groups, timing = rollout.groups(problems, n=r.eval_samples, temperature=r.eval_temperature, top_p=r.eval_top_p,
+                                    seed=r.seed)
+    out = group_stats(groups, "eval") | {"time/eval_s": timing["time/generate_s"] + timing["time/verify_s"]}
+    by_ops: dict[int, list[bool]] = defaultdict(list)
+    for p, g in zip(problems, groups, strict=True):
+        if "n_ops" in p.meta:
+            by_ops[int(p.meta["n_ops"])].extend(s.correct for s in g.samples)
+    out.update({f"eval/accuracy_ops{k}": sum(v) / len(v) for k, v in sorted(by_ops.items())})
+    examples = [{"prompt": g.prompt, "answer": g.answer, "response": rollout.encoder.decode(g.samples[0].response_ids),
+                 "verdict": g.samples[0].verdict} for g in groups[:8]]
+    return out, examples

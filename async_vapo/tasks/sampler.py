@@ -1,0 +1,39 @@
+"""Which problems a run trains and evaluates on, and the seeded order it walks them in."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from async_vapo.config import Config
+from async_vapo.tasks import arith
+from async_vapo.tasks.base import Problem
+from async_vapo.tasks.files import load_problems
+
+
+def load_task(cfg: Config) -> tuple[list[Problem], list[Problem]]:
+    """(training problems, held-out problems) of ``cfg.task``."""
+    t = cfg.task
+    if t.kind == "arith":
+        return arith.make_splits(t.num_train, t.num_eval, t.seed, t.min_ops, t.max_ops)
+    return load_problems(t.train_path), load_problems(t.eval_path)
+
+
+class PromptSampler:
+    """Walks the training problems in a seeded order, epoch after epoch; its cursor is checkpointed."""
+
+    def __init__(self, problems: Sequence[Problem], seed: int):
+        self.problems, self.seed, self.cursor = list(problems), seed, 0
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.problems)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def take(self, n: int) -> list[Problem]:
+        out = []
+        while len(out) < n:
+            epoch, pos = divmod(self.cursor, len(self.problems))
+            out.append(self.problems[self._order(epoch)[pos]])
+            self.cursor += 1
+        return out
