@@ -15,7 +15,7 @@ pre-generated ones, alternated, so every push changes every weight):
 * ``shared_fresh``: the same with the buffer released before each push (a new file every time: what
   keeping the buffer saves, and the cost for a caller that frees it between pushes).
 
-and the cluster's learner -> engine paths (``async_vapo.cluster.weights``), the learner's write and the
+and the cluster's learner -> engine paths (``async_vapo.weights``), the learner's write and the
 engine's load through the same functions the services call (``load_announced``):
 
 * ``cluster_file``: a safetensors file per version (``cluster.weight_transfer = "file"``); the engine
@@ -164,7 +164,7 @@ def reload_breakdown(worker, path: str, nbytes: int, layout: list, loads: int) -
 
 def bench_cluster(engine, model, states, prompt, pushes: int, version: int, workdir: Path, result: dict) -> int:
     """The cluster's paths: the learner's write, then the engine's ``load_announced``; returns the last version."""
-    from async_vapo.cluster.weights import WeightServer, WeightSlots, load_announced, slot_announce, write_file_version
+    from async_vapo.weights import WeightServer, WeightSlots, load_announced, slot_announce, write_file_version
 
     workdir.mkdir(parents=True, exist_ok=True)
     slots = WeightSlots(workdir / "slots", 2)

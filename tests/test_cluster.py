@@ -20,7 +20,6 @@ import zmq
 from conftest import free_ports, group_alive
 
 from async_vapo.cluster.common import make_context
-from async_vapo.cluster.learner_service import Rotation
 from async_vapo.cluster.rollout_service import Admission
 from async_vapo.config import load_config
 from async_vapo.rollout.types import Group, Trajectory
@@ -35,6 +34,7 @@ from async_vapo.transport import (
     make_envelope,
 )
 from async_vapo.transport.messages import Decoder
+from async_vapo.weights import Rotation
 
 REPO = Path(__file__).resolve().parents[1]
 

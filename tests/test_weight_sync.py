@@ -13,8 +13,10 @@ import pytest
 import torch
 from conftest import assert_engine_serves
 
-from async_vapo.cluster.weights import (
+from async_vapo.transport import PeerTimeout, ProtocolError
+from async_vapo.weights import (
     HEADER_BYTES,
+    SharedWeightBuffer,
     WeightServer,
     WeightSlots,
     WeightsUnavailable,
@@ -22,8 +24,6 @@ from async_vapo.cluster.weights import (
     read_header,
     slot_holds,
 )
-from async_vapo.rollout.engine import SharedWeightBuffer
-from async_vapo.transport import PeerTimeout, ProtocolError
 
 
 def _unflatten(buf, layout, base: int = 0) -> dict[str, torch.Tensor]:

@@ -6,28 +6,17 @@ Sockets (rank 0 only)
     min_version = v − max_staleness) at a time, each bounded by ``cluster.batch_request_timeout_s``
     (PeerTimeout: counted in ``replay_timeouts_total``, logged, asked again). An empty BatchMsg means
     "not enough admissible groups yet": the learner services acks for ``cluster.batch_poll_s`` and asks again.
-  * ``weights``: XPUB, binds ``cluster.weights_port``; WeightsAnnounce after each update, and every
-    ``cluster.heartbeat_s`` a Heartbeat repeating the latest announce. Never blocks (PUB drops at HWM;
-    the heartbeat recovers a dropped announce).
-  * ``acks``: PULL, binds ``cluster.acks_port``; WeightsAck and Heartbeat from every engine.
+  * ``weights`` (XPUB) and ``acks`` (PULL): the weight broadcast, ``async_vapo.weights.sync``.
 
-Weight broadcast (``async_vapo.cluster.weights``): the policy's state dict is written, one memcpy per tensor,
-into the next of ``cluster.keep_weight_versions`` flat shared-memory slots under ``cluster.weights_dir``
-(default ``/dev/shm``) and announced with its layout; engines on this host map the slot, the others fetch it
-from the ``weights_fetch`` socket (ROUTER, binds ``cluster.weights_fetch_port``, served by a thread so a
-fetch never waits for an update). ``cluster.weight_transfer = "file"`` instead writes one safetensors file
-per version, atomically (temp file + rename), announced with its size and crc32. The directory is removed
-at exit. ``broadcast_seconds`` is the time from the start of the write to the last ack of the engines in
-rotation. Rotation (:class:`Rotation`): an engine joins with an ok ack of the latest version; a version
-counts once every engine in rotation acked it; an engine that has not within ``cluster.weight_ack_timeout_s``
-is taken out of rotation (logged, ``engines_dropped_total``). Its groups need no special treatment: once
-their version is older than the replay's floor they are dropped as stale. It rejoins with its next ack
-of the latest version (engines always load the latest). The learner never waits for acks: they are
-serviced between batch requests, so a dead engine costs nothing but its share of the groups.
+The step loop is ``async_vapo.learner.loop`` (the one-process trainer runs the same one) over a
+:class:`ReplaySource`. Weights (``async_vapo.weights``): each version goes out by ``cluster.weight_transfer``
+(shared-memory slots mapped by engines on this host and fetched over ZeroMQ by the others, or a safetensors
+file per version) and the rotation of engines follows their acks and heartbeats (``WeightBroadcast``).
+``broadcast_seconds`` is the time from the start of the write to the last ack of the engines in rotation.
 
 torch.distributed: a process group is always initialised (gloo on CPU, NCCL on GPUs): from torchrun's
 environment when present, else a world of one over a loopback TCPStore. With several ranks, rank 0 does
-all I/O and broadcasts each batch (``broadcast_object_list``); every rank then runs ``Learner.update`` on
+all I/O and broadcasts each batch (``learner.loop.BroadcastSource``); every rank runs the step loop on
 it data-parallel: rank r computes micro-batches r, r + W, ... of each mini-batch, weighted by the whole
 mini-batch's loss normaliser, and the gradients are summed with one all-reduce before each optimiser step,
 so the ranks stay identical replicas and the update equals a single process's (tests/test_data_parallel.py).
@@ -45,164 +34,20 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from async_vapo.cluster.common import ServiceContext
-from async_vapo.cluster.weights import WeightServer, WeightSlots, slot_announce, write_file_version
 from async_vapo.learner.dist import destroy_process_group, init_process_group
 from async_vapo.metrics.jsonl import JsonlWriter
 from async_vapo.transport import (
     BatchMsg,
     BatchRequest,
-    Heartbeat,
     PeerTimeout,
-    WeightsAck,
-    WeightsAnnounce,
     ZmqTransport,
     make_envelope,
 )
-
-
-@dataclass
-class Rotation:
-    """Engines in rotation and the versions still waiting for their acks (pure bookkeeping, no I/O)."""
-
-    ack_timeout_s: float
-    latest: int = 0
-    acked: dict[str, int] = field(default_factory=dict)
-    """Latest version each engine acked ok."""
-    members: set[str] = field(default_factory=set)
-    pending: dict[int, float] = field(default_factory=dict)
-    """version -> monotonic time it was published."""
-
-    def published(self, version: int, now: float) -> None:
-        self.latest = version
-        self.pending[version] = now
-
-    def on_ack(self, engine: str, version: int, ok: bool, now: float) -> tuple[list[tuple[int, float]], bool]:
-        """Record an ack; returns (versions that now count with their broadcast seconds, engine rejoined)."""
-        rejoined = False
-        if ok:
-            self.acked[engine] = max(version, self.acked.get(engine, -1))
-            if engine not in self.members and self.acked[engine] >= self.latest:
-                self.members.add(engine)
-                rejoined = True
-        return self._complete(now), rejoined
-
-    def _complete(self, now: float) -> list[tuple[int, float]]:
-        done = [v for v in self.pending
-                if self.members and all(self.acked.get(e, -1) >= v for e in self.members)]
-        return [(v, now - self.pending.pop(v)) for v in sorted(done)]
-
-    def expire(self, now: float) -> list[str]:
-        """Take engines that missed a version's deadline out of rotation; returns them."""
-        dropped: list[str] = []
-        for v, t in sorted(self.pending.items()):
-            if now - t > self.ack_timeout_s:
-                late = sorted(e for e in self.members if self.acked.get(e, -1) < v)
-                self.members.difference_update(late)
-                dropped += late
-                del self.pending[v]
-        return dropped
-
-
-def default_weights_dir(ctx: ServiceContext) -> Path:
-    if ctx.cfg.cluster.weights_dir:
-        return Path(ctx.cfg.cluster.weights_dir).expanduser() / f"async-vapo-{ctx.cfg.train.name}-{os.getpid()}"
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        return shm / f"async-vapo-{ctx.cfg.train.name}-{os.getpid()}"
-    return ctx.run_dir / "weights"
-
-
-class WeightSync:
-    """The learner's side of the weight broadcast: files, announces, heartbeats, acks, rotation."""
-
-    def __init__(self, ctx: ServiceContext, transport: ZmqTransport, *, pub_endpoint: str | None = None,
-                 acks_endpoint: str | None = None, fetch_endpoint: str | None = None,
-                 weights_dir: Path | None = None):
-        c = ctx.cfg.cluster
-        self.ctx = ctx
-        self.pub = transport.publisher(pub_endpoint or ctx.endpoint(c.bind_host, c.weights_port))
-        self.acks = transport.receiver(acks_endpoint or ctx.endpoint(c.bind_host, c.acks_port),
-                                       decoder=ctx.decoder((WeightsAck, Heartbeat), "acks"), bind=True)
-        self.dir = weights_dir or default_weights_dir(ctx)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.rotation = Rotation(c.weight_ack_timeout_s)
-        self.latest: WeightsAnnounce | None = None
-        self.files: list[Path] = []
-        self._last_beat = 0.0
-        m = ctx.metrics
-        self.in_rotation = m.gauge("engines_in_rotation", "Rollout engines whose acks a new version waits for.")
-        self.dropped = m.counter("engines_dropped_total", "Engines taken out of rotation for missing an ack.")
-        self.rejoined = m.counter("engines_rejoined_total", "Engines back in rotation after acking the latest.")
-        self.failed_loads = m.counter("weight_load_failures_total", "Acks reporting a failed weight load.")
-        self.slots: WeightSlots | None = None
-        self.server: WeightServer | None = None
-        if c.weight_transfer != "file":
-            self.slots = WeightSlots(self.dir, max(2, c.keep_weight_versions))
-            self.server = WeightServer(self.slots, fetch_endpoint or ctx.endpoint(c.bind_host, c.weights_fetch_port),
-                                       chunk_bytes=c.weight_chunk_bytes, max_bytes=c.max_message_bytes,
-                                       send_timeout_s=c.send_timeout_s, sender=ctx.name,
-                                       on_served=m.learner.weight_fetch_bytes_total.inc)
-
-    def publish(self, version: int, state) -> float:
-        """Write and announce ``state`` as ``version``; returns the seconds spent writing."""
-        t0 = time.perf_counter()
-        if self.slots is not None:
-            self.latest = slot_announce(self.slots.write(version, state))
-        else:
-            self.latest = write_file_version(self.dir, version, state)
-            self.files.append(Path(self.latest.location))
-            while len(self.files) > self.ctx.cfg.cluster.keep_weight_versions:
-                self.files.pop(0).unlink(missing_ok=True)
-        self.rotation.published(version, time.monotonic())
-        self.pub.publish(make_envelope(self.latest, sender=self.ctx.name, policy_version=version))
-        return time.perf_counter() - t0
-
-    def heartbeat(self, version: int) -> None:
-        now = time.monotonic()
-        self.pub.pump()
-        if now - self._last_beat >= self.ctx.cfg.cluster.heartbeat_s:
-            self._last_beat = now
-            self.pub.publish(make_envelope(Heartbeat(service="learner", instance=str(self.ctx.instance),
-                                                     served_version=version, weights=self.latest),
-                                           sender=self.ctx.name, policy_version=version))
-
-    def poll(self, timeout_s: float) -> None:
-        """Service acks for up to ``timeout_s`` (returns early once the pipe is drained after the first)."""
-        env = self.acks.recv(timeout_s)
-        while env is not None:
-            body = env.body
-            if isinstance(body, WeightsAck):
-                if not body.ok:
-                    self.failed_loads.inc()
-                    self.ctx.log.warning("learner: %s failed to load version %d: %s", body.engine_id,
-                                         body.version, body.error)
-                counted, rejoined = self.rotation.on_ack(body.engine_id, body.version, body.ok, time.monotonic())
-                if rejoined:
-                    self.rejoined.inc()
-                    self.ctx.log.info("learner: %s in rotation (acked version %d)", body.engine_id, body.version)
-                for v, seconds in counted:
-                    self.ctx.metrics.learner.broadcast_seconds.observe(seconds)
-                    self.ctx.log.info("learner: version %d acked by every engine in rotation in %.2f s", v, seconds)
-            env = self.acks.recv(0)
-        for e in self.rotation.expire(time.monotonic()):
-            self.dropped.inc()
-            self.ctx.log.warning("learner: %s missed the ack deadline of %.0f s: out of rotation", e,
-                                 self.rotation.ack_timeout_s)
-        self.in_rotation.set(len(self.rotation.members))
-
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-        if self.slots is not None:
-            self.slots.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+from async_vapo.weights import WeightBroadcast
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -217,7 +62,7 @@ class ReplaySource:
     While it waits it keeps the weight sync alive (heartbeats, acks). ``next_groups`` returns None once the
     service is stopped."""
 
-    def __init__(self, ctx: ServiceContext, transport, sync: WeightSync, learner):
+    def __init__(self, ctx: ServiceContext, transport, sync: WeightBroadcast, learner):
         c = ctx.cfg.cluster
         self.ctx, self.sync, self.learner = ctx, sync, learner
         self.req = transport.requester(ctx.endpoint(c.replay_host, c.replay_batch_port),
@@ -318,7 +163,7 @@ class LearnerService:
         leader = self.rank == 0
         if leader:
             self.transport = ZmqTransport()
-            self.sync = WeightSync(ctx, self.transport)
+            self.sync = WeightBroadcast(ctx, self.transport)
             self.replay = ReplaySource(ctx, self.transport, self.sync, self.learner)
             self.log = JsonlWriter(ctx.run_dir / "metrics.jsonl")
         self.lm = ctx.metrics.learner

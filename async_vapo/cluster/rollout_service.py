@@ -11,7 +11,7 @@ Sockets (engine ``rollout-i``)
     (ok or not, with load seconds) — the first one, for the served version at start, registers the
     engine — and a Heartbeat every ``cluster.heartbeat_s`` between generate calls.
 
-Weight sync (``async_vapo.cluster.weights``): the learner announces each version's shared-memory slot
+Weight sync (``async_vapo.weights``): the learner announces each version's shared-memory slot
 with its layout. With ``cluster.weight_transfer`` "auto", an engine whose host shares the slot (the file
 exists and its header carries the announced token) has its workers map it and load from it in place;
 another fetches the bytes in crc32-checked chunks from the learner's ``weights_fetch`` socket
@@ -53,7 +53,6 @@ import time
 from dataclasses import dataclass, field
 
 from async_vapo.cluster.common import ServiceContext
-from async_vapo.cluster.weights import load_announced
 from async_vapo.metrics.jsonl import JsonlWriter
 from async_vapo.rollout.generate import PromptEncoder, Rollout, evaluate, generate_groups
 from async_vapo.rollout.types import Group
@@ -67,6 +66,7 @@ from async_vapo.transport import (
     ZmqTransport,
     make_envelope,
 )
+from async_vapo.weights import load_announced
 
 
 @dataclass

@@ -331,7 +331,7 @@ class ClusterConfig(_Section):
     weights_fetch_port: int = Field(5706, ge=1, le=65535)
     """Learner's ROUTER socket: WeightsFetch from engines on other hosts, answered with chunks of a version."""
     weight_transfer: Literal["auto", "shm", "zmq", "file"] = "auto"
-    """How a new version reaches the engines (``async_vapo.cluster.weights``; measured in
+    """How a new version reaches the engines (``async_vapo.weights``; measured in
     benchmarks/weight_sync.py). "auto": engines on the learner's host map its shared-memory slot, the others
     fetch it over ZeroMQ. "shm" / "zmq": every engine that way ("shm" fails on another host). "file": a
     safetensors file per version in ``weights_dir`` (across hosts only over a shared filesystem)."""

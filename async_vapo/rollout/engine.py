@@ -14,7 +14,7 @@ Weights reach the engine's workers (``worker_ext.py``) in one of these ways, all
   pushes (it holds one copy of the weights in host memory until ``close`` or
   ``release_weight_buffer``), so a push faults in no pages.
 * ``load_weights_from_shared(path, nbytes, layout, version)`` (the cluster, an engine on the learner's
-  host): a flat buffer the learner wrote in its own shared-memory slot (``async_vapo.cluster.weights``),
+  host): a flat buffer the learner wrote in its own shared-memory slot (``async_vapo.weights``),
   mapped by the workers.
 * ``receive_buffer(nbytes)`` then ``load_received(layout, version)`` (the cluster, an engine on another
   host): the caller fills the engine's own shared buffer (fetched over ZeroMQ) and it is loaded as above.
@@ -30,7 +30,6 @@ vLLM spawns its engine process: code that constructs an engine must run under
 
 from __future__ import annotations
 
-import mmap
 import os
 import tempfile
 import time
@@ -40,6 +39,8 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+
+from async_vapo.weights.layout import Layout, SharedWeightBuffer, shm_dir, tensor_nbytes, unshared_state
 
 
 @dataclass
@@ -73,146 +74,6 @@ class EngineSpec:
                    kv_cache_gib=r.kv_cache_gib, max_model_len=longest_prompt + r.max_response_tokens + 1,
                    gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
                    max_num_seqs=r.max_num_seqs)
-
-
-def _shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-
-
-def _unshared(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Copy aliased tensors (tied embeddings) so safetensors can store them. Both names are sent: the CPU
-    backend keeps a separately packed lm_head even when the checkpoint ties it to the embeddings."""
-    seen: set[int] = set()
-    out = {}
-    for k, v in state.items():
-        ptr = v.untyped_storage().data_ptr()
-        out[k] = v.detach().cpu().clone() if ptr in seen else v.detach().contiguous().cpu()
-        seen.add(ptr)
-    return out
-
-
-Layout = list[tuple[str, str, list[int], int]]
-"""``(name, dtype, shape, offset)`` of each tensor in a flat weight buffer (offsets in bytes)."""
-
-ALIGN = 64
-"""Every tensor of a flat weight buffer starts at a multiple of this many bytes."""
-
-
-def flat_layout(state: Mapping[str, torch.Tensor], base: int = 0) -> tuple[Layout, int]:
-    """Tensor after tensor in state-dict order, each ``ALIGN``-aligned from ``base``; returns the layout
-    (absolute offsets) and the bytes after ``base`` that it spans."""
-    layout, offset = [], 0
-    for name, t in state.items():
-        offset = -(-offset // ALIGN) * ALIGN
-        layout.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), base + offset))
-        offset += t.numel() * t.element_size()
-    if offset == 0:
-        raise ValueError("an empty state dict has no weights to load")
-    return layout, offset
-
-
-def copy_into(mm, state: Mapping[str, torch.Tensor], layout: Layout) -> None:
-    """Copy ``state`` into the writable buffer ``mm`` at ``layout``'s offsets."""
-    for (name, t), (lname, _, _, off) in zip(state.items(), layout, strict=True):
-        if name != lname:
-            raise ValueError(f"layout names {lname!r} where the state dict has {name!r}")
-        size = t.numel() * t.element_size()
-        src = t.detach()
-        if src.device.type == "cpu":
-            # A plain memcpy: torch's copy_ would go through its thread pool, which costs ~10 ms a
-            # tensor when the cores are busy (measured here), more than copying the bytes.
-            mm[off: off + size] = src.contiguous().view(-1).view(torch.uint8).numpy()
-        else:
-            flat = torch.frombuffer(mm, dtype=torch.uint8, count=size, offset=off)
-            flat.view(t.dtype).view(t.shape).copy_(src)
-            del flat
-
-
-class SharedWeightBuffer:
-    """One flat weight buffer in a shared-memory file (the workers' side is in worker_ext).
-
-    Tensors are laid out by :func:`flat_layout` after ``header`` bytes (which the owner may use, see
-    ``async_vapo.cluster.weights``). The file is created when the first state dict arrives (or a larger
-    one). By default it is unlinked once the workers have mapped it (``mapped``), so a crashed process
-    leaves nothing behind in /dev/shm and the memory lives as long as the mappings do; ``persistent``
-    keeps the name, for buffers that other processes open by path.
-    """
-
-    ALIGN = ALIGN
-
-    def __init__(self, directory: str | None = None, *, header: int = 0, persistent: bool = False,
-                 prefix: str = "async-vapo-weights-"):
-        self.directory = directory or _shm_dir()
-        self.header = header
-        self.persistent = persistent
-        self.prefix = prefix
-        self.path: str | None = None
-        self.capacity = 0
-        self._mm: mmap.mmap | None = None
-        self._linked = False
-
-    @property
-    def mapping(self) -> mmap.mmap | None:
-        """The writable mapping of the current file, None before the first write."""
-        return self._mm
-
-    @property
-    def buffer(self) -> mmap.mmap:
-        if self._mm is None:
-            raise RuntimeError("the buffer has not been allocated yet")
-        return self._mm
-
-    def reserve(self, nbytes: int) -> mmap.mmap:
-        """Make the file hold at least ``header + nbytes`` bytes (a new file if it is smaller); returns the
-        writable mapping of the whole file."""
-        if self.header + nbytes > self.capacity:
-            self._allocate(self.header + nbytes)
-        return self.buffer
-
-    def write(self, state: Mapping[str, torch.Tensor]) -> tuple[str, int, Layout]:
-        """Copy ``state`` into the buffer; returns ``(path, nbytes, layout)`` for ``async_vapo_load_shared``
-        (``nbytes`` and the layout's offsets count from the start of the file)."""
-        layout, span = flat_layout(state, self.header)
-        copy_into(self.reserve(span), state, layout)
-        assert self.path is not None
-        return self.path, self.header + span, layout
-
-    def mapped(self) -> None:
-        """The workers have mapped the current file: its name is no longer needed (unless persistent)."""
-        if self._linked and self.path is not None and not self.persistent:
-            Path(self.path).unlink(missing_ok=True)
-            self._linked = False
-
-    def _allocate(self, nbytes: int) -> None:
-        self.close()
-        fd, path = tempfile.mkstemp(prefix=self.prefix, suffix=".bin", dir=self.directory)
-        try:
-            os.ftruncate(fd, nbytes)
-            self._mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            Path(path).unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        self.path, self.capacity, self._linked = path, nbytes, True
-
-    def close(self) -> None:
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:  # a view of it is still alive somewhere: the mapping goes with it
-                pass
-            self._mm = None
-        if self._linked and self.path is not None:
-            Path(self.path).unlink(missing_ok=True)
-        self.path, self.capacity, self._linked = None, 0, False
-
-
-def _nbytes(dtype: str, shape: Sequence[int]) -> int:
-    n = getattr(torch, dtype).itemsize
-    for d in shape:
-        n *= d
-    return n
 
 
 class VLLMEngine:
@@ -281,10 +142,10 @@ class VLLMEngine:
         elif via == "safetensors":
             from safetensors.torch import save_file
 
-            fd, path = tempfile.mkstemp(prefix="async-vapo-weights-", suffix=".safetensors", dir=_shm_dir())
+            fd, path = tempfile.mkstemp(prefix="async-vapo-weights-", suffix=".safetensors", dir=shm_dir())
             os.close(fd)
             try:
-                save_file(_unshared(state), path)
+                save_file(unshared_state(state), path)
                 t1 = time.perf_counter()
                 self._rpc("async_vapo_load_weights", path)
             finally:
@@ -318,7 +179,7 @@ class VLLMEngine:
     def load_received(self, layout: Layout, version: int) -> None:
         """Load what the caller wrote into :meth:`receive_buffer`."""
         assert self._shared.path is not None, "receive_buffer first"
-        end = max(off + _nbytes(dtype, shape) for _, dtype, shape, off in layout)
+        end = max(off + tensor_nbytes(dtype, shape) for _, dtype, shape, off in layout)
         self._rpc("async_vapo_load_shared", self._shared.path, end, layout)
         self._shared.mapped()
         self.last_load_stages["write_s"] = 0.0

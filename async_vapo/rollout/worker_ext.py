@@ -10,7 +10,7 @@ are not restarted):
   worker maps the file once and hands ``reload_weights`` tensors that are views of the mapping: no
   header to parse, no copy before vLLM's own, and after the first push no page to fault in on either
   side. The owner may unlink the file after the first load: the worker keeps its mapping. The cluster's
-  learner writes its versions into a few such files (slots, ``async_vapo.cluster.weights``) that the
+  learner writes its versions into a few such files (slots, ``async_vapo.weights``) that the
   workers of every engine on its host map once each.
 
 Both return ``{"tensors": n, "read_s": s, "reload_s": s}``: the time to get tensors out of the file

@@ -110,7 +110,7 @@ class WeightsAnnounce(_Body, tag="weights_announce"):
     version: int
     transfer: TransferKind
     location: str
-    """Slot file ("shm", see ``async_vapo.cluster.weights``), safetensors file ("file"), or rendezvous address."""
+    """Slot file ("shm", see ``async_vapo.weights``), safetensors file ("file"), or rendezvous address."""
     nbytes: int
     """Bytes of the payload (for "shm": of the tensors, after ``base``)."""
     checksum: str

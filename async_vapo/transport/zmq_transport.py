@@ -134,7 +134,7 @@ def _attach(sock: zmq.Socket, endpoint: str, do_bind: bool) -> str:
         raise
 
 
-def _send_until(sock: zmq.Socket, frames: list, deadline: float, *, track: bool = False):
+def send_until(sock: zmq.Socket, frames: list, deadline: float, *, track: bool = False):
     """Send a (multipart) message without blocking past ``deadline``; None if it stayed full."""
     while True:
         try:
@@ -148,7 +148,7 @@ def _send_until(sock: zmq.Socket, frames: list, deadline: float, *, track: bool 
             return None
 
 
-def _recv_parts(sock: zmq.Socket, deadline: float) -> list[zmq.Frame] | None:
+def recv_parts(sock: zmq.Socket, deadline: float) -> list[zmq.Frame] | None:
     while True:
         try:
             return sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -163,7 +163,7 @@ def _recv_single(sock: zmq.Socket, decoder: Decoder, timeout_s: float, nparts: i
     """The next message with exactly ``nparts`` frames (others are counted as malformed and skipped)."""
     deadline = time.monotonic() + check_timeout(timeout_s)
     while True:
-        parts = _recv_parts(sock, deadline)
+        parts = recv_parts(sock, deadline)
         if parts is None:
             return None
         if len(parts) == nparts:
@@ -178,7 +178,7 @@ class ZmqSender(Sender):
 
     def send_frame(self, frame: bytes, timeout_s: float) -> None:
         deadline = time.monotonic() + check_timeout(timeout_s)
-        if _send_until(self._sock, [frame], deadline) is None:
+        if send_until(self._sock, [frame], deadline) is None:
             raise BackpressureFull(self.endpoint, timeout_s)
 
     def close(self) -> None:
@@ -214,7 +214,7 @@ class ZmqRequester(Requester):
         self.endpoint = _attach(self._sock, endpoint, False)
 
     def _send_request(self, frame: bytes, timeout_s: float) -> bool:
-        return _send_until(self._sock, [frame], time.monotonic() + timeout_s) is not None
+        return send_until(self._sock, [frame], time.monotonic() + timeout_s) is not None
 
     def _recv_reply(self, timeout_s: float) -> Frame | None:
         parts = _recv_single(self._sock, self.decoder, timeout_s)
@@ -402,7 +402,7 @@ def send_tensor_blob(
     if body.nbytes != view.nbytes:
         raise ValueError(f"header declares {body.nbytes} bytes, blob has {view.nbytes}")
     frames = ([route] if route is not None else []) + [encode(header_env), view]
-    tracker = _send_until(sock, frames, time.monotonic() + check_timeout(timeout_s), track=True)
+    tracker = send_until(sock, frames, time.monotonic() + check_timeout(timeout_s), track=True)
     if tracker is None:
         raise BackpressureFull(sock.getsockopt_string(zmq.LAST_ENDPOINT) or "blob socket", timeout_s)
     return tracker
@@ -419,7 +419,7 @@ def recv_tensor_blob(
     ("malformed"). The returned view keeps the received frame alive without a copy.
     """
     deadline = time.monotonic() + check_timeout(timeout_s)
-    parts = _recv_parts(sock, deadline)
+    parts = recv_parts(sock, deadline)
     if parts is None:
         return None
     return check_blob(parts, decoder, max_blob_bytes=max_blob_bytes, verify=verify)

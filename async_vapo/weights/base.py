@@ -1,0 +1,98 @@
+"""One interface over the ways a version leaves the learner.
+
+A :class:`Publisher` takes a version as an iterator (or mapping) of named tensors, makes it available to the
+engines and returns the announce that tells them where it is. The ways:
+
+* :class:`SlotPublisher` (``cluster.weight_transfer`` auto / shm / zmq): the version goes into one of the
+  learner's shared-memory slots (``slots``); engines on this host map the slot, the others fetch it from the
+  fetch server (``fetch``) over ZeroMQ;
+* :class:`FilePublisher` ("file"): one safetensors file per version (``file``).
+
+The engine's end of every way is ``receive.load_announced``. Announces, acks, heartbeats and the rotation
+of engines are the same for every way (``sync.WeightBroadcast``). A torch.distributed broadcast into
+vLLM's weight-transfer API is a further Publisher with its own engine end.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+import torch
+
+from async_vapo.transport.messages import WeightsAnnounce
+from async_vapo.weights.fetch import WeightServer
+from async_vapo.weights.file import write_file_version
+from async_vapo.weights.layout import named_tensors
+from async_vapo.weights.slots import WeightSlots, slot_announce
+
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+class Publisher(ABC):
+    """The learner's end of one way: publish a version, say where it is."""
+
+    @abstractmethod
+    def publish(self, version: int, tensors: NamedTensors) -> WeightsAnnounce: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class SlotPublisher(Publisher):
+    """Versions in ``slots`` shared-memory slots under ``directory``; with ``fetch_endpoint``, a fetch server
+    for engines on other hosts."""
+
+    def __init__(self, directory: Path, slots: int, *, fetch_endpoint: str | None = None, chunk_bytes: int = 16 << 20,
+                 max_bytes: int = 256 << 20, send_timeout_s: float = 5.0, sender: str = "learner",
+                 on_served: Callable[[int], None] | None = None):
+        self.slots = WeightSlots(directory, slots)
+        self.server: WeightServer | None = None
+        if fetch_endpoint is not None:
+            try:
+                self.server = WeightServer(self.slots, fetch_endpoint, chunk_bytes=chunk_bytes, max_bytes=max_bytes,
+                                           send_timeout_s=send_timeout_s, sender=sender, on_served=on_served)
+            except BaseException:
+                self.slots.close()
+                raise
+
+    def publish(self, version: int, tensors: NamedTensors) -> WeightsAnnounce:
+        return slot_announce(self.slots.write(version, named_tensors(tensors)))
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        self.slots.close()
+
+
+class FilePublisher(Publisher):
+    """One safetensors file per version under ``directory``; the newest ``keep`` are kept."""
+
+    def __init__(self, directory: Path, keep: int):
+        self.directory, self.keep = directory, keep
+        self.files: list[Path] = []
+
+    def publish(self, version: int, tensors: NamedTensors) -> WeightsAnnounce:
+        a = write_file_version(self.directory, version, named_tensors(tensors))
+        self.files.append(Path(a.location))
+        while len(self.files) > self.keep:
+            self.files.pop(0).unlink(missing_ok=True)
+        return a
+
+    def close(self) -> None:
+        for f in self.files:
+            f.unlink(missing_ok=True)
+
+
+def make_publisher(transfer: str, directory: Path, *, keep_versions: int, fetch_endpoint: str | None,
+                   **server_args) -> Publisher:
+    """The publisher of ``cluster.weight_transfer``: "file", or slots with a fetch server ("auto", "zmq") or
+    without one ("shm": every engine shares this host)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if transfer == "file":
+        return FilePublisher(directory, keep_versions)
+    if transfer not in ("auto", "shm", "zmq"):
+        raise ValueError(f"unknown weight transfer {transfer!r} (auto, shm, zmq, file)")
+    return SlotPublisher(directory, max(2, keep_versions), fetch_endpoint=None if transfer == "shm" else fetch_endpoint,
+                         **server_args)

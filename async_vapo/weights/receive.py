@@ -1,0 +1,46 @@
+"""The engine's end: load an announced version into a running engine, by the way the announce allows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from async_vapo.transport.messages import WeightsAnnounce
+from async_vapo.transport.zmq_transport import verify_checksum
+from async_vapo.weights.fetch import fetch_weights
+from async_vapo.weights.slots import WeightsUnavailable, slot_holds
+
+
+def load_announced(engine, a: WeightsAnnounce, *, mode: str, fetch_endpoint: str, chunk_bytes: int,
+                   timeout_s: float, engine_id: str, max_bytes: int) -> str:
+    """Load the announced version into ``engine`` (a VLLMEngine); returns the way it came: "shm", "zmq" or
+    "file". ``mode`` is ``cluster.weight_transfer``. Raises on anything that does not match the announce;
+    after a torn slot load (the learner rewrote the slot meanwhile) the engine's version is -1."""
+    if a.transfer == "file":
+        data = Path(a.location).read_bytes()
+        if len(data) != a.nbytes or not verify_checksum(data, a.checksum):
+            raise ValueError(f"weights file {a.location} does not match its announce ({a.checksum})")
+        del data
+        engine.load_weights_from_file(a.location, a.version)
+        return "file"
+    if a.transfer != "shm":
+        raise ValueError(f"transfer {a.transfer!r} is not one an engine loads (shm, file)")
+    if not a.layout:
+        raise ValueError(f"the announce of version {a.version} has no layout")
+    if mode != "zmq" and slot_holds(a.location, a.version, a.token):
+        layout = [(n, d, s, off + a.base) for n, d, s, off in a.layout]
+        try:
+            engine.load_weights_from_shared(a.location, a.base + a.nbytes, layout, a.version)
+        finally:
+            if not slot_holds(a.location, a.version, a.token):
+                engine.version = -1  # torn: serve nothing until the newest version is loaded
+                raise WeightsUnavailable(f"the learner rewrote the slot of version {a.version} during the load")
+        return "shm"
+    if mode == "shm":
+        raise WeightsUnavailable(f"slot {a.location} of version {a.version} is not readable on this host "
+                                 '(cluster.weight_transfer = "shm"; "auto" fetches it over ZeroMQ)')
+    dst = engine.receive_buffer(a.nbytes)
+    fetch_weights(fetch_endpoint, a.version, a.nbytes, dst, chunk_bytes=chunk_bytes, timeout_s=timeout_s,
+                  engine_id=engine_id, max_bytes=max_bytes)
+    del dst
+    engine.load_received(a.layout, a.version)
+    return "zmq"
