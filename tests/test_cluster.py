@@ -123,7 +123,8 @@ def test_replay_service_counts_bad_frames_and_keeps_serving(tmp_path):
     cfg = load_config([], ["algo.group_size=2", "algo.prompts_per_step=2", "algo.mini_batch_size=4",
                            "algo.micro_batch_size=4", "cluster.fsync=never"])
     ctx = make_context("replay", cfg=cfg, run_dir=tmp_path, serve_metrics=False, install_signals=False)
-    svc = ReplayService(ctx, in_endpoint="tcp://127.0.0.1:*", batch_endpoint="tcp://127.0.0.1:*")
+    own = ZmqTransport()
+    svc = ReplayService(ctx, own, in_endpoint="tcp://127.0.0.1:*", batch_endpoint="tcp://127.0.0.1:*")
     loop = threading.Thread(target=svc.run, daemon=True)
     loop.start()
     zctx = zmq.Context()
@@ -168,6 +169,7 @@ def test_replay_service_counts_bad_frames_and_keeps_serving(tmp_path):
         ctx.stop.set()
         loop.join(10)
         svc.close()
+        own.close()
         transport.close()
         push.close()
         dealer.close()
@@ -343,9 +345,10 @@ def _run_learner_until_done(cfg, run_dir: Path, tok, resume: str | None = None):
     from async_vapo.cluster.replay_service import ReplayService
 
     rctx = make_context("replay", cfg=cfg, run_dir=run_dir, serve_metrics=False, install_signals=False)
-    replay = ReplayService(rctx)
+    transport = ZmqTransport()
+    replay = ReplayService(rctx, transport)
     lctx = make_context("learner", cfg=cfg, run_dir=run_dir, serve_metrics=False, install_signals=False)
-    learner = LearnerService(lctx, resume=resume)
+    learner = LearnerService(lctx, transport, resume=resume)
     resumed_at = (learner.learner.version, learner.loop.start_step, learner.replay.cursor)
     threads = [threading.Thread(target=replay.run, daemon=True), threading.Thread(target=learner.run, daemon=True)]
     for t in threads:
@@ -375,6 +378,7 @@ def _run_learner_until_done(cfg, run_dir: Path, tok, resume: str | None = None):
             t.join(30)
         learner.close()
         replay.close()
+        transport.close()
     return resumed_at
 
 
@@ -404,7 +408,7 @@ def test_verifier_service_counts_bad_frames_and_keeps_verifying(tmp_path):
     ctx = make_context("verifier", cfg=cfg, run_dir=tmp_path, serve_metrics=False, install_signals=False)
     transport = ZmqTransport()
     out = transport.receiver("tcp://127.0.0.1:*", decoder=Decoder((GroupsMsg,)), bind=True)
-    svc = VerifierService(ctx, in_endpoint="tcp://127.0.0.1:*", out_endpoint=out.endpoint)
+    svc = VerifierService(ctx, transport, in_endpoint="tcp://127.0.0.1:*", out_endpoint=out.endpoint)
     loop = threading.Thread(target=svc.run, args=(lambda ids: "".join(map(chr, ids)),), daemon=True)  # ids = chars
     loop.start()
     try:

@@ -44,7 +44,7 @@ from async_vapo.transport import (
     BatchMsg,
     BatchRequest,
     PeerTimeout,
-    ZmqTransport,
+    Transport,
     make_envelope,
 )
 from async_vapo.weights import WeightBroadcast
@@ -134,7 +134,8 @@ class ReplaySource:
 
 
 class LearnerService:
-    def __init__(self, ctx: ServiceContext, resume: str | None = None):
+    def __init__(self, ctx: ServiceContext, transport: Transport | None, resume: str | None = None):
+        """``transport``: rank 0's (ranks > 0 do no I/O and may pass None)."""
         import torch
         from transformers import AutoTokenizer
 
@@ -159,12 +160,11 @@ class LearnerService:
         if ckpt is not None:
             policy_path = ckpt / "policy"
         self.learner = Learner(cfg, policy_path, critic_path)
-        self.transport = self.sync = self.replay = self.log = None
+        self.sync = self.replay = self.log = None
         leader = self.rank == 0
         if leader:
-            self.transport = ZmqTransport()
-            self.sync = WeightBroadcast(ctx, self.transport)
-            self.replay = ReplaySource(ctx, self.transport, self.sync, self.learner)
+            self.sync = WeightBroadcast(ctx, transport)
+            self.replay = ReplaySource(ctx, transport, self.sync, self.learner)
             self.log = JsonlWriter(ctx.run_dir / "metrics.jsonl")
         self.lm = ctx.metrics.learner
         self.loop = StepLoop(cfg, self.learner, BroadcastSource(self.replay, self.world),
@@ -229,8 +229,11 @@ class LearnerService:
         return None
 
     def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
+        if self.replay is not None:
+            self.replay.req.close()
+        if self.sync is not None:
+            self.sync.pub.close()
+            self.sync.acks.close()
         if self.sync is not None:
             self.sync.close()
         if self.log is not None:
@@ -239,8 +242,11 @@ class LearnerService:
 
 
 def run_learner(ctx: ServiceContext, resume: str | None = None) -> None:
-    svc = LearnerService(ctx, resume)
-    try:
-        svc.run()
-    finally:
-        svc.close()
+    from async_vapo.transport import ZmqTransport
+
+    with ZmqTransport() as transport:
+        svc = LearnerService(ctx, transport, resume)
+        try:
+            svc.run()
+        finally:
+            svc.close()

@@ -24,19 +24,19 @@ import time
 
 from async_vapo.cluster.common import ServiceContext
 from async_vapo.replay import GroupStore, ReplayBuffer
-from async_vapo.transport import BatchMsg, BatchRequest, GroupsMsg, Heartbeat, ZmqTransport, make_envelope
+from async_vapo.transport import BatchMsg, BatchRequest, GroupsMsg, Heartbeat, Transport, make_envelope
 
 
 class ReplayService:
-    def __init__(self, ctx: ServiceContext, *, in_endpoint: str | None = None, batch_endpoint: str | None = None,
-                 store_path=None):
+    def __init__(self, ctx: ServiceContext, transport: Transport, *, in_endpoint: str | None = None,
+                 batch_endpoint: str | None = None, store_path=None):
         self.ctx = ctx
         cfg, c = ctx.cfg, ctx.cfg.cluster
         store_path = store_path or ctx.run_dir / "replay" / "groups.log"
         store_path.parent.mkdir(parents=True, exist_ok=True)
         self.store = GroupStore(store_path, fsync=c.fsync)
         self.buffer = ReplayBuffer(self.store, cfg.async_.max_staleness, group_size=cfg.algo.group_size)
-        self.transport = ZmqTransport()
+        self.transport = transport
         self.pull = self.transport.receiver(in_endpoint or ctx.endpoint(c.bind_host, c.replay_port),
                                             decoder=ctx.decoder((GroupsMsg, Heartbeat), "in"), bind=True)
         self.router = self.transport.replier(batch_endpoint or ctx.endpoint(c.bind_host, c.replay_batch_port),
@@ -118,13 +118,17 @@ class ReplayService:
                                             served_groups=self._stats.served_groups_total)
 
     def close(self) -> None:
-        self.transport.close()
+        self.pull.close()
+        self.router.close()
         self.store.close()
 
 
 def run_replay(ctx: ServiceContext) -> None:
-    svc = ReplayService(ctx)
-    try:
-        svc.run()
-    finally:
-        svc.close()
+    from async_vapo.transport import ZmqTransport
+
+    with ZmqTransport() as transport:
+        svc = ReplayService(ctx, transport)
+        try:
+            svc.run()
+        finally:
+            svc.close()

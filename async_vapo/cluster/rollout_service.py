@@ -61,9 +61,9 @@ from async_vapo.transport import (
     GroupsMsg,
     Heartbeat,
     Shutdown,
+    Transport,
     WeightsAck,
     WeightsAnnounce,
-    ZmqTransport,
     make_envelope,
 )
 from async_vapo.weights import load_announced
@@ -112,7 +112,8 @@ class Admission:
 
 
 class RolloutService:
-    def __init__(self, ctx: ServiceContext, engine, tokenizer, train_set, eval_set, *, pretrain_batches: int):
+    def __init__(self, ctx: ServiceContext, transport: Transport, engine, tokenizer, train_set, eval_set, *,
+                 pretrain_batches: int):
         self.ctx, self.engine, self.tokenizer = ctx, engine, tokenizer
         cfg, c = ctx.cfg, ctx.cfg.cluster
         self.train_set, self.eval_set = train_set, eval_set
@@ -126,7 +127,7 @@ class RolloutService:
                                    pretrain_batches=pretrain_batches,
                                    rounds_per_batch=1 + (a.max_resample_rounds if a.dynamic_sampling else 0),
                                    refill_s=c.admission_refill_s)
-        self.transport = ZmqTransport()
+        self.transport = transport
         self.groups_out = self.transport.sender(ctx.endpoint(c.verifier_host, c.verifier_port))
         self.acks = self.transport.sender(ctx.endpoint(c.learner_host, c.acks_port))
         self.sub = self.transport.subscriber(ctx.endpoint(c.learner_host, c.weights_port),
@@ -288,7 +289,8 @@ class RolloutService:
 
     def close(self) -> None:
         self.ctx.write_stats()  # while the engine core and the eval worker are still up
-        self.transport.close()
+        for sock in (self.groups_out, self.acks, self.sub):
+            sock.close()
         if self.eval_pool is not None:
             self.eval_pool.close()
         if self.metrics_log is not None:
@@ -316,9 +318,13 @@ def run_rollout(ctx: ServiceContext) -> None:
     ctx.log.info("%s: engine up in %.1f s", ctx.name, engine.start_seconds)
     a = cfg.algo
     pretrain = a.value_pretrain_steps if a.uses_critic else 0
-    svc = RolloutService(ctx, engine, tokenizer, train_set, eval_set, pretrain_batches=pretrain)
+    from async_vapo.transport import ZmqTransport
+
+    transport = ZmqTransport()
+    svc = RolloutService(ctx, transport, engine, tokenizer, train_set, eval_set, pretrain_batches=pretrain)
     try:
         svc.run()
     finally:
         svc.close()
+        transport.close()
         engine.close()

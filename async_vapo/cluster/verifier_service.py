@@ -21,18 +21,18 @@ import time
 from async_vapo.cluster.common import ServiceContext
 from async_vapo.rollout.generate import score_groups
 from async_vapo.rollout.types import Group
-from async_vapo.transport import GroupsMsg, Heartbeat, ZmqTransport, make_envelope
+from async_vapo.transport import GroupsMsg, Heartbeat, Transport, make_envelope
 
 
 class VerifierService:
-    def __init__(self, ctx: ServiceContext, *, in_endpoint: str | None = None, out_endpoint: str | None = None,
-                 pool=None):
+    def __init__(self, ctx: ServiceContext, transport: Transport, *, in_endpoint: str | None = None,
+                 out_endpoint: str | None = None, pool=None):
         from async_vapo.verify.sandbox import VerifierPool
 
         self.ctx = ctx
         c, v = ctx.cfg.cluster, ctx.cfg.verifier
         self.pool = pool or VerifierPool.from_config(v)
-        self.transport = ZmqTransport()
+        self.transport = transport
         self.pull = self.transport.receiver(in_endpoint or ctx.endpoint(c.bind_host, c.verifier_port),
                                             decoder=ctx.decoder((GroupsMsg, Heartbeat), "in"), bind=True)
         self.push = self.transport.sender(out_endpoint or ctx.endpoint(c.replay_host, c.replay_port))
@@ -79,7 +79,8 @@ class VerifierService:
 
     def close(self) -> None:
         self.ctx.write_stats()  # while the sandbox workers are still up
-        self.transport.close()
+        self.pull.close()
+        self.push.close()
         self.pool.close()
 
 
@@ -95,9 +96,12 @@ def make_decoder(ctx: ServiceContext):
 
 
 def run_verifier(ctx: ServiceContext) -> None:
+    from async_vapo.transport import ZmqTransport
+
     decode = make_decoder(ctx)
-    svc = VerifierService(ctx)
-    try:
-        svc.run(decode)
-    finally:
-        svc.close()
+    with ZmqTransport() as transport:
+        svc = VerifierService(ctx, transport)
+        try:
+            svc.run(decode)
+        finally:
+            svc.close()
