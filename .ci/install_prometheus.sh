@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs Debian's `prometheus` server (used by tests/test_cluster.py's end-to-end test). Idempotent;
+# Installs Debian's `prometheus` server (used by tests/integration/test_cluster.py's end-to-end test). Idempotent;
 # needs root (CI runs as root) or passwordless sudo. Starts no server itself (the tests start their own).
 set -euo pipefail
 source "$(dirname "$0")/apt_install.sh"

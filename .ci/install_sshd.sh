@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs Debian's OpenSSH server and client (used by tests/test_hostfile.py, which starts its own sshd on a
+# Installs Debian's OpenSSH server and client (used by tests/integration/test_hostfile.py, which starts its own sshd on a
 # loopback port to run deploy/start_cluster.sh --hostfile over real ssh). Idempotent; needs root (CI runs as
 # root) or passwordless sudo. Starts and enables no server itself: the test runs its own sshd as a child.
 set -euo pipefail

@@ -188,9 +188,9 @@ def report_async(out: Path) -> dict:
 
 
 def _plot_async(out: Path, res: dict[int, dict], alone: dict[str, float], slowest: str) -> None:
-    from async_vapo.metrics.plots import _figure
+    from async_vapo.metrics.plots import new_figure
 
-    fig, ax = _figure(2, 2, (12, 8.5))
+    fig, ax = new_figure(2, 2, (12, 8.5))
     bounds = list(res)
     labels = [str(s) for s in bounds]
     a = ax[0][0]
@@ -237,9 +237,9 @@ def _plot_async(out: Path, res: dict[int, dict], alone: dict[str, float], slowes
 
 def _plot_timeline(out: Path, bounds: list[int], span: float = 60.0) -> None:
     """Which stage is busy when, over ``span`` seconds from the middle of each run's training window."""
-    from async_vapo.metrics.plots import _figure
+    from async_vapo.metrics.plots import new_figure
 
-    fig, ax = _figure(len(bounds), 1, (12, 1.8 * len(bounds) + 0.8))
+    fig, ax = new_figure(len(bounds), 1, (12, 1.8 * len(bounds) + 0.8))
     for row, s in enumerate(bounds):
         run = out / f"staleness_{s}"
         tr = [r["wall_s"] for r in _rows(run) if r.get("kind") == "train"]
@@ -259,14 +259,14 @@ def _plot_timeline(out: Path, bounds: list[int], span: float = 60.0) -> None:
 
 def report_weight_sync(out: Path) -> Path:
     """``weight_sync.md`` / ``weight_sync.png`` from benchmarks/weight_sync.py's result.json."""
-    from async_vapo.metrics.plots import _figure
+    from async_vapo.metrics.plots import new_figure
 
     d = json.loads((out / "result.json").read_text())
     sizes = list(d["sizes"])
     paths = list(dict.fromkeys(p for s in d["sizes"].values() for p in s["paths"]))
     rows = ["| size | params | MB | memcpy s | " + " | ".join(f"{p} s (× memcpy)" for p in paths) + " |",
             "|---|---|---|---|" + "---|" * len(paths)]
-    fig, ax = _figure(1, 1, (9, 4.5))
+    fig, ax = new_figure(1, 1, (9, 4.5))
     a = ax[0][0]
     width = 0.8 / len(paths)
     for i, p in enumerate(paths):

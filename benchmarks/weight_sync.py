@@ -18,7 +18,7 @@ pre-generated ones, alternated, so every push changes every weight):
 and the cluster's learner -> engine paths (``async_vapo.weights``), the learner's write and the
 engine's load through the same functions the services call (``load_announced``):
 
-* ``cluster_file``: a safetensors file per version (``cluster.weight_transfer = "file"``); the engine
+* ``cluster_file``: a safetensors file per version (``cluster.weights.transfer = "file"``); the engine
   reads it to verify its crc32, then its workers load it.
 * ``cluster_shm``: the learner's shared-memory slot (2 slots, written round robin), mapped by the workers.
 * ``cluster_zmq``: the same slot fetched over ZeroMQ on loopback TCP in 16 MiB crc32-checked chunks into

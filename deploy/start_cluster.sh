@@ -10,7 +10,7 @@
 # PID (= its process-group id) is recorded in RUN_DIR/pids/<name>.pid; deploy/stop_cluster.sh RUN_DIR stops exactly
 # those groups. RUN_DIR/prometheus/{targets.json,prometheus.yml} list what was started; --prometheus also runs a
 # prometheus server on that config (when the binary exists). If a service is not healthy within
-# cluster.health_timeout_s (or exits first), its log tail is printed, everything started is stopped, exit 1.
+# cluster.deploy.health_timeout_s (or exits first), its log tail is printed, everything started is stopped, exit 1.
 #
 # Placement on one machine without GPUs: the cores are split between rollout engines and learner by the ratio
 # async.rollout_devices : async.learner_devices (taskset; each engine gets its own slice when there are enough
@@ -28,7 +28,7 @@
 # this machine are announced to the others as ASYNC_VAPO_ADVERTISE_HOST (default: this machine's source address
 # towards the first remote host; 127.0.0.1 when every role is local). The base model must be visible at the same
 # path on every host (shared file system); engines on other hosts than the learner's fetch new weights over ZeroMQ
-# (cluster.weight_transfer "auto").
+# (cluster.weights.transfer "auto").
 #   ASYNC_VAPO_SSH: the ssh command of every remote call (start, liveness checks, log tails, stop), split on
 #   whitespace; default "ssh -o BatchMode=yes". E.g. ASYNC_VAPO_SSH="ssh -o BatchMode=yes -p 2222 -i KEY" or
 #   "ssh -F my_ssh_config". It is recorded in RUN_DIR/pids/cluster.env, so deploy/stop_cluster.sh uses the same one.
@@ -82,7 +82,7 @@ s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 s.connect((sys.argv[1], 9))  # UDP: picks the route, sends nothing
 print(s.getsockname()[0])' "$first_remote" 2>/dev/null || hostname -f 2>/dev/null || hostname)}
   fi
-  OVERRIDES+=(cluster.bind_host=0.0.0.0)
+  OVERRIDES+=(cluster.hosts.bind_host=0.0.0.0)
   for role in replay verifier learner; do
     h=$(echo ${ROLE_HOSTS[$role]:-localhost} | awk '{print $1}')
     is_local "$h" && h=$LOCAL_ADDR
@@ -93,7 +93,7 @@ print(s.getsockname()[0])' "$first_remote" 2>/dev/null || hostname -f 2>/dev/nul
     is_local "$h" && h=$LOCAL_ADDR
     rh+=("\"$h\"")
   done
-  OVERRIDES+=("cluster.rollout_hosts=[$(IFS=,; echo "${rh[*]}")]")
+  OVERRIDES+=("cluster.hosts.rollout_hosts=[$(IFS=,; echo "${rh[*]}")]")
 fi
 host_of() {  # host_of ROLE INDEX
   local hosts=(${ROLE_HOSTS[$1]:-localhost})

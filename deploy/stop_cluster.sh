@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Stop exactly what deploy/start_cluster.sh started in RUN_DIR: the process groups recorded in RUN_DIR/pids/*.pid
-# (SIGTERM, then SIGKILL after cluster.stop_grace_s), plus the sandbox workers of the verifier and of rollout 0's
+# (SIGTERM, then SIGKILL after cluster.deploy.stop_grace_s), plus the sandbox workers of the verifier and of rollout 0's
 # evaluation pool (they run in their own sessions; listed in RUN_DIR/pids/*.children). Exits 0 only when nothing of them is left.
 # Services started over ssh (RUN_DIR/pids/NAME.host names the host) are signalled and checked there, their sandbox
 # workers too (from that host's RUN_DIR/pids/NAME.children), with the ssh command start_cluster.sh recorded in

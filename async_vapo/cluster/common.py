@@ -56,22 +56,23 @@ def service_arg_parser(service: str, doc: str | None = None) -> argparse.Argumen
     p.add_argument("--instance", type=int, default=0, help="replica index (rollout engines: 0..N-1)")
     p.add_argument("--metrics-port", type=int, help="port of /metrics and /health (default: from cluster.*)")
     p.add_argument("--log-level", default="INFO")
-    p.add_argument("overrides", nargs="*", help="key.sub=value overrides (ports: cluster.replay_port=...)")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides (ports: cluster.ports.replay_port=...)")
     return p
 
 
 def metrics_port(cfg: Config, service: str, instance: int = 0) -> int:
     c = cfg.cluster
-    return {"replay": c.replay_metrics_port, "verifier": c.verifier_metrics_port,
-            "learner": c.learner_metrics_port + instance, "rollout": c.rollout_metrics_port + instance}[service]
+    return {"replay": c.ports.replay_metrics_port, "verifier": c.ports.verifier_metrics_port,
+            "learner": c.ports.learner_metrics_port + instance,
+            "rollout": c.ports.rollout_metrics_port + instance}[service]
 
 
 def service_host(cfg: Config, service: str, instance: int = 0) -> str:
     """The address other machines (and Prometheus) reach ``service`` replica ``instance`` at."""
     c = cfg.cluster
     if service == "rollout":
-        return c.rollout_hosts[instance % len(c.rollout_hosts)] if c.rollout_hosts else "127.0.0.1"
-    return {"replay": c.replay_host, "verifier": c.verifier_host, "learner": c.learner_host}[service]
+        return c.hosts.rollout_hosts[instance % len(c.hosts.rollout_hosts)] if c.hosts.rollout_hosts else "127.0.0.1"
+    return {"replay": c.hosts.replay_host, "verifier": c.hosts.verifier_host, "learner": c.hosts.learner_host}[service]
 
 
 def wall_origin() -> float:
@@ -110,7 +111,8 @@ class ServiceContext:
         """The socket's decoder; its rejects feed ``wire_rejects_total{reason}``."""
         counter = self.metrics.wire_rejects_total
         rejects = RejectCounter(f"{self.name}/{socket_name}", callback=lambda r: counter.labels(reason=r).inc())
-        return Decoder(allowed, self.cfg.cluster.max_message_bytes, rejects=rejects, name=f"{self.name}/{socket_name}")
+        return Decoder(allowed, self.cfg.cluster.wire.max_message_bytes, rejects=rejects,
+                       name=f"{self.name}/{socket_name}")
 
     def processing_error(self, stage: str, what: str) -> None:
         """Count and log one message whose processing failed; the caller goes on with the next one."""
@@ -124,7 +126,7 @@ class ServiceContext:
                                             "Sends that found the downstream pipe full for a whole timeout.")
         while not self.stop.is_set():
             try:
-                sender.send(env, self.cfg.cluster.send_timeout_s)
+                sender.send(env, self.cfg.cluster.wire.send_timeout_s)
                 return True
             except BackpressureFull as exc:
                 backpressure.inc()
@@ -217,7 +219,7 @@ def make_context(service: str, args: argparse.Namespace | None = None, *, cfg: C
     if serve_metrics:
         port = args.metrics_port if args is not None and args.metrics_port is not None else metrics_port(
             cfg, service, instance)
-        ctx.server = MetricsServer(metrics, host=cfg.cluster.bind_host, port=port)
+        ctx.server = MetricsServer(metrics, host=cfg.cluster.hosts.bind_host, port=port)
         ctx.server.start()
         ctx.log.info("%s: /metrics and /health on %s", ctx.name, ctx.server.url)
     metrics.set_health(status="starting", pid=os.getpid())
@@ -277,7 +279,8 @@ def _plan(argv: Sequence[str]) -> int:
     render_prometheus_config(tmpl, prom / "prometheus.yml", scrape_interval=interval, scrape_timeout=timeout,
                              run_name=cfg.train.name)
     out = {"RUN_DIR": str(rd), "N_ROLLOUT": n_roll, "N_LEARNER": cfg.async_.learner_devices,
-           "HEALTH_TIMEOUT": int(math.ceil(c.health_timeout_s)), "STOP_GRACE": int(math.ceil(c.stop_grace_s)),
+           "HEALTH_TIMEOUT": int(math.ceil(c.deploy.health_timeout_s)),
+           "STOP_GRACE": int(math.ceil(c.deploy.stop_grace_s)),
            "POLICY_PATH": cfg.model.path or ""}
     for s in SERVICES:
         for i, t in enumerate(targets[s]):

@@ -1,15 +1,15 @@
 """The learner service: value pretraining, then VAPO updates on batches from the replay; publishes weights.
 
 Sockets (rank 0 only)
-  * ``batches``: DEALER (IMMEDIATE), connects to the replay's ROUTER (``cluster.replay_host:replay_batch_port``);
+  * ``batches``: DEALER (IMMEDIATE), connects to the replay's ROUTER (``cluster.hosts.replay_host:replay_batch_port``);
     READY handshake at start, then one BatchRequest(n_groups = prompts_per_step, for_version = v,
-    min_version = v − max_staleness) at a time, each bounded by ``cluster.batch_request_timeout_s``
+    min_version = v − max_staleness) at a time, each bounded by ``cluster.wire.batch_request_timeout_s``
     (PeerTimeout: counted in ``replay_timeouts_total``, logged, asked again). An empty BatchMsg means
-    "not enough admissible groups yet": the learner services acks for ``cluster.batch_poll_s`` and asks again.
+    "not enough admissible groups yet": the learner services acks for ``cluster.wire.batch_poll_s`` and asks again.
   * ``weights`` (XPUB) and ``acks`` (PULL): the weight broadcast, ``async_vapo.weights.sync``.
 
 The step loop is ``async_vapo.learner.loop`` (the one-process trainer runs the same one) over a
-:class:`ReplaySource`. Weights (``async_vapo.weights``): each version goes out by ``cluster.weight_transfer``
+:class:`ReplaySource`. Weights (``async_vapo.weights``): each version goes out by ``cluster.weights.transfer``
 (shared-memory slots mapped by engines on this host and fetched over ZeroMQ by the others, or a safetensors
 file per version) and the rotation of engines follows their acks and heartbeats (``WeightBroadcast``).
 ``broadcast_seconds`` is the time from the start of the write to the last ack of the engines in rotation.
@@ -19,7 +19,7 @@ environment when present, else a world of one over a loopback TCPStore. With sev
 all I/O and broadcasts each batch (``learner.loop.BroadcastSource``); every rank runs the step loop on
 it data-parallel: rank r computes micro-batches r, r + W, ... of each mini-batch, weighted by the whole
 mini-batch's loss normaliser, and the gradients are summed with one all-reduce before each optimiser step,
-so the ranks stay identical replicas and the update equals a single process's (tests/test_data_parallel.py).
+so the ranks stay identical replicas and the update equals a single process's (tests/integration/test_data_parallel.py).
 Logged losses and clip fractions are rank 0's share of the micro-batches; gradient norms are the whole's.
 
 Outputs in the run directory, as the one-process trainer: ``metrics.jsonl`` (``kind`` = pretrain / train;
@@ -62,10 +62,10 @@ class ReplaySource:
     While it waits it keeps the weight sync alive (heartbeats, acks). ``next_groups`` returns None once the
     service is stopped."""
 
-    def __init__(self, ctx: ServiceContext, transport, sync: WeightBroadcast, learner):
+    def __init__(self, ctx: ServiceContext, transport, sync: WeightBroadcast, learner, floor):
         c = ctx.cfg.cluster
-        self.ctx, self.sync, self.learner = ctx, sync, learner
-        self.req = transport.requester(ctx.endpoint(c.replay_host, c.replay_batch_port),
+        self.ctx, self.sync, self.learner, self.floor = ctx, sync, learner, floor
+        self.req = transport.requester(ctx.endpoint(c.hosts.replay_host, c.ports.replay_batch_port),
                                        decoder=ctx.decoder((BatchMsg,), "batches"), name=ctx.name)
         self.cursor = 0
         m = ctx.metrics
@@ -77,7 +77,7 @@ class ReplaySource:
     def handshake(self) -> bool:
         while not self.ctx.stop.is_set():
             try:
-                self.req.handshake(self.ctx.cfg.cluster.batch_request_timeout_s)
+                self.req.handshake(self.ctx.cfg.cluster.wire.batch_request_timeout_s)
                 return True
             except PeerTimeout as exc:
                 self.replay_timeouts.inc()
@@ -89,7 +89,7 @@ class ReplaySource:
     def next_groups(self, n: int):
         """``n`` whole groups admissible for the current version, with the wait; None when stopped first."""
         c, v = self.ctx.cfg.cluster, self.learner.version
-        floor = v - self.ctx.cfg.async_.max_staleness
+        floor = self.floor(v)
         t0 = time.perf_counter()
         try:
             while not self.ctx.stop.is_set():
@@ -98,7 +98,7 @@ class ReplaySource:
                 env = make_envelope(BatchRequest(n_groups=n, for_version=v, min_version=floor),
                                     sender=self.ctx.name, policy_version=v)
                 try:
-                    reply = self.req.request(env, c.batch_request_timeout_s)
+                    reply = self.req.request(env, c.wire.batch_request_timeout_s)
                 except PeerTimeout as exc:
                     self.replay_timeouts.inc()
                     self.ctx.log.warning("learner: %s", exc)
@@ -113,7 +113,7 @@ class ReplaySource:
                     self.stale_rejected.inc(len(batch.groups) - len(ok))
                 if ok:
                     return ok, {"time/wait_batch_s": time.perf_counter() - t0}
-                self.sync.poll(c.batch_poll_s)
+                self.sync.poll(c.wire.batch_poll_s)
             return None
         finally:
             self.wait_seconds.inc(time.perf_counter() - t0)
@@ -164,18 +164,26 @@ class LearnerService:
         leader = self.rank == 0
         if leader:
             self.sync = WeightBroadcast(ctx, transport)
-            self.replay = ReplaySource(ctx, transport, self.sync, self.learner)
+            self.replay = ReplaySource(ctx, transport, self.sync, self.learner, self.floor)
             self.log = JsonlWriter(ctx.run_dir / "metrics.jsonl")
         self.lm = ctx.metrics.learner
         self.loop = StepLoop(cfg, self.learner, BroadcastSource(self.replay, self.world),
                              pad_id=self.tokenizer.pad_token_id, run_dir=ctx.run_dir, log_writer=self.log,
-                             leader=leader, publish=self.sync.publish if leader else None,
+                             leader=leader, publish=self.publish if leader else None,
                              on_row=self._export if leader else None, busy=ctx.busy, should_stop=ctx.stop.is_set,
                              wall=ctx.elapsed, logger=ctx.log)
         if ckpt is not None:
             self.loop.resume(self.learner.load_state(ckpt))
             ctx.log.info("learner: resumed from %s at version %d", ckpt, self.learner.version)
         self.lm.version.set(self.learner.version)
+
+    def floor(self, version: int) -> int:
+        """The staleness floor: the oldest weights a batch for ``version`` may come from. The learner owns it;
+        the replay enforces it per request and the engines admit generation by it (both are sent it)."""
+        return version - self.ctx.cfg.async_.max_staleness
+
+    def publish(self, version: int, state) -> float:
+        return self.sync.publish(version, state, self.floor(version))
 
     # -- metrics -------------------------------------------------------------------------------------------------
     def _export(self, row: dict) -> None:
@@ -209,7 +217,7 @@ class LearnerService:
             self.loop.run()
             return None
         v = self.learner.version
-        self.sync.publish(v, self.learner.policy_state())
+        self.publish(v, self.learner.policy_state())
         self.ctx.ready(policy_version=v, phase="handshake")
         if not self.replay.handshake():
             self.loop.source.close()

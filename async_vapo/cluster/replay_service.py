@@ -1,15 +1,17 @@
 """The replay service: verified groups in (durably), staleness-bounded batches of whole groups out.
 
 Sockets
-  * ``in``: PULL, binds ``cluster.replay_port``; GroupsMsg (and Heartbeat) from the verifier. HWM
+  * ``in``: PULL, binds ``cluster.ports.replay_port``; GroupsMsg (and Heartbeat) from the verifier. HWM
     ``DEFAULT_HWM`` messages; at the HWM the verifier's PUSH holds (backpressure to the verifier).
-  * ``batches``: ROUTER, binds ``cluster.replay_batch_port``; BatchRequest (and READY) from the learner,
+  * ``batches``: ROUTER, binds ``cluster.ports.replay_batch_port``; BatchRequest (and READY) from the learner,
     answered at once by a BatchMsg: ``n_groups`` whole groups when the buffer holds that many admissible
     for ``for_version``, else an *empty* BatchMsg ("not yet"; the learner asks again after
-    ``cluster.batch_poll_s``). Replies never wait, so a slow learner holds nothing here.
+    ``cluster.wire.batch_poll_s``). Replies never wait, so a slow learner holds nothing here.
 
 Invariant (enforced by :class:`~async_vapo.replay.ReplayBuffer`, not here): a batch for learner version
-v never holds a group with v − version > ``async.max_staleness``; older groups are dropped and counted.
+v never holds a group older than the ``min_version`` the learner sent with its request (the learner owns
+the staleness bound, v − ``async.max_staleness``); older groups are dropped and counted. The replay's own
+``async.max_staleness`` only sets the floor after a restart, until the learner's first request.
 
 Durability: the buffer lives on a :class:`~async_vapo.replay.GroupStore` at ``RUN_DIR/replay/groups.log``;
 a group is stored (``write(2)``) before the next message is read, and a restarted replay serves the
@@ -34,12 +36,13 @@ class ReplayService:
         cfg, c = ctx.cfg, ctx.cfg.cluster
         store_path = store_path or ctx.run_dir / "replay" / "groups.log"
         store_path.parent.mkdir(parents=True, exist_ok=True)
-        self.store = GroupStore(store_path, fsync=c.fsync)
+        self.store = GroupStore(store_path, fsync=c.replay.fsync)
         self.buffer = ReplayBuffer(self.store, cfg.async_.max_staleness, group_size=cfg.algo.group_size)
         self.transport = transport
-        self.pull = self.transport.receiver(in_endpoint or ctx.endpoint(c.bind_host, c.replay_port),
+        self.pull = self.transport.receiver(in_endpoint or ctx.endpoint(c.hosts.bind_host, c.ports.replay_port),
                                             decoder=ctx.decoder((GroupsMsg, Heartbeat), "in"), bind=True)
-        self.router = self.transport.replier(batch_endpoint or ctx.endpoint(c.bind_host, c.replay_batch_port),
+        self.router = self.transport.replier(batch_endpoint or ctx.endpoint(c.hosts.bind_host,
+                                                                            c.ports.replay_batch_port),
                                              decoder=ctx.decoder((BatchRequest,), "batches"), name=ctx.name)
         self.m = ctx.metrics.replay
         self.rejected = ctx.metrics.counter("rejected_groups_total", "Groups refused by validation, by reason.",
@@ -70,7 +73,7 @@ class ReplayService:
     def handle_request(self, env) -> None:
         req: BatchRequest = env.body
         try:
-            batch = self.buffer.make_batch(req.n_groups, req.for_version)
+            batch = self.buffer.make_batch(req.n_groups, req.for_version, req.min_version)
         except Exception:
             self.ctx.processing_error("make_batch", f"batch request {req}")
             batch = None
@@ -84,14 +87,11 @@ class ReplayService:
             self.m.batch_assembly_seconds.observe(batch.assembly_seconds)
             for age in batch.ages:
                 self.m.sample_age_versions.observe(age)
-            if min(batch.versions) < req.min_version:  # a learner configured with another bound
-                self.ctx.log.warning("replay: batch %d holds version %d < the learner's min_version %d",
-                                     batch.batch_id, min(batch.versions), req.min_version)
             body = BatchMsg(groups=batch.groups, batch_id=str(batch.batch_id),
                             cursor=self._stats.served_groups_total, stale_dropped=dropped)
         try:
             self.router.reply(env, make_envelope(body, sender=self.ctx.name),
-                              timeout_s=self.ctx.cfg.cluster.send_timeout_s)
+                              timeout_s=self.ctx.cfg.cluster.wire.send_timeout_s)
         except Exception:
             # The groups were marked consumed: a lost reply loses them (counted), never serves them twice.
             self.ctx.processing_error("reply", f"reply to {env.sender}")

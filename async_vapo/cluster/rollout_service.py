@@ -2,20 +2,20 @@
 weight version that generated them.
 
 Sockets (engine ``rollout-i``)
-  * ``groups``: PUSH, connects to the verifier (``cluster.verifier_host:verifier_port``); GroupsMsg of the
+  * ``groups``: PUSH, connects to the verifier (``cluster.hosts.verifier_host:verifier_port``); GroupsMsg of the
     groups of one ``generate`` call. At the HWM the push holds and so does generation (backpressure).
-  * ``weights``: SUB, connects to the learner's XPUB (``cluster.learner_host:weights_port``);
+  * ``weights``: SUB, connects to the learner's XPUB (``cluster.hosts.learner_host:weights_port``);
     WeightsAnnounce, and Heartbeat whose ``weights`` repeats the latest announce (a missed announce is
-    recovered within ``cluster.heartbeat_s``; XPUB also re-sends the latest to a new subscriber).
-  * ``acks``: PUSH, connects to the learner's PULL (``cluster.acks_port``); one WeightsAck per load
+    recovered within ``cluster.wire.heartbeat_s``; XPUB also re-sends the latest to a new subscriber).
+  * ``acks``: PUSH, connects to the learner's PULL (``cluster.ports.acks_port``); one WeightsAck per load
     (ok or not, with load seconds) — the first one, for the served version at start, registers the
-    engine — and a Heartbeat every ``cluster.heartbeat_s`` between generate calls.
+    engine — and a Heartbeat every ``cluster.wire.heartbeat_s`` between generate calls.
 
 Weight sync (``async_vapo.weights``): the learner announces each version's shared-memory slot
-with its layout. With ``cluster.weight_transfer`` "auto", an engine whose host shares the slot (the file
+with its layout. With ``cluster.weights.transfer`` "auto", an engine whose host shares the slot (the file
 exists and its header carries the announced token) has its workers map it and load from it in place;
 another fetches the bytes in crc32-checked chunks from the learner's ``weights_fetch`` socket
-(``cluster.learner_host:weights_fetch_port``) into its own shared buffer and loads that. Either way the
+(``cluster.hosts.learner_host:weights_fetch_port``) into its own shared buffer and loads that. Either way the
 load happens between two generate calls (the engine is not restarted), is checked against the slot's
 header before and after (a slot rewritten meanwhile fails the load, and the engine serves nothing until
 it has loaded the newest version), and is acked. With "file" the learner writes a safetensors file
@@ -36,8 +36,11 @@ started now is consumed at a learner version ≥ L, so it is usable only if L �
     (reason ``version_budget``). With max_staleness = 0 every engine generates exactly its share of one
     batch per version and then waits for the next weights: synchronous on-policy training. Fast problems
     are not favoured: a generate call takes its prompts in sampler order and ships all of them together.
-  * a budget that is spent while no new version arrives for ``cluster.admission_refill_s`` is topped up by
-    one share (groups lost to a crash elsewhere must not starve the learner forever).
+  * a budget that is spent while no new version arrives for ``cluster.rollout.admission_refill_s`` is topped
+    up by one share (groups lost to a crash elsewhere must not starve the learner forever).
+
+``max_staleness`` is the learner's: every announce carries its staleness floor (``min_version``), and the
+engine takes the bound from it (its own config's ``async.max_staleness`` only until the first announce).
 
 Evaluation: rollout 0 evaluates the held-out split (``rollout.generate.evaluate``, with its own one-worker
 ``VerifierPool``) whenever it serves the learner's latest version and that is a multiple of
@@ -122,15 +125,15 @@ class RolloutService:
         self.sampler = PromptSampler(train_set, cfg.train.seed + 7919 * ctx.instance)
         n_engines = cfg.async_.rollout_devices
         a = cfg.algo
-        self.per_call = c.rollout_prompts_per_call or math.ceil(a.prompts_per_step / n_engines)
+        self.per_call = c.rollout.prompts_per_call or math.ceil(a.prompts_per_step / n_engines)
         self.admission = Admission(cfg.async_.max_staleness, a.prompts_per_step, n_engines,
                                    pretrain_batches=pretrain_batches,
                                    rounds_per_batch=1 + (a.max_resample_rounds if a.dynamic_sampling else 0),
-                                   refill_s=c.admission_refill_s)
+                                   refill_s=c.rollout.admission_refill_s)
         self.transport = transport
-        self.groups_out = self.transport.sender(ctx.endpoint(c.verifier_host, c.verifier_port))
-        self.acks = self.transport.sender(ctx.endpoint(c.learner_host, c.acks_port))
-        self.sub = self.transport.subscriber(ctx.endpoint(c.learner_host, c.weights_port),
+        self.groups_out = self.transport.sender(ctx.endpoint(c.hosts.verifier_host, c.ports.verifier_port))
+        self.acks = self.transport.sender(ctx.endpoint(c.hosts.learner_host, c.ports.acks_port))
+        self.sub = self.transport.subscriber(ctx.endpoint(c.hosts.learner_host, c.ports.weights_port),
                                              decoder=ctx.decoder((WeightsAnnounce, Heartbeat, Shutdown), "weights"))
         self.m = ctx.metrics.rollout
         self.latest: WeightsAnnounce | None = None
@@ -150,6 +153,8 @@ class RolloutService:
         # One publisher, delivered in order: its last word is the truth, even a lower version (a learner
         # restarted from an older checkpoint), so the engine follows it down as well as up.
         self.latest = a
+        if a.min_version >= 0:  # the learner's bound, not this process's copy of the config
+            self.admission.max_staleness = a.version - a.min_version
         if a.version != self.learner_version:
             self.learner_version = a.version
             self.admission.versions_changed()
@@ -195,10 +200,10 @@ class RolloutService:
     def _load(self, a: WeightsAnnounce) -> str:
         """Load ``a`` into the engine; returns the way it came ("shm", "zmq" or "file")."""
         c = self.ctx.cfg.cluster
-        return load_announced(self.engine, a, mode=c.weight_transfer,
-                              fetch_endpoint=self.ctx.endpoint(c.learner_host, c.weights_fetch_port),
-                              chunk_bytes=c.weight_chunk_bytes, timeout_s=c.batch_request_timeout_s,
-                              engine_id=self.engine_id, max_bytes=c.max_message_bytes)
+        return load_announced(self.engine, a, mode=c.weights.transfer,
+                              fetch_endpoint=self.ctx.endpoint(c.hosts.learner_host, c.ports.weights_fetch_port),
+                              chunk_bytes=c.weights.chunk_bytes, timeout_s=c.wire.batch_request_timeout_s,
+                              engine_id=self.engine_id, max_bytes=c.wire.max_message_bytes)
 
     def ack(self, version: int, ok: bool, seconds: float, error: str = "") -> None:
         self.ctx.send(self.acks, make_envelope(WeightsAck(engine_id=self.engine_id, version=version, ok=ok,
@@ -207,7 +212,7 @@ class RolloutService:
 
     def heartbeat(self, force: bool = False) -> None:
         now = time.monotonic()
-        if force or now - self._last_beat >= self.ctx.cfg.cluster.heartbeat_s:
+        if force or now - self._last_beat >= self.ctx.cfg.cluster.wire.heartbeat_s:
             self._last_beat = now
             env = make_envelope(Heartbeat(service="rollout", instance=str(self.ctx.instance),
                                           served_version=self.engine.version), sender=self.engine_id,
@@ -240,7 +245,7 @@ class RolloutService:
     def maybe_evaluate(self) -> None:
         cfg = self.ctx.cfg
         v = self.engine.version
-        if self.metrics_log is None or not cfg.cluster.rollout_eval or v in self.evaluated:
+        if self.metrics_log is None or not cfg.cluster.rollout.eval or v in self.evaluated:
             return
         if self.latest is None or self.latest.version != v:  # catching up: evaluate the learner's weights only
             return

@@ -1,9 +1,9 @@
 """The verifier service: the sandboxed :class:`~async_vapo.verify.sandbox.VerifierPool` between rollout and replay.
 
 Sockets
-  * ``in``: PULL, binds ``cluster.verifier_port``; GroupsMsg (unscored) and Heartbeat from every rollout
+  * ``in``: PULL, binds ``cluster.ports.verifier_port``; GroupsMsg (unscored) and Heartbeat from every rollout
     (fan-in). HWM ``DEFAULT_HWM`` messages.
-  * ``out``: PUSH, connects to the replay's ``cluster.replay_port``; GroupsMsg with rewards/verdicts.
+  * ``out``: PUSH, connects to the replay's ``cluster.ports.replay_port``; GroupsMsg with rewards/verdicts.
 
 Backpressure, not unbounded queues: one message is taken from ``in`` only after the previous one was
 verified and pushed to ``out``. When the replay is slow, the push holds (``ServiceContext.send``), ``in``
@@ -33,9 +33,9 @@ class VerifierService:
         c, v = ctx.cfg.cluster, ctx.cfg.verifier
         self.pool = pool or VerifierPool.from_config(v)
         self.transport = transport
-        self.pull = self.transport.receiver(in_endpoint or ctx.endpoint(c.bind_host, c.verifier_port),
+        self.pull = self.transport.receiver(in_endpoint or ctx.endpoint(c.hosts.bind_host, c.ports.verifier_port),
                                             decoder=ctx.decoder((GroupsMsg, Heartbeat), "in"), bind=True)
-        self.push = self.transport.sender(out_endpoint or ctx.endpoint(c.replay_host, c.replay_port))
+        self.push = self.transport.sender(out_endpoint or ctx.endpoint(c.hosts.replay_host, c.ports.replay_port))
         self.m = ctx.metrics.verifier
         self._write_worker_pids()
 
@@ -73,7 +73,7 @@ class VerifierService:
                 self.ctx.send(self.push, make_envelope(GroupsMsg(groups=groups), sender=self.ctx.name,
                                                        policy_version=env.policy_version), "verified groups")
                 self._write_worker_pids()
-            if time.monotonic() - last_beat > self.ctx.cfg.cluster.heartbeat_s:
+            if time.monotonic() - last_beat > self.ctx.cfg.cluster.wire.heartbeat_s:
                 last_beat = time.monotonic()
                 self.ctx.metrics.set_health(worker_pids=self.pool.worker_pids)
 

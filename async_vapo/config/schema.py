@@ -295,10 +295,8 @@ class AsyncConfig(_Section):
     """Devices given to learner ranks; rollout:learner ratio = rollout_devices:learner_devices."""
 
 
-class ClusterConfig(_Section):
-    """The four services of ``deploy/start_cluster.sh`` (rollout, verifier, replay, learner): where they
-    listen, how long they wait. Every wait is bounded: a missing peer becomes a log line and a metric."""
-
+class HostsConfig(_Section):
+    """Where each service listens and is reached (start_cluster.sh --hostfile sets them)."""
     bind_host: str = "127.0.0.1"
     """Interface every service binds (its ZeroMQ sockets and /metrics); `0.0.0.0` across machines."""
     verifier_host: str = "127.0.0.1"
@@ -310,6 +308,10 @@ class ClusterConfig(_Section):
     rollout_hosts: list[str] = []
     """Hosts of the rollout engines, engine i on entry i mod len (scrape targets, health checks); empty: this
     machine. start_cluster.sh --hostfile sets it."""
+
+
+class PortsConfig(_Section):
+    """Every socket and /metrics port of the cluster."""
     verifier_port: int = Field(5701, ge=1, le=65535)
     """Verifier's PULL socket: GroupsMsg from the rollouts."""
     replay_port: int = Field(5702, ge=1, le=65535)
@@ -320,6 +322,8 @@ class ClusterConfig(_Section):
     """Learner's XPUB socket: WeightsAnnounce and Heartbeat (repeating the latest announce) to rollouts."""
     acks_port: int = Field(5705, ge=1, le=65535)
     """Learner's PULL socket: WeightsAck and Heartbeat from the rollouts."""
+    weights_fetch_port: int = Field(5706, ge=1, le=65535)
+    """Learner's ROUTER socket: WeightsFetch from engines on other hosts, answered with chunks of a version."""
     replay_metrics_port: int = Field(9201, ge=1, le=65535)
     """Replay's /metrics and /health."""
     verifier_metrics_port: int = Field(9202, ge=1, le=65535)
@@ -328,24 +332,30 @@ class ClusterConfig(_Section):
     """Learner's /metrics and /health (rank 0)."""
     rollout_metrics_port: int = Field(9210, ge=1, le=65535)
     """Rollout engine i serves /metrics and /health on this port + i."""
-    weights_fetch_port: int = Field(5706, ge=1, le=65535)
-    """Learner's ROUTER socket: WeightsFetch from engines on other hosts, answered with chunks of a version."""
-    weight_transfer: Literal["auto", "shm", "zmq", "file"] = "auto"
+
+
+class WeightsConfig(_Section):
+    """How versions move from the learner to the engines (``async_vapo.weights``)."""
+    transfer: Literal["auto", "shm", "zmq", "file"] = "auto"
     """How a new version reaches the engines (``async_vapo.weights``; measured in
     benchmarks/weight_sync.py). "auto": engines on the learner's host map its shared-memory slot, the others
     fetch it over ZeroMQ. "shm" / "zmq": every engine that way ("shm" fails on another host). "file": a
     safetensors file per version in ``weights_dir`` (across hosts only over a shared filesystem)."""
-    weight_chunk_bytes: int = Field(16 * 2**20, ge=4096)
+    chunk_bytes: int = Field(16 * 2**20, ge=4096)
     """Size of one chunk of a ZeroMQ weight fetch (each checked by its crc32; 4 are in flight)."""
-    weights_dir: str | None = None
+    dir: str | None = None
     """Where the learner keeps its weight slots (or "file": each version's safetensors); None: /dev/shm
     when writable, else RUN_DIR/weights."""
-    keep_weight_versions: int = Field(3, ge=1)
+    keep_versions: int = Field(3, ge=1)
     """Versions held by the learner (its slots, or files), the newest; an engine that falls this many versions
     behind while loading gets the newest instead."""
-    weight_ack_timeout_s: float = Field(120.0, gt=0)
+    ack_timeout_s: float = Field(120.0, gt=0)
     """A version counts once every engine in rotation acked it; an engine that has not acked within
     this many seconds is taken out of rotation (it rejoins with its next ack of the latest version)."""
+
+
+class WireConfig(_Section):
+    """Timeouts, frame limit and liveness of every ZeroMQ link."""
     batch_request_timeout_s: float = Field(10.0, gt=0)
     """Learner's wait for one reply of the replay (PeerTimeout, logged and counted, then it asks again)."""
     batch_poll_s: float = Field(0.2, gt=0)
@@ -358,19 +368,99 @@ class ClusterConfig(_Section):
     """Period of the Heartbeats that services send when otherwise idle."""
     peer_dead_s: float = Field(30.0, gt=0)
     """A peer silent this long (no envelope at all) is logged as dead."""
+
+
+class ClusterRolloutConfig(_Section):
+    """The rollout service: admission and evaluation."""
     admission_refill_s: float = Field(60.0, gt=0)
     """Rollout admission: when an engine's per-version budget is spent and no new version came for this
     long, it gets one more batch worth of budget (groups lost to a crash must not starve the learner)."""
-    rollout_prompts_per_call: int = Field(0, ge=0)
+    prompts_per_call: int = Field(0, ge=0)
     """Prompts per engine `generate` call; 0: ceil(algo.prompts_per_step / async.rollout_devices)."""
-    rollout_eval: bool = True
+    eval: bool = True
     """Rollout 0 evaluates the held-out split at versions 0, k*train.eval_every and train.total_steps."""
+
+
+class ClusterReplayConfig(_Section):
+    """The replay service's store."""
+    fsync: Literal["always", "batch", "never"] = "batch"
+    """Replay store's fsync policy (see async_vapo.replay.store)."""
+
+
+class DeployConfig(_Section):
+    """start_cluster.sh / stop_cluster.sh."""
     health_timeout_s: float = Field(600.0, gt=0)
     """start_cluster.sh: seconds to wait for each service's /health before giving up."""
     stop_grace_s: float = Field(20.0, gt=0)
     """stop_cluster.sh: seconds between SIGTERM and SIGKILL of each process group."""
-    fsync: Literal["always", "batch", "never"] = "batch"
-    """Replay store's fsync policy (see async_vapo.replay.store)."""
+
+
+LEGACY_CLUSTER_KEYS: dict[str, tuple[str, str]] = {
+    "bind_host": ("hosts", "bind_host"),
+    "verifier_host": ("hosts", "verifier_host"),
+    "replay_host": ("hosts", "replay_host"),
+    "learner_host": ("hosts", "learner_host"),
+    "rollout_hosts": ("hosts", "rollout_hosts"),
+    "verifier_port": ("ports", "verifier_port"),
+    "replay_port": ("ports", "replay_port"),
+    "replay_batch_port": ("ports", "replay_batch_port"),
+    "weights_port": ("ports", "weights_port"),
+    "acks_port": ("ports", "acks_port"),
+    "weights_fetch_port": ("ports", "weights_fetch_port"),
+    "replay_metrics_port": ("ports", "replay_metrics_port"),
+    "verifier_metrics_port": ("ports", "verifier_metrics_port"),
+    "learner_metrics_port": ("ports", "learner_metrics_port"),
+    "rollout_metrics_port": ("ports", "rollout_metrics_port"),
+    "weight_transfer": ("weights", "transfer"),
+    "weight_chunk_bytes": ("weights", "chunk_bytes"),
+    "weights_dir": ("weights", "dir"),
+    "keep_weight_versions": ("weights", "keep_versions"),
+    "weight_ack_timeout_s": ("weights", "ack_timeout_s"),
+    "batch_request_timeout_s": ("wire", "batch_request_timeout_s"),
+    "batch_poll_s": ("wire", "batch_poll_s"),
+    "max_message_bytes": ("wire", "max_message_bytes"),
+    "send_timeout_s": ("wire", "send_timeout_s"),
+    "heartbeat_s": ("wire", "heartbeat_s"),
+    "peer_dead_s": ("wire", "peer_dead_s"),
+    "admission_refill_s": ("rollout", "admission_refill_s"),
+    "rollout_prompts_per_call": ("rollout", "prompts_per_call"),
+    "rollout_eval": ("rollout", "eval"),
+    "fsync": ("replay", "fsync"),
+    "health_timeout_s": ("deploy", "health_timeout_s"),
+    "stop_grace_s": ("deploy", "stop_grace_s"),
+}
+"""Flat ``cluster.*`` key of earlier versions -> (section, name) in the split tree."""
+
+
+class ClusterConfig(_Section):
+    """The four services of ``deploy/start_cluster.sh`` (rollout, verifier, replay, learner), by concern: where they
+    listen, how weights move, how long they wait. Every wait is bounded: a missing peer becomes a log line and a
+    metric. The flat spellings of earlier versions (``cluster.replay_port``, ``cluster.weight_transfer``, ...)
+    are still accepted and land in their section (``LEGACY_CLUSTER_KEYS``)."""
+
+    hosts: HostsConfig = HostsConfig()
+    ports: PortsConfig = PortsConfig()
+    weights: WeightsConfig = WeightsConfig()
+    wire: WireConfig = WireConfig()
+    rollout: ClusterRolloutConfig = ClusterRolloutConfig()
+    replay: ClusterReplayConfig = ClusterReplayConfig()
+    deploy: DeployConfig = DeployConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_flat_keys(cls, data):
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for key in [k for k in data if k in LEGACY_CLUSTER_KEYS]:
+            section, name = LEGACY_CLUSTER_KEYS[key]
+            sub = data.get(section)
+            sub = dict(sub) if isinstance(sub, dict) else ({} if sub is None else sub.model_dump())
+            if name in sub:
+                raise ValueError(f"cluster.{key} and cluster.{section}.{name} are the same setting: give one")
+            sub[name] = data.pop(key)
+            data[section] = sub
+        return data
 
 
 class TrainConfig(_Section):

@@ -80,7 +80,7 @@ def _out_path(out: PathLike) -> Path:
     return path
 
 
-def _figure(nrows: int, ncols: int, size: tuple[float, float]) -> tuple[Figure, Any]:
+def new_figure(nrows: int, ncols: int, size: tuple[float, float]) -> tuple[Figure, Any]:
     fig = Figure(figsize=size, layout="constrained")
     FigureCanvasAgg(fig)
     return fig, fig.subplots(nrows, ncols, squeeze=False)
@@ -105,7 +105,7 @@ def plot_runs(runs: Sequence[PathLike], out: PathLike, labels: Sequence[str] | N
     run_paths = [Path(r) for r in runs]
     names = _run_labels(run_paths, labels)
     out = _out_path(out)
-    fig, ax = _figure(2, 2, (12, 8))
+    fig, ax = new_figure(2, 2, (12, 8))
     for i, (run, name) in enumerate(zip(run_paths, names, strict=True)):
         rows = read_metrics(run)
         src = run / "metrics.jsonl" if run.is_dir() else run
@@ -168,7 +168,7 @@ def plot_curves_with_spread(groups: Mapping[str, Sequence[PathLike]], out: PathL
     if not groups:
         raise ValueError("plot_curves_with_spread: give at least one group of runs")
     out = _out_path(out)
-    fig, ax = _figure(1, 1, (8, 5))
+    fig, ax = new_figure(1, 1, (8, 5))
     a = ax[0][0]
     for i, (name, runs) in enumerate(groups.items()):
         if not runs:
@@ -207,7 +207,7 @@ def bar_chart(labels: Sequence[str], values: Sequence[float], out: PathLike, ref
         if seq is not None and len(seq) != n:
             raise ValueError(f"bar_chart: {len(seq)} {what} for {n} labels")
     out = _out_path(out)
-    fig, ax = _figure(1, 1, (max(6.0, 1.1 * n + 2), 4.5))
+    fig, ax = new_figure(1, 1, (max(6.0, 1.1 * n + 2), 4.5))
     a = ax[0][0]
     width = 0.4 if reference is not None else 0.7
     pos = list(range(n))

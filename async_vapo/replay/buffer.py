@@ -157,6 +157,7 @@ class ReplayBuffer:
         for seq, group in store.live():
             self._index_add(seq, group.version)
         self._learner_version = store.cursor.learner_version
+        self._floor = None if self._learner_version is None else self._learner_version - max_staleness
         with self._lock:
             self._enforce_capacity()
 
@@ -174,23 +175,27 @@ class ReplayBuffer:
                 return None
             seq = self.store.append(group)
             self._index_add(seq, group.version)
-            v = self._learner_version
-            if v is not None and v - group.version > self.max_staleness:
+            if self._floor is not None and group.version < self._floor:
                 self._drop([seq], DROP_STALE)
             else:
                 self._enforce_capacity()
             return seq
 
-    def make_batch(self, num_groups: int, learner_version: int) -> Batch | None:
-        """``num_groups`` whole groups for the learner at ``learner_version``, or None if too few."""
+    def make_batch(self, num_groups: int, learner_version: int, min_version: int | None = None) -> Batch | None:
+        """``num_groups`` whole groups for the learner at ``learner_version``, or None if too few.
+
+        ``min_version``: the learner's staleness floor (the cluster's learner sends it with every request: it
+        owns the bound); None: ``learner_version - max_staleness``."""
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
         if learner_version < 0:
             raise ValueError(f"learner_version must be >= 0, got {learner_version}")
         start = time.perf_counter()
         with self._lock:
-            self._learner_version = learner_version
-            floor = learner_version - self.max_staleness
+            floor = learner_version - self.max_staleness if min_version is None else min_version
+            if floor > learner_version:
+                raise ValueError(f"min_version {floor} is above learner_version {learner_version}")
+            self._learner_version, self._floor = learner_version, floor
             stale = [s for ver in self._versions if ver < floor for s in self._by_version[ver]]
             future = [s for ver in self._versions if ver > learner_version for s in self._by_version[ver]]
             self._drop(stale, DROP_STALE)

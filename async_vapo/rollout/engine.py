@@ -18,7 +18,7 @@ Weights reach the engine's workers (``worker_ext.py``) in one of these ways, all
   mapped by the workers.
 * ``receive_buffer(nbytes)`` then ``load_received(layout, version)`` (the cluster, an engine on another
   host): the caller fills the engine's own shared buffer (fetched over ZeroMQ) and it is loaded as above.
-* ``load_weights_from_file(path, version)``: a safetensors file (``cluster.weight_transfer = "file"``).
+* ``load_weights_from_file(path, version)``: a safetensors file (``cluster.weights.transfer = "file"``).
 
 ``benchmarks/weight_sync.py`` measures them against a plain memcpy of the same bytes; vLLM's
 ``reload_weights`` (which rebuilds each layer and, on the CPU backend, repacks every linear weight

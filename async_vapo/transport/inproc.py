@@ -1,8 +1,9 @@
 """In-process transport: the same interfaces, timeouts and named errors as ZeroMQ, on ``queue.Queue``.
 
-Every service takes its transport, so the whole pipeline (rollout -> verifier -> replay -> learner) runs in
-one process on this one (tests/test_pipeline.py); unit tests use it too. Envelopes still go through ``encode`` and the
-receiving socket's ``Decoder``, so everything in-process exercises the wire format and its checks.
+Every service takes its transport, so the whole pipeline (rollout -> verifier -> replay -> learner) runs
+in one process on this one (tests/integration/test_pipeline.py); unit tests use it too. Envelopes still go
+through ``encode`` and the receiving socket's ``Decoder``, so everything in-process exercises the wire
+format and its checks.
 
 Mapping to the ZeroMQ behaviour (see ``zmq_transport``):
 

@@ -123,6 +123,9 @@ class WeightsAnnounce(_Body, tag="weights_announce"):
     """"shm": offset of the data in the slot file (its header comes first)."""
     token: str = ""
     """"shm": the learner's random token, also in the slot's header (same token = same memory)."""
+    min_version: int = -1
+    """The learner's staleness floor at this version: the oldest weights its next batch may come from (the
+    learner owns the bound; engines admit generation by it). -1: not stated."""
 
 
 # rollout -> learner: "send me chunk `index` of weights `version`" (answered by TensorHeader + raw chunk, or

@@ -3,7 +3,7 @@
 A :class:`Publisher` takes a version as an iterator (or mapping) of named tensors, makes it available to the
 engines and returns the announce that tells them where it is. The ways:
 
-* :class:`SlotPublisher` (``cluster.weight_transfer`` auto / shm / zmq): the version goes into one of the
+* :class:`SlotPublisher` (``cluster.weights.transfer`` auto / shm / zmq): the version goes into one of the
   learner's shared-memory slots (``slots``); engines on this host map the slot, the others fetch it from the
   fetch server (``fetch``) over ZeroMQ;
 * :class:`FilePublisher` ("file"): one safetensors file per version (``file``).
@@ -87,7 +87,7 @@ class FilePublisher(Publisher):
 
 def make_publisher(transfer: str, directory: Path, *, keep_versions: int, fetch_endpoint: str | None,
                    **server_args) -> Publisher:
-    """The publisher of ``cluster.weight_transfer``: "file", or slots with a fetch server ("auto", "zmq") or
+    """The publisher of ``cluster.weights.transfer``: "file", or slots with a fetch server ("auto", "zmq") or
     without one ("shm": every engine shares this host)."""
     directory.mkdir(parents=True, exist_ok=True)
     if transfer == "file":

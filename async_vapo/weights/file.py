@@ -1,4 +1,4 @@
-"""Weights as one safetensors file per version (``cluster.weight_transfer = "file"``): works across hosts over a
+"""Weights as one safetensors file per version (``cluster.weights.transfer = "file"``): works across hosts over a
 shared filesystem; each file is written atomically and announced with its size and crc32."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from async_vapo.weights.layout import unshared_state
 
 
 def write_file_version(directory: Path, version: int, state: Mapping) -> WeightsAnnounce:
-    """``cluster.weight_transfer = "file"``: ``state`` as one safetensors file, written atomically."""
+    """``cluster.weights.transfer = "file"``: ``state`` as one safetensors file, written atomically."""
     from safetensors.torch import save
 
     data = save(unshared_state(state))

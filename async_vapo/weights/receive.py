@@ -13,7 +13,7 @@ from async_vapo.weights.slots import WeightsUnavailable, slot_holds
 def load_announced(engine, a: WeightsAnnounce, *, mode: str, fetch_endpoint: str, chunk_bytes: int,
                    timeout_s: float, engine_id: str, max_bytes: int) -> str:
     """Load the announced version into ``engine`` (a VLLMEngine); returns the way it came: "shm", "zmq" or
-    "file". ``mode`` is ``cluster.weight_transfer``. Raises on anything that does not match the announce;
+    "file". ``mode`` is ``cluster.weights.transfer``. Raises on anything that does not match the announce;
     after a torn slot load (the learner rewrote the slot meanwhile) the engine's version is -1."""
     if a.transfer == "file":
         data = Path(a.location).read_bytes()
@@ -37,7 +37,7 @@ def load_announced(engine, a: WeightsAnnounce, *, mode: str, fetch_endpoint: str
         return "shm"
     if mode == "shm":
         raise WeightsUnavailable(f"slot {a.location} of version {a.version} is not readable on this host "
-                                 '(cluster.weight_transfer = "shm"; "auto" fetches it over ZeroMQ)')
+                                 '(cluster.weights.transfer = "shm"; "auto" fetches it over ZeroMQ)')
     dst = engine.receive_buffer(a.nbytes)
     fetch_weights(fetch_endpoint, a.version, a.nbytes, dst, chunk_bytes=chunk_bytes, timeout_s=timeout_s,
                   engine_id=engine_id, max_bytes=max_bytes)

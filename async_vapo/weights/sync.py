@@ -1,15 +1,15 @@
 """The learner's side of the weight broadcast, the same for every way: publish, announce, acks, rotation.
 
 Sockets (from the service's transport)
-  * ``weights``: XPUB, binds ``cluster.weights_port``; WeightsAnnounce after each version, and every
-    ``cluster.heartbeat_s`` a Heartbeat repeating the latest announce. Never blocks (PUB drops at HWM; the
+  * ``weights``: XPUB, binds ``cluster.ports.weights_port``; WeightsAnnounce after each version, and every
+    ``cluster.wire.heartbeat_s`` a Heartbeat repeating the latest announce. Never blocks (PUB drops at HWM; the
     heartbeat recovers a dropped announce).
-  * ``acks``: PULL, binds ``cluster.acks_port``; WeightsAck and Heartbeat from every engine.
+  * ``acks``: PULL, binds ``cluster.ports.acks_port``; WeightsAck and Heartbeat from every engine.
 
 Rotation (:class:`Rotation`): an engine joins with an ok ack of the latest version (or a heartbeat saying it
 serves it); a version counts once every engine in rotation acked it (``broadcast_seconds``). An engine leaves
-rotation when it misses a version's ack deadline (``cluster.weight_ack_timeout_s``) or when it has been silent
-for ``cluster.peer_dead_s`` (the liveness policy: any envelope on the acks socket is proof of life,
+rotation when it misses a version's ack deadline (``cluster.weights.ack_timeout_s``) or when it has been silent
+for ``cluster.wire.peer_dead_s`` (the liveness policy: any envelope on the acks socket is proof of life,
 ``transport.HeartbeatMonitor``). Either way it rejoins with its next ack of the latest version (engines always
 load the latest). The learner never waits for acks: they are serviced between batch requests, so a dead
 engine costs nothing but its share of the groups; its groups need no special treatment (once older than
@@ -23,6 +23,8 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import msgspec
 
 from async_vapo.transport import Heartbeat, HeartbeatMonitor, WeightsAck, WeightsAnnounce, make_envelope
 from async_vapo.weights.base import NamedTensors, make_publisher
@@ -79,8 +81,8 @@ class Rotation:
 
 
 def default_weights_dir(ctx) -> Path:
-    if ctx.cfg.cluster.weights_dir:
-        return Path(ctx.cfg.cluster.weights_dir).expanduser() / f"async-vapo-{ctx.cfg.train.name}-{os.getpid()}"
+    if ctx.cfg.cluster.weights.dir:
+        return Path(ctx.cfg.cluster.weights.dir).expanduser() / f"async-vapo-{ctx.cfg.train.name}-{os.getpid()}"
     shm = Path("/dev/shm")
     if shm.is_dir() and os.access(shm, os.W_OK):
         return shm / f"async-vapo-{ctx.cfg.train.name}-{os.getpid()}"
@@ -88,30 +90,31 @@ def default_weights_dir(ctx) -> Path:
 
 
 class WeightBroadcast:
-    """Publishes versions by ``cluster.weight_transfer`` and keeps the engines' rotation (module docstring)."""
+    """Publishes versions by ``cluster.weights.transfer`` and keeps the engines' rotation (module docstring)."""
 
     def __init__(self, ctx, transport, *, pub_endpoint: str | None = None, acks_endpoint: str | None = None,
                  fetch_endpoint: str | None = None, weights_dir: Path | None = None):
         c = ctx.cfg.cluster
         self.ctx = ctx
-        self.pub = transport.publisher(pub_endpoint or ctx.endpoint(c.bind_host, c.weights_port))
-        self.acks = transport.receiver(acks_endpoint or ctx.endpoint(c.bind_host, c.acks_port),
+        self.pub = transport.publisher(pub_endpoint or ctx.endpoint(c.hosts.bind_host, c.ports.weights_port))
+        self.acks = transport.receiver(acks_endpoint or ctx.endpoint(c.hosts.bind_host, c.ports.acks_port),
                                        decoder=ctx.decoder((WeightsAck, Heartbeat), "acks"), bind=True)
         self.dir = weights_dir or default_weights_dir(ctx)
-        self.rotation = Rotation(c.weight_ack_timeout_s)
-        self.liveness = HeartbeatMonitor(c.peer_dead_s)
+        self.rotation = Rotation(c.weights.ack_timeout_s)
+        self.liveness = HeartbeatMonitor(c.wire.peer_dead_s)
         self.latest: WeightsAnnounce | None = None
         self._last_beat = 0.0
         m = ctx.metrics
         self.in_rotation = m.gauge("engines_in_rotation", "Rollout engines whose acks a new version waits for.")
         self.dropped = m.counter("engines_dropped_total", "Engines taken out of rotation for missing an ack.")
-        self.dead = m.counter("engines_dead_total", "Engines taken out of rotation for silence (cluster.peer_dead_s).")
+        self.dead = m.counter("engines_dead_total",
+                              "Engines taken out of rotation for silence (cluster.wire.peer_dead_s).")
         self.rejoined = m.counter("engines_rejoined_total", "Engines back in rotation after acking the latest.")
         self.failed_loads = m.counter("weight_load_failures_total", "Acks reporting a failed weight load.")
         self.publisher = make_publisher(
-            c.weight_transfer, self.dir, keep_versions=c.keep_weight_versions,
-            fetch_endpoint=fetch_endpoint or ctx.endpoint(c.bind_host, c.weights_fetch_port),
-            chunk_bytes=c.weight_chunk_bytes, max_bytes=c.max_message_bytes, send_timeout_s=c.send_timeout_s,
+            c.weights.transfer, self.dir, keep_versions=c.weights.keep_versions,
+            fetch_endpoint=fetch_endpoint or ctx.endpoint(c.hosts.bind_host, c.ports.weights_fetch_port),
+            chunk_bytes=c.weights.chunk_bytes, max_bytes=c.wire.max_message_bytes, send_timeout_s=c.wire.send_timeout_s,
             sender=ctx.name, on_served=m.learner.weight_fetch_bytes_total.inc)
 
     @property
@@ -119,10 +122,11 @@ class WeightBroadcast:
         """The fetch server of the slot way (None for "file" and "shm")."""
         return getattr(self.publisher, "server", None)
 
-    def publish(self, version: int, tensors: NamedTensors) -> float:
-        """Make ``tensors`` version ``version`` and announce it; returns the seconds spent."""
+    def publish(self, version: int, tensors: NamedTensors, min_version: int = -1) -> float:
+        """Make ``tensors`` version ``version`` and announce it with the learner's staleness floor
+        ``min_version``; returns the seconds spent."""
         t0 = time.perf_counter()
-        self.latest = self.publisher.publish(version, tensors)
+        self.latest = msgspec.structs.replace(self.publisher.publish(version, tensors), min_version=min_version)
         self.rotation.published(version, time.monotonic())
         self.pub.publish(make_envelope(self.latest, sender=self.ctx.name, policy_version=version))
         return time.perf_counter() - t0
@@ -130,7 +134,7 @@ class WeightBroadcast:
     def heartbeat(self, version: int) -> None:
         now = time.monotonic()
         self.pub.pump()
-        if now - self._last_beat >= self.ctx.cfg.cluster.heartbeat_s:
+        if now - self._last_beat >= self.ctx.cfg.cluster.wire.heartbeat_s:
             self._last_beat = now
             self.pub.publish(make_envelope(Heartbeat(service="learner", instance=str(self.ctx.instance),
                                                      served_version=version, weights=self.latest),

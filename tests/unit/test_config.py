@@ -5,7 +5,7 @@ import pytest
 
 from async_vapo.config import Config, ConfigError, load_config, parse_override, save_resolved
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.toml"))
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").rglob("*.toml"))
 
 
 def test_configs_folder_is_not_empty():
@@ -139,3 +139,19 @@ def test_every_field_is_documented():
                 assert f.description, f"{prefix}{name} has no docstring"
 
     walk(Config)
+
+
+def test_cluster_settings_by_concern_accept_the_flat_spellings(tmp_path):
+    nested = load_config([], ["cluster.ports.replay_port=6001", "cluster.weights.transfer=file",
+                              "cluster.wire.peer_dead_s=7"])
+    flat = load_config([], ["cluster.replay_port=6001", "cluster.weight_transfer=file", "cluster.peer_dead_s=7"])
+    assert nested.cluster == flat.cluster
+    assert flat.cluster.ports.replay_port == 6001 and flat.cluster.weights.transfer == "file"
+    toml = tmp_path / "c.toml"
+    toml.write_text('[cluster]\nfsync = "never"\n[cluster.deploy]\nstop_grace_s = 3\n')
+    cfg = load_config([toml])
+    assert cfg.cluster.replay.fsync == "never" and cfg.cluster.deploy.stop_grace_s == 3
+    with pytest.raises(ConfigError, match="same setting"):
+        load_config([], ["cluster.fsync=never", "cluster.replay.fsync=always"])
+    with pytest.raises(ConfigError):
+        load_config([], ["cluster.ports.no_such_port=1"])

@@ -1,5 +1,5 @@
-"""The asynchronous cluster: admission and rotation bookkeeping, a service that survives bad frames (real
-ZeroMQ sockets, in process), and the whole cluster end to end with start_cluster.sh / stop_cluster.sh and a
+"""The asynchronous cluster: services that survive bad frames (real ZeroMQ sockets, in process), learner
+checkpoints and resume, and the whole cluster end to end with start_cluster.sh / stop_cluster.sh and a
 real Prometheus server scraping every service."""
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import zmq
 from conftest import free_ports, group_alive
 
 from async_vapo.cluster.common import make_context
-from async_vapo.cluster.rollout_service import Admission
 from async_vapo.config import load_config
 from async_vapo.rollout.types import Group, Trajectory
 from async_vapo.transport import (
@@ -34,74 +33,8 @@ from async_vapo.transport import (
     make_envelope,
 )
 from async_vapo.transport.messages import Decoder
-from async_vapo.weights import Rotation
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-# -- admission control ---------------------------------------------------------------------------------------------
-
-def test_admission_with_staleness_zero_is_one_batch_per_version():
-    # 2 engines, 8 prompts per update: each engine may generate its share (4 groups) of one batch per version.
-    adm = Admission(max_staleness=0, prompts_per_step=8, num_engines=2, refill_s=1e9)
-    assert adm.check(served=3, learner=3) is None
-    adm.record(3, 4)
-    assert adm.check(served=3, learner=3) == "version_budget"
-    assert adm.check(served=4, learner=4) is None  # new weights: a new budget
-
-
-def test_admission_waits_for_weights_beyond_the_bound():
-    adm = Admission(max_staleness=1, prompts_per_step=4, num_engines=1)
-    assert adm.check(served=5, learner=6) is None  # age 1 at most: usable
-    assert adm.check(served=5, learner=7) == "stale_weights"  # could only arrive 2 versions old
-
-
-def test_admission_budgets_value_pretraining_and_staleness():
-    # version 0 feeds 3 pretraining batches and the first update; with max_staleness=1 also the second update.
-    adm = Admission(max_staleness=1, prompts_per_step=4, num_engines=1, pretrain_batches=3)
-    assert adm.budget(0) == (3 + 2) * 4
-    assert adm.budget(1) == 2 * 4
-
-
-def test_admission_refills_a_spent_budget_after_a_quiet_period():
-    adm = Admission(max_staleness=0, prompts_per_step=4, num_engines=1, refill_s=10.0)
-    adm.versions_changed(now=100.0)
-    adm.record(0, 4)
-    assert adm.check(0, 0, now=105.0) == "version_budget"
-    assert adm.check(0, 0, now=111.0) is None  # groups were lost somewhere: one more share
-    adm.record(0, 4)
-    assert adm.check(0, 0, now=112.0) == "version_budget"
-
-
-# -- rotation ------------------------------------------------------------------------------------------------------
-
-def test_rotation_counts_a_version_when_every_member_acked():
-    rot = Rotation(ack_timeout_s=10.0)
-    rot.published(0, now=0.0)
-    assert rot.on_ack("rollout-0", 0, True, now=0.5) == ([(0, 0.5)], True)
-    assert rot.on_ack("rollout-1", 0, True, now=0.6) == ([], True)
-    rot.published(1, now=1.0)
-    assert rot.on_ack("rollout-0", 1, True, now=1.5) == ([], False)  # rollout-1 has not acked yet
-    counted, _ = rot.on_ack("rollout-1", 1, True, now=2.0)
-    assert counted == [(1, 1.0)]
-
-
-def test_rotation_drops_a_late_engine_and_takes_it_back_on_the_latest():
-    rot = Rotation(ack_timeout_s=5.0)
-    rot.published(0, now=0.0)
-    rot.on_ack("a", 0, True, now=0.1)
-    rot.on_ack("b", 0, True, now=0.1)
-    rot.published(1, now=1.0)
-    rot.on_ack("a", 1, True, now=1.1)
-    assert rot.expire(now=3.0) == []
-    assert rot.expire(now=6.5) == ["b"]
-    assert rot.members == {"a"}
-    rot.published(2, now=7.0)
-    assert rot.on_ack("a", 2, True, now=7.2) == ([(2, pytest.approx(0.2))], False)  # b no longer holds it up
-    assert rot.on_ack("b", 1, True, now=7.3) == ([], False)  # catching up, not on the latest yet
-    assert rot.on_ack("b", 2, False, now=7.4) == ([], False)  # a failed load does not rejoin
-    assert rot.on_ack("b", 2, True, now=7.5) == ([], True)
-    assert rot.members == {"a", "b"}
+REPO = Path(__file__).resolve().parents[2]
 
 
 # -- a running service keeps serving through bad frames ------------------------------------------------------------
@@ -121,7 +54,7 @@ def test_replay_service_counts_bad_frames_and_keeps_serving(tmp_path):
     from async_vapo.cluster.replay_service import ReplayService
 
     cfg = load_config([], ["algo.group_size=2", "algo.prompts_per_step=2", "algo.mini_batch_size=4",
-                           "algo.micro_batch_size=4", "cluster.fsync=never"])
+                           "algo.micro_batch_size=4", "cluster.replay.fsync=never"])
     ctx = make_context("replay", cfg=cfg, run_dir=tmp_path, serve_metrics=False, install_signals=False)
     own = ZmqTransport()
     svc = ReplayService(ctx, own, in_endpoint="tcp://127.0.0.1:*", batch_endpoint="tcp://127.0.0.1:*")
@@ -334,8 +267,9 @@ def _learner_cfg(tiny_cfg, total_steps: int):
     ports = free_ports(6)
     names = ["replay_port", "replay_batch_port", "weights_port", "acks_port", "verifier_port", "weights_fetch_port"]
     return load_config([], [*TINY_TEST_OVERRIDES, f"model.cache_dir={tiny_cfg.model.cache_dir}",
-                            f"train.total_steps={total_steps}", "train.checkpoint_every=1", "cluster.fsync=never",
-                            "cluster.batch_poll_s=0.05",
+                            f"train.total_steps={total_steps}", "train.checkpoint_every=1",
+                            "cluster.replay.fsync=never",
+                            "cluster.wire.batch_poll_s=0.05",
                             *(f"cluster.{k}={p}" for k, p in zip(names, ports, strict=True))])
 
 
@@ -404,7 +338,7 @@ def test_learner_service_checkpoints_and_resumes(tiny_cfg, tiny_base, tmp_path):
 def test_verifier_service_counts_bad_frames_and_keeps_verifying(tmp_path):
     from async_vapo.cluster.verifier_service import VerifierService
 
-    cfg = load_config([], ["verifier.num_workers=1", "cluster.max_message_bytes=4096"])
+    cfg = load_config([], ["verifier.num_workers=1", "cluster.wire.max_message_bytes=4096"])
     ctx = make_context("verifier", cfg=cfg, run_dir=tmp_path, serve_metrics=False, install_signals=False)
     transport = ZmqTransport()
     out = transport.receiver("tcp://127.0.0.1:*", decoder=Decoder((GroupsMsg,)), bind=True)

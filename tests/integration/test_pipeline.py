@@ -20,7 +20,7 @@ from conftest import TINY_TEST_OVERRIDES, assert_engine_serves, free_ports
 from async_vapo.cluster.common import SERVICES, make_context
 from async_vapo.config import load_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
@@ -39,8 +39,8 @@ def test_pipeline_in_one_process_over_the_inproc_transport(tiny_cfg, tiny_base, 
     total = 3
     cfg = load_config([], [*TINY_TEST_OVERRIDES, f"model.cache_dir={tiny_cfg.model.cache_dir}",
                            f"train.total_steps={total}", f"train.eval_every={total}", "train.checkpoint_every=0",
-                           "async.max_staleness=1", "cluster.weight_transfer=shm", "cluster.fsync=never",
-                           "cluster.batch_poll_s=0.05", "cluster.heartbeat_s=0.2"])
+                           "async.max_staleness=1", "cluster.weights.transfer=shm", "cluster.replay.fsync=never",
+                           "cluster.wire.batch_poll_s=0.05", "cluster.wire.heartbeat_s=0.2"])
     run_dir = tmp_path / "run"
     tok = AutoTokenizer.from_pretrained(str(tiny_base))
     base_state = load_policy(tiny_base).state_dict()

@@ -29,7 +29,7 @@ from async_vapo.replay import (
 from async_vapo.replay.store import FILE_MAGIC
 from async_vapo.rollout.types import Group, Trajectory
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 _uid = iter(range(10**9))
 
 
@@ -605,3 +605,17 @@ def test_random_interleavings_keep_every_invariant(max_staleness, capacity, auto
         assert stats.served_groups_total == len(served) == len(set(served))
         assert stats.age_histogram == dict(served_ages)
         buf.store.close()
+
+
+def test_the_learners_min_version_is_the_floor():
+    # The replay's own max_staleness (5) would admit all three; the learner's floor (3) is what counts.
+    buf = ReplayBuffer(GroupStore(None), max_staleness=5)
+    for v in (1, 2, 3):
+        buf.add(make_group(v))
+    batch = buf.make_batch(1, learner_version=3, min_version=3)
+    assert batch is not None and batch.versions == [3]
+    assert buf.stats().dropped_total[DROP_STALE] == 2
+    buf.add(make_group(2))  # arrives below the floor of the last request: dropped at once
+    assert len(buf) == 0 and buf.stats().dropped_total[DROP_STALE] == 3
+    with pytest.raises(ValueError, match="above learner_version"):
+        buf.make_batch(1, learner_version=3, min_version=4)

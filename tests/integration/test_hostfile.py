@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import free_ports, group_alive
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 REMOTE = "127.0.0.2"  # a loopback address, but not one is_local() in start_cluster.sh accepts
 
 
@@ -136,7 +136,7 @@ def test_hostfile_roles_start_and_stop_over_ssh(sshd, tiny_cfg, tiny_base, tmp_p
                  f"train.total_steps={total_steps}", "train.eval_every=100", "train.checkpoint_every=0",
                  # 127.0.0.2 shares this machine's /dev/shm, where "auto" would map the learner's slots: force the
                  # way an engine on a real second machine takes, fetching each version over ZeroMQ
-                 "cluster.weight_transfer=zmq"]
+                 "cluster.weights.transfer=zmq"]
     hostfile = tmp_path / "hosts"
     hostfile.write_text(f"# host role\nlocalhost replay\n{REMOTE} verifier\n{REMOTE} rollout\nlocalhost learner\n")
     remote_names, local_names = {"verifier", "rollout-0"}, {"replay", "learner"}

@@ -26,7 +26,7 @@ from async_vapo.metrics.prom import (
     write_file_sd_targets,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 EXPECTED = {
     "rollout": ["generated_tokens_total", "generated_samples_total", "inflight_groups", "served_version",

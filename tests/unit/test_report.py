@@ -76,7 +76,7 @@ def test_weight_sync_and_transport_reports_render_the_committed_results(tmp_path
 
     from async_vapo.report import report_transport, report_weight_sync
 
-    root = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    root = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
     for name, fn in (("weight_sync", report_weight_sync), ("transport", report_transport)):
         d = tmp_path / name
         d.mkdir()

@@ -1,0 +1,86 @@
+"""The cluster's pure bookkeeping: rollout admission control and the learner's rotation of engines
+(including the liveness policy's leave and rejoin)."""
+
+from __future__ import annotations
+
+import pytest
+
+from async_vapo.cluster.rollout_service import Admission
+from async_vapo.weights import Rotation
+
+# -- admission control ---------------------------------------------------------------------------------------------
+
+def test_admission_with_staleness_zero_is_one_batch_per_version():
+    # 2 engines, 8 prompts per update: each engine may generate its share (4 groups) of one batch per version.
+    adm = Admission(max_staleness=0, prompts_per_step=8, num_engines=2, refill_s=1e9)
+    assert adm.check(served=3, learner=3) is None
+    adm.record(3, 4)
+    assert adm.check(served=3, learner=3) == "version_budget"
+    assert adm.check(served=4, learner=4) is None  # new weights: a new budget
+
+
+def test_admission_waits_for_weights_beyond_the_bound():
+    adm = Admission(max_staleness=1, prompts_per_step=4, num_engines=1)
+    assert adm.check(served=5, learner=6) is None  # age 1 at most: usable
+    assert adm.check(served=5, learner=7) == "stale_weights"  # could only arrive 2 versions old
+
+
+def test_admission_budgets_value_pretraining_and_staleness():
+    # version 0 feeds 3 pretraining batches and the first update; with max_staleness=1 also the second update.
+    adm = Admission(max_staleness=1, prompts_per_step=4, num_engines=1, pretrain_batches=3)
+    assert adm.budget(0) == (3 + 2) * 4
+    assert adm.budget(1) == 2 * 4
+
+
+def test_admission_refills_a_spent_budget_after_a_quiet_period():
+    adm = Admission(max_staleness=0, prompts_per_step=4, num_engines=1, refill_s=10.0)
+    adm.versions_changed(now=100.0)
+    adm.record(0, 4)
+    assert adm.check(0, 0, now=105.0) == "version_budget"
+    assert adm.check(0, 0, now=111.0) is None  # groups were lost somewhere: one more share
+    adm.record(0, 4)
+    assert adm.check(0, 0, now=112.0) == "version_budget"
+
+
+# -- rotation ------------------------------------------------------------------------------------------------------
+
+def test_rotation_counts_a_version_when_every_member_acked():
+    rot = Rotation(ack_timeout_s=10.0)
+    rot.published(0, now=0.0)
+    assert rot.on_ack("rollout-0", 0, True, now=0.5) == ([(0, 0.5)], True)
+    assert rot.on_ack("rollout-1", 0, True, now=0.6) == ([], True)
+    rot.published(1, now=1.0)
+    assert rot.on_ack("rollout-0", 1, True, now=1.5) == ([], False)  # rollout-1 has not acked yet
+    counted, _ = rot.on_ack("rollout-1", 1, True, now=2.0)
+    assert counted == [(1, 1.0)]
+
+
+def test_rotation_drops_a_late_engine_and_takes_it_back_on_the_latest():
+    rot = Rotation(ack_timeout_s=5.0)
+    rot.published(0, now=0.0)
+    rot.on_ack("a", 0, True, now=0.1)
+    rot.on_ack("b", 0, True, now=0.1)
+    rot.published(1, now=1.0)
+    rot.on_ack("a", 1, True, now=1.1)
+    assert rot.expire(now=3.0) == []
+    assert rot.expire(now=6.5) == ["b"]
+    assert rot.members == {"a"}
+    rot.published(2, now=7.0)
+    assert rot.on_ack("a", 2, True, now=7.2) == ([(2, pytest.approx(0.2))], False)  # b no longer holds it up
+    assert rot.on_ack("b", 1, True, now=7.3) == ([], False)  # catching up, not on the latest yet
+    assert rot.on_ack("b", 2, False, now=7.4) == ([], False)  # a failed load does not rejoin
+    assert rot.on_ack("b", 2, True, now=7.5) == ([], True)
+    assert rot.members == {"a", "b"}
+
+
+def test_rotation_leave_for_silence_and_rejoin_on_the_latest():
+    rot = Rotation(ack_timeout_s=100.0)
+    rot.published(0, now=0.0)
+    rot.on_ack("a", 0, True, now=0.1)
+    rot.on_ack("b", 0, True, now=0.1)
+    assert rot.leave("b") and not rot.leave("b")  # silent: out once, counted once
+    rot.published(1, now=1.0)
+    assert rot.on_ack("a", 1, True, now=1.1) == ([(1, pytest.approx(0.1))], False)  # b holds nothing up
+    assert rot.on_ack("b", 0, True, now=1.2) == ([], False)  # back, but serving an old version: not yet in
+    assert rot.on_ack("b", 1, True, now=1.3) == ([], True)
+    assert rot.members == {"a", "b"}
