@@ -86,7 +86,7 @@ print(s.getsockname()[0])' "$first_remote" 2>/dev/null || hostname -f 2>/dev/nul
   for role in replay verifier learner; do
     h=$(echo ${ROLE_HOSTS[$role]:-localhost} | awk '{print $1}')
     is_local "$h" && h=$LOCAL_ADDR
-    OVERRIDES+=("cluster.${role}_host=$h")
+    OVERRIDES+=("cluster.hosts.${role}_host=$h")
   done
   rh=()
   for h in ${ROLE_HOSTS[rollout]:-localhost}; do

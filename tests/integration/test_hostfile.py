@@ -189,7 +189,7 @@ def test_hostfile_roles_start_and_stop_over_ssh(sshd, tiny_cfg, tiny_base, tmp_p
         assert len(set(t0_env.values())) == 1 and None not in t0_env.values(), t0_env  # one wall-clock origin
 
         # Every service was told where the others are: the hostfile's hosts, this machine as 127.0.0.1 for 127.0.0.2
-        resolved = json.loads((run_dir / "config.resolved.json").read_text())["cluster"]
+        resolved = json.loads((run_dir / "config.resolved.json").read_text())["cluster"]["hosts"]
         assert (resolved["bind_host"], resolved["verifier_host"], resolved["rollout_hosts"]) == (
             "0.0.0.0", REMOTE, [REMOTE])
         assert (resolved["replay_host"], resolved["learner_host"]) == ("127.0.0.1", "127.0.0.1")
