@@ -124,14 +124,15 @@ def _served_version(port: int) -> float | None:
 def test_hostfile_roles_start_and_stop_over_ssh(sshd, tiny_cfg, tiny_base, tmp_path):
     from conftest import TINY_TEST_OVERRIDES
 
-    from async_vapo.config.schema import ClusterConfig
+    from async_vapo.config.schema import PortsConfig
 
-    port_names = [k for k in ClusterConfig.model_fields if k.endswith("_port")]  # every socket: a free port
+    port_names = list(PortsConfig.model_fields)  # every socket: a free port
     ports = dict(zip(port_names, free_ports(len(port_names), "0.0.0.0"), strict=True))
     total_steps = 3
     config = tmp_path / "cluster.toml"
-    config.write_text("[cluster]\n" + "".join(f"{k} = {p}\n" for k, p in ports.items())
-                      + "heartbeat_s = 0.5\nhealth_timeout_s = 240\nstop_grace_s = 15\nfsync = \"never\"\n")
+    config.write_text("[cluster.ports]\n" + "".join(f"{k} = {p}\n" for k, p in ports.items())
+                      + "[cluster.wire]\nheartbeat_s = 0.5\n[cluster.deploy]\nhealth_timeout_s = 240\n"
+                      + "stop_grace_s = 15\n[cluster.replay]\nfsync = \"never\"\n")
     overrides = [*TINY_TEST_OVERRIDES, f"model.cache_dir={tiny_cfg.model.cache_dir}",
                  f"train.total_steps={total_steps}", "train.eval_every=100", "train.checkpoint_every=0",
                  # 127.0.0.2 shares this machine's /dev/shm, where "auto" would map the learner's slots: force the
