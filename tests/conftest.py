@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 
 from async_vapo.config import load_config
+from async_vapo.rollout.types import Group, Trajectory
 
 # A small embedded model that still learns the format: built once per session into a temp cache.
 TINY_TEST_OVERRIDES = [
@@ -85,3 +87,27 @@ def group_alive(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+# A 1-layer model and two fixed groups for learner tests that need no engine (data-parallel, losses).
+FAST = ["base_model.hidden_size=32", "base_model.num_layers=1", "base_model.num_heads=2",
+        "base_model.num_kv_heads=1", "base_model.intermediate_size=64", "base_model.sft_steps=3",
+        "base_model.sft_batch_size=8", "task.num_train=100", "task.num_eval=12", "task.max_ops=2",
+        "rollout.max_response_tokens=30", "algo.prompts_per_step=2", "algo.group_size=4",
+        "algo.mini_batch_size=8", "algo.micro_batch_size=2", "algo.value_pretrain_steps=0", "train.threads=1",
+        "optim.actor_lr=1e-2", "optim.critic_lr=1e-2"]
+
+
+def _groups(tok) -> list[Group]:
+    rng = random.Random(0)
+    groups = []
+    for g in range(2):
+        samples = []
+        for k in range(4):
+            text = f"{rng.randint(0, 9)}+{rng.randint(0, 9)}=" + "7" * rng.randint(1, 12)
+            ids = tok(text).input_ids + [tok.eos_token_id]
+            samples.append(Trajectory(response_ids=ids, behavior_logprobs=[-1.0] * len(ids), finish_reason="stop",
+                                      reward=1.0 if k % 2 else -1.0, correct=bool(k % 2), verdict="x"))
+        groups.append(Group(uid=f"g{g}", prompt="p", answer="7", prompt_ids=tok(f"{g}+1")["input_ids"], version=0,
+                            samples=samples))
+    return groups

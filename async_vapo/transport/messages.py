@@ -15,9 +15,15 @@ Invariants
   * A frame is checked against its socket's ``max_bytes`` before a single byte is decoded.
   * A frame decodes to an Envelope whose ``protocol == PROTOCOL_VERSION`` and whose body type is one
     the socket allows, or it raises :class:`ProtocolError` with a reason in :data:`REJECT_REASONS`,
-    counted by the decoder's :class:`RejectCounter`. Nothing else escapes ``Decoder.decode``.
-  * Unknown *fields* are ignored on decode, so adding a field with a default is compatible; renaming
-    or retyping a field, or removing one without a default, bumps :data:`PROTOCOL_VERSION`.
+    counted by the decoder's :class:`RejectCounter`. Nothing else escapes ``Decoder.decode``: any other
+    exception while decoding (a recursion or memory error from a hostile frame) is a counted reject too.
+  * Nesting is bounded by the schema: every struct forbids unknown fields, so the decoder never descends
+    into a value it has no type for (skipping an unknown field would recurse into whatever it holds), and
+    no field is typed ``Any``. The deepest valid frame is 7 levels (envelope, body, groups, group,
+    samples, sample, field); a 10,000-level frame fails at its first level that does not fit the schema.
+    Any change of fields (adding one included) bumps :data:`PROTOCOL_VERSION`.
+  * Receiving ZeroMQ sockets also set ``ZMQ_MAXMSGSIZE`` to the socket's limit, so libzmq drops (and
+    disconnects) a peer sending a larger frame before allocating it.
 
 Flow control is the transports' high-water marks plus named errors (``BackpressureFull``), not
 credits: the replay -> learner leg is already pull-based (one :class:`BatchRequest` per batch), and
@@ -28,6 +34,7 @@ policy (hold generation / retry), so a ``Credit`` message would duplicate what t
 from __future__ import annotations
 
 import logging
+import struct
 import threading
 import time
 import uuid
@@ -40,7 +47,7 @@ from async_vapo.rollout.types import Group, enc_hook
 
 log = logging.getLogger(__name__)
 
-REJECT_REASONS = ("oversized", "malformed", "unknown_type", "wrong_version", "not_allowed")
+REJECT_REASONS = ("oversized", "malformed", "unknown_type", "wrong_version", "not_allowed", "too_deep")
 """Every reason a frame is rejected for (also the label values of services' reject counters)."""
 
 
@@ -58,12 +65,14 @@ class ProtocolError(TransportError):
         self.reason = reason
         self.detail = detail
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Version of the envelope and every body below; a peer speaking another version is rejected.
 
 2: token ids and log-probs in groups are packed bytes (int32 / float32 LE) instead of msgpack arrays.
 3: weights travel as flat shared-memory slots (transfer "shm", layout in the announce), fetched in
-   chunks over ZeroMQ by engines on other hosts (``WeightsFetch.index``)."""
+   chunks over ZeroMQ by engines on other hosts (``WeightsFetch.index``).
+4: unknown fields are rejected (nesting bounded by the schema); ``WeightsAnnounce.min_version`` (the
+   learner's staleness floor)."""
 
 DEFAULT_MAX_BYTES = 256 * 2**20
 """Default size limit of one frame (a socket carrying batches of long responses may need more)."""
@@ -72,7 +81,7 @@ TransferKind = Literal["shm", "file", "zmq", "nccl"]
 ServiceStatus = Literal["starting", "ready", "busy", "draining", "error"]
 
 
-class _Body(msgspec.Struct, tag_field="type", kw_only=True):
+class _Body(msgspec.Struct, tag_field="type", kw_only=True, forbid_unknown_fields=True):
     """Base of every envelope body; subclasses name their wire tag explicitly."""
 
 
@@ -185,7 +194,7 @@ ALL_MESSAGES: tuple[type, ...] = Body.__args__
 MESSAGE_TAGS: dict[str, type] = {msgspec.inspect.type_info(t).tag: t for t in ALL_MESSAGES}
 
 
-class Envelope(msgspec.Struct, kw_only=True):
+class Envelope(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One frame on the wire."""
 
     protocol: int
@@ -309,6 +318,10 @@ class Decoder:
             env = self._decode(frame)
         except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
             raise self.reject(*_classify(frame, exc)) from None
+        except RecursionError:
+            raise self.reject("too_deep", "nesting beyond the recursion limit") from None
+        except Exception as exc:  # noqa: BLE001 - a hostile frame never escapes as anything but a reject
+            raise self.reject("malformed", f"{type(exc).__name__}: {exc}"[:200]) from None
         if env.protocol != PROTOCOL_VERSION:
             raise self.reject("wrong_version", f"protocol {env.protocol} != {PROTOCOL_VERSION} from {env.sender!r}")
         if not isinstance(env.body, self.allowed):
@@ -316,10 +329,84 @@ class Decoder:
         return env
 
 
+MAX_DEPTH = 32
+"""Nesting a rejected frame may have for :func:`_classify` to look into it (valid frames have at most 7)."""
+_SCAN_ITEMS = 4096
+_U16 = struct.Struct(">H").unpack_from
+_U32 = struct.Struct(">I").unpack_from
+_FIXED = {0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2,
+          0xD2: 4, 0xD3: 8, 0xD4: 2, 0xD5: 3, 0xD6: 5, 0xD7: 9, 0xD8: 17}
+_SIZED = {0xC4: (1, 0), 0xC5: (2, 0), 0xC6: (4, 0), 0xD9: (1, 0), 0xDA: (2, 0), 0xDB: (4, 0), 0xC7: (1, 1),
+          0xC8: (2, 1), 0xC9: (4, 1)}  # str/bin/ext: (bytes of the length, bytes after it before the payload)
+
+
+def msgpack_depth(frame, limit: int = MAX_DEPTH, max_items: int = _SCAN_ITEMS) -> int | None:
+    """Container nesting of the first msgpack value in ``frame`` without decoding it (iterative, no
+    recursion); ``limit + 1`` as soon as it is deeper than ``limit``; None when it is not worth knowing
+    (more than ``max_items`` items, a declared length beyond the frame, or an invalid byte)."""
+    mv = memoryview(frame).cast("B")
+    n, pos, depth, deepest, items = len(mv), 0, 0, 0, 0
+    stack = [1]
+    while stack:
+        if stack[-1] == 0:
+            stack.pop()
+            depth -= 1
+            continue
+        stack[-1] -= 1
+        items += 1
+        if pos >= n or items > max_items:
+            return None
+        b = mv[pos]
+        pos += 1
+        if b <= 0x7F or b >= 0xE0:
+            continue
+        if b <= 0x8F or 0x90 <= b <= 0x9F or b in (0xDC, 0xDD, 0xDE, 0xDF):
+            if b <= 0x8F:
+                count = (b & 0x0F) * 2
+            elif b <= 0x9F:
+                count = b & 0x0F
+            else:
+                width = 2 if b in (0xDC, 0xDE) else 4
+                if pos + width > n:
+                    return None
+                count = (_U16 if width == 2 else _U32)(mv, pos)[0] * (2 if b >= 0xDE else 1)
+                pos += width
+            if count > n - pos:
+                return None
+            if count:
+                depth += 1
+                deepest = max(deepest, depth)
+                if depth > limit:
+                    return limit + 1
+                stack.append(count)
+        elif 0xA0 <= b <= 0xBF:
+            pos += b & 0x1F
+        elif b in _FIXED:
+            pos += _FIXED[b]
+        elif b in _SIZED:
+            width, extra = _SIZED[b]
+            if pos + width > n:
+                return None
+            length = mv[pos] if width == 1 else (_U16 if width == 2 else _U32)(mv, pos)[0]
+            pos += width + extra + length
+        else:  # 0xC1: never valid
+            return None
+        if pos > n:
+            return None
+    return deepest
+
+
 def _classify(frame: bytes | bytearray | memoryview, exc: Exception) -> tuple[str, str]:
+    depth = msgpack_depth(frame)
+    if depth is None:
+        return "malformed", str(exc)
+    if depth > MAX_DEPTH:
+        return "too_deep", f"nesting beyond {MAX_DEPTH} levels"
     try:
         probe = _PROBE_DECODER.decode(frame)
-    except msgspec.DecodeError:
+    except RecursionError:
+        return "too_deep", "nesting beyond the recursion limit"
+    except Exception:  # noqa: BLE001 - only names the reason of a frame that already failed
         return "malformed", str(exc)
     if not isinstance(probe.protocol, int) or isinstance(probe.protocol, bool):
         return "malformed", str(exc)

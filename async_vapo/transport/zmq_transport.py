@@ -86,11 +86,30 @@ def shared_context() -> zmq.Context:
     return zmq.Context.instance()
 
 
-def make_socket(ctx: zmq.Context, kind: int, *, hwm: int = DEFAULT_HWM) -> zmq.Socket:
-    """A socket with this project's options: linger 0, HWMs, ZMTP heartbeats."""
+MAXMSGSIZE_SLACK = 64 * 1024
+"""A receiving socket's ``ZMQ_MAXMSGSIZE`` is its decoder's ``max_bytes`` plus this: a frame a little over the
+limit still reaches the decoder and is counted ("oversized"); a larger one never gets allocated (libzmq
+disconnects its sender, which reconnects)."""
+
+
+XPUB_MAX_SUBSCRIPTION_BYTES = 256
+"""Largest subscription message a publisher accepts (its subscribers subscribe to everything: 1 byte)."""
+
+
+def frame_cap(decoder: Decoder) -> int:
+    return decoder.max_bytes + MAXMSGSIZE_SLACK
+
+
+def make_socket(ctx: zmq.Context, kind: int, *, hwm: int = DEFAULT_HWM, max_msg_bytes: int | None = None
+                ) -> zmq.Socket:
+    """A socket with this project's options: linger 0, HWMs, ZMTP heartbeats, and (``max_msg_bytes``) the
+    largest inbound frame libzmq accepts: a peer sending a larger one is disconnected before the frame is
+    allocated."""
     if hwm < 1:
         raise ValueError(f"hwm must be >= 1, got {hwm}")
     sock = ctx.socket(kind)
+    if max_msg_bytes is not None:
+        sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
@@ -190,7 +209,7 @@ class ZmqReceiver(Receiver):
         self, ctx: zmq.Context, endpoint: str, *, decoder: Decoder, bind: bool = True, hwm: int = DEFAULT_HWM
     ) -> None:
         self.decoder = decoder
-        self._sock = make_socket(ctx, zmq.PULL, hwm=hwm)
+        self._sock = make_socket(ctx, zmq.PULL, hwm=hwm, max_msg_bytes=frame_cap(decoder))
         self.endpoint = _attach(self._sock, endpoint, bind)
 
     def recv_frame(self, timeout_s: float) -> Frame | None:
@@ -209,7 +228,7 @@ class ZmqRequester(Requester):
     ) -> None:
         self.name = name
         self.decoder = decoder.with_allowed(Ready)
-        self._sock = make_socket(ctx, zmq.DEALER, hwm=hwm)
+        self._sock = make_socket(ctx, zmq.DEALER, hwm=hwm, max_msg_bytes=frame_cap(decoder))
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
         self.endpoint = _attach(self._sock, endpoint, False)
 
@@ -231,7 +250,7 @@ class ZmqReplier(Replier):
         super().__init__()
         self.name = name
         self.decoder = decoder.with_allowed(Ready)
-        self._sock = make_socket(ctx, zmq.ROUTER, hwm=hwm)
+        self._sock = make_socket(ctx, zmq.ROUTER, hwm=hwm, max_msg_bytes=frame_cap(decoder))
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.endpoint = _attach(self._sock, endpoint, True)
 
@@ -264,7 +283,10 @@ class ZmqPublisher(Publisher):
     def __init__(self, ctx: zmq.Context, endpoint: str, *, hwm: int = DEFAULT_HWM) -> None:
         self.subscribers_seen = 0
         self._latest: bytes | None = None
-        self._sock = make_socket(ctx, zmq.XPUB, hwm=hwm)
+        # It receives only subscriptions, and ours are to everything (one byte). libzmq keeps subscriptions in a
+        # trie that it frees recursively, one level per byte: a peer subscribing to a 64 KiB topic crashed the
+        # process (stack overflow in libzmq's reaper thread) when it disconnected.
+        self._sock = make_socket(ctx, zmq.XPUB, hwm=hwm, max_msg_bytes=XPUB_MAX_SUBSCRIPTION_BYTES)
         self._sock.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.endpoint = _attach(self._sock, endpoint, True)
 
@@ -309,7 +331,7 @@ class ZmqPublisher(Publisher):
 class ZmqSubscriber(Subscriber):
     def __init__(self, ctx: zmq.Context, endpoint: str, *, decoder: Decoder, hwm: int = DEFAULT_HWM) -> None:
         self.decoder = decoder
-        self._sock = make_socket(ctx, zmq.SUB, hwm=hwm)
+        self._sock = make_socket(ctx, zmq.SUB, hwm=hwm, max_msg_bytes=frame_cap(decoder))
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.endpoint = _attach(self._sock, endpoint, False)
 

@@ -31,6 +31,7 @@ from async_vapo.transport.zmq_transport import (
     blob_checksum,
     check_blob,
     connect,
+    frame_cap,
     make_socket,
     recv_parts,
     send_tensor_blob,
@@ -61,7 +62,7 @@ class WeightServer:
         self.sender = sender
         self.on_served = on_served
         self.decoder = Decoder((WeightsFetch,), max_bytes=max_bytes, name="weights_fetch")
-        self._sock = make_socket(shared_context(), zmq.ROUTER)
+        self._sock = make_socket(shared_context(), zmq.ROUTER, max_msg_bytes=frame_cap(self.decoder))
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
             self.endpoint = bind(self._sock, endpoint)
@@ -135,7 +136,7 @@ def fetch_weights(endpoint: str, version: int, nbytes: int, dst, *, chunk_bytes:
     if dst.nbytes < nbytes:
         raise ValueError(f"destination of {dst.nbytes} bytes for {nbytes}")
     decoder = Decoder((TensorHeader, Ack), max_bytes=max_bytes, name="weights_fetch_reply")
-    sock = make_socket(shared_context(), zmq.DEALER)
+    sock = make_socket(shared_context(), zmq.DEALER, max_msg_bytes=max(frame_cap(decoder), chunk_bytes + 4096))
     try:
         connect(sock, endpoint)
         sent = 0

@@ -407,11 +407,7 @@ def test_policy_loss_weights_each_tokens_surrogate_and_nothing_else():
 def test_decoupled_correction_leaves_on_policy_updates_alone_and_moves_stale_ones(tmp_path):
     """Behaviour log-probs equal to the learner's own (on-policy): the switch changes nothing. Behaviour
     log-probs of other weights (stale samples): it changes the update."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_data_parallel import FAST, _groups
+    from conftest import FAST, _groups
     from transformers import AutoTokenizer
 
     from async_vapo.config import load_config

@@ -650,7 +650,7 @@ def test_tensor_blob_checks(blob_pair):
     assert recv_reason([encode(_blob_header(blob, name="n" * 2000)), blob]) == "oversized"  # header limit
     assert recv_reason([encode(_blob_header(blob + b"!")), blob + b"!"]) == "oversized"  # blob limit
     assert recv_reason([encode(env(Shutdown())), blob]) == "not_allowed"
-    assert dec.rejects.counts == {"oversized": 2, "malformed": 5, "unknown_type": 0, "wrong_version": 0,
+    assert dec.rejects.counts == {"oversized": 2, "malformed": 5, "unknown_type": 0, "wrong_version": 0, "too_deep": 0,
                                   "not_allowed": 1}
     send_tensor_blob(push, _blob_header(blob), blob, timeout_s=1.0)  # and the socket still works
     assert bytes(recv_tensor_blob(pull, dec, timeout_s=2.0, max_blob_bytes=2**20)[1]) == blob
