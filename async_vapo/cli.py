@@ -4,6 +4,7 @@
     async-vapo make-base --config configs/tiny_cpu.toml [--force]
     async-vapo config --config FILE [key.sub=value ...]      print the resolved config
     async-vapo plot RUN_DIR [RUN_DIR ...] --out FILE.png     held-out accuracy and length curves
+    async-vapo replay fsck RUN_DIR/replay/groups.log [--apply]   check a replay log; quarantine damage
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     _add_config_args(p_cfg)
     sub.add_parser("report", help="benchmark result folders -> PNG plots and markdown tables (see --help)")
     sub.add_parser("experiment", help="VAPO vs baselines and the ablation table: run / report (see --help)")
+    p_replay = sub.add_parser("replay", help="the replay's log: fsck")
+    replay_sub = p_replay.add_subparsers(dest="replay_cmd", required=True)
+    p_fsck = replay_sub.add_parser("fsck", help="report damaged records; --apply quarantines them and rewrites "
+                                                "the log from the whole ones (stop the replay first)")
+    p_fsck.add_argument("path", help="the log, e.g. runs/NAME/replay/groups.log")
+    p_fsck.add_argument("--apply", action="store_true")
     p_plot = sub.add_parser("plot", help="plot held-out accuracy / response length of runs")
     p_plot.add_argument("runs", nargs="+")
     p_plot.add_argument("--out", required=True)
@@ -73,6 +80,18 @@ def main(argv: list[str] | None = None) -> int:
 
             summary = train(_load(args), resume=args.resume)
             print(json.dumps(summary, indent=2))
+        elif args.cmd == "replay":
+            import msgspec
+
+            from async_vapo.replay.store import fsck
+
+            report = fsck(args.path, apply=args.apply)
+            print(json.dumps(msgspec.to_builtins(report), indent=2))
+            if not report.clean:
+                what = "quarantined in " + str(report.quarantine) if report.quarantine else "--apply quarantines it"
+                print(f"async-vapo: {len(report.damaged)} damaged region(s), {report.groups_lost} group(s) lost; "
+                      f"{what}", file=sys.stderr)
+                return 0 if report.quarantine else 1
         elif args.cmd == "plot":
             from async_vapo.metrics.plots import plot_runs
 

@@ -13,6 +13,18 @@ v never holds a group older than the ``min_version`` the learner sent with its r
 the staleness bound, v − ``async.max_staleness``); older groups are dropped and counted. The replay's own
 ``async.max_staleness`` only sets the floor after a restart, until the learner's first request.
 
+Validation (the replay is a trust boundary): a group is stored only if its token ids are in the policy's
+vocabulary, its log-probs finite and <= 0, its rewards finite and from the verifier's reward set (``correct``
+exactly for ``reward_correct``), its version at most the learner's newest + 1, its sizes consistent and its
+(uid, version) not already stored; else it is counted in ``rejected_groups_total{reason}``. A batch request
+for a version beyond the newest seen + 1, with a floor above its version or more groups than the buffer
+holds is refused (``rejected_requests_total{reason}``, answered with an empty batch, never acted on).
+
+Disk full (or any I/O error of the store): the group that failed and the rest of its message are held in
+memory, counted (``store_errors_total{errno}``, ``held_groups``), health turns "degraded", and nothing more is
+read from ``in`` until the store takes them (retried every second). The pipe then fills to its HWM and the
+verifier's pushes hold (``backpressure_total``): backpressure, never a silent drop.
+
 Durability: the buffer lives on a :class:`~async_vapo.replay.GroupStore` at ``RUN_DIR/replay/groups.log``;
 a group is stored (``write(2)``) before the next message is read, and a restarted replay serves the
 unconsumed groups and continues the cursor (``BatchMsg.cursor`` = groups served so far).
@@ -22,22 +34,29 @@ The loop alternates the two sockets with short polls; one bad group is counted a
 
 from __future__ import annotations
 
+import errno
 import time
 
 from async_vapo.cluster.common import ServiceContext
 from async_vapo.replay import GroupStore, ReplayBuffer
+from async_vapo.replay.buffer import GroupLimits
 from async_vapo.transport import BatchMsg, BatchRequest, GroupsMsg, Heartbeat, Transport, make_envelope
 
 
 class ReplayService:
+    RETRY_S = 1.0
+    """Seconds between attempts to store held groups."""
+
     def __init__(self, ctx: ServiceContext, transport: Transport, *, in_endpoint: str | None = None,
-                 batch_endpoint: str | None = None, store_path=None):
+                 batch_endpoint: str | None = None, store_path=None, vocab_size: int | None = None):
+        """``vocab_size``: the policy's; a group with a token id outside it is refused (None: not checked)."""
         self.ctx = ctx
         cfg, c = ctx.cfg, ctx.cfg.cluster
         store_path = store_path or ctx.run_dir / "replay" / "groups.log"
         store_path.parent.mkdir(parents=True, exist_ok=True)
         self.store = GroupStore(store_path, fsync=c.replay.fsync)
-        self.buffer = ReplayBuffer(self.store, cfg.async_.max_staleness, group_size=cfg.algo.group_size)
+        self.buffer = ReplayBuffer(self.store, cfg.async_.max_staleness, group_size=cfg.algo.group_size,
+                                   limits=GroupLimits.from_config(cfg, vocab_size=vocab_size))
         self.transport = transport
         self.pull = self.transport.receiver(in_endpoint or ctx.endpoint(c.hosts.bind_host, c.ports.replay_port),
                                             decoder=ctx.decoder((GroupsMsg, Heartbeat), "in"), bind=True)
@@ -47,6 +66,15 @@ class ReplayService:
         self.m = ctx.metrics.replay
         self.rejected = ctx.metrics.counter("rejected_groups_total", "Groups refused by validation, by reason.",
                                             labels=("reason",))
+        self.store_errors = ctx.metrics.counter("store_errors_total", "Groups the store refused (disk full, I/O "
+                                                "error): held and retried, never dropped.", labels=("errno",))
+        self.held = ctx.metrics.gauge("held_groups", "Groups received but not yet stored (waiting for the disk).")
+        self._held: list = []
+        self._holding = False
+        self._retry_at = 0.0
+        self.bad_requests = ctx.metrics.counter("rejected_requests_total",
+                                                "Batch requests refused (never acted on), by reason.",
+                                                labels=("reason",))
         self._stats = self.buffer.stats()
         self._publish_stats()
         ctx.log.info("replay: %d groups restored from %s, cursor %d; in %s, batches %s", len(self.buffer),
@@ -61,22 +89,49 @@ class ReplayService:
         self._stats = new
 
     def handle_groups(self, msg: GroupsMsg) -> int:
+        return self._store(list(msg.groups))
+
+    def _store(self, groups: list) -> int:
+        """Store ``groups``; when the disk refuses one (full, I/O error), hold it and the rest of the message
+        for a retry (backpressure: nothing more is read meanwhile), never drop them."""
         stored = 0
-        for g in msg.groups:
+        for i, g in enumerate(groups):
             try:
                 stored += self.buffer.add(g) is not None
+            except OSError as exc:
+                self._held, self._retry_at = groups[i:], time.monotonic() + self.RETRY_S
+                self.store_errors.labels(errno=errno.errorcode.get(exc.errno or 0, "unknown")).inc()
+                if not self._holding:
+                    self.ctx.log.error("replay: cannot store groups (%s): holding %d, reading nothing more until "
+                                       "the store takes them (retry every %.0f s)", exc, len(self._held),
+                                       self.RETRY_S)
+                    self.ctx.metrics.set_health(status="degraded", reason=f"store: {exc.strerror or exc}")
+                self._holding = True
+                break
             except Exception:
                 self.ctx.processing_error("add_group", f"storing group {getattr(g, 'uid', '?')}")
+        else:
+            self._held = []
+            if self._holding:
+                self._holding = False
+                self.ctx.log.info("replay: the store takes groups again")
+                self.ctx.metrics.set_health(status="ok", reason="")
+        self.held.set(len(self._held))
         self._publish_stats()
         return stored
 
     def handle_request(self, env) -> None:
         req: BatchRequest = env.body
-        try:
-            batch = self.buffer.make_batch(req.n_groups, req.for_version, req.min_version)
-        except Exception:
-            self.ctx.processing_error("make_batch", f"batch request {req}")
-            batch = None
+        batch = None
+        error = self.buffer.request_error(req.n_groups, req.for_version, req.min_version)
+        if error is not None:
+            self.bad_requests.labels(reason=error).inc()
+            self.ctx.log.warning("replay: refused batch request from %s (%s): %s", env.sender, error, req)
+        else:
+            try:
+                batch = self.buffer.make_batch(req.n_groups, req.for_version, req.min_version)
+            except Exception:
+                self.ctx.processing_error("make_batch", f"batch request {req}")
         stats_before = self._stats
         self._publish_stats()
         dropped = self._stats.stale_dropped_total - stats_before.stale_dropped_total
@@ -97,11 +152,17 @@ class ReplayService:
             self.ctx.processing_error("reply", f"reply to {env.sender}")
 
     def step(self, poll_s: float = 0.05) -> None:
-        env = self.pull.recv(poll_s)
-        while env is not None:
-            if isinstance(env.body, GroupsMsg):
-                self.handle_groups(env.body)
-            env = self.pull.recv(0)
+        if self._held:  # backpressure: the pipe fills up to its HWM and the verifier holds its sends
+            if time.monotonic() >= self._retry_at:
+                self._store(self._held)
+            else:
+                time.sleep(min(poll_s, max(0.0, self._retry_at - time.monotonic())))
+        else:
+            env = self.pull.recv(poll_s)
+            while env is not None and not self._held:
+                if isinstance(env.body, GroupsMsg):
+                    self.handle_groups(env.body)
+                env = None if self._held else self.pull.recv(0)
         req = self.router.recv(poll_s)
         while req is not None:
             self.handle_request(req)
@@ -123,11 +184,22 @@ class ReplayService:
         self.store.close()
 
 
+def model_vocab_size(ctx: ServiceContext) -> int:
+    """The policy's vocabulary size, from its ``config.json`` (no model is loaded)."""
+    import json
+    from pathlib import Path
+
+    from async_vapo.models.base import ensure_base_model
+
+    path = Path(ctx.cfg.model.path or ensure_base_model(ctx.cfg, progress=False))
+    return int(json.loads((path / "config.json").read_text())["vocab_size"])
+
+
 def run_replay(ctx: ServiceContext) -> None:
     from async_vapo.transport import ZmqTransport
 
     with ZmqTransport() as transport:
-        svc = ReplayService(ctx, transport)
+        svc = ReplayService(ctx, transport, vocab_size=model_vocab_size(ctx))
         try:
             svc.run()
         finally:

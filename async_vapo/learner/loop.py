@@ -187,6 +187,13 @@ class StepLoop:
         self.samples_seen = 0
         self.resumed = False
         self.pad_id = pad_id
+        from async_vapo.replay.buffer import GroupLimits
+
+        vocab = learner.policy.get_input_embeddings().num_embeddings if hasattr(learner, "policy") else None
+        self.limits = GroupLimits.from_config(cfg, vocab_size=vocab)
+        self.invalid_groups: dict[str, int] = {}
+        """Groups refused before learning, by reason (``_valid``)."""
+        self._step_invalid = 0
 
     def make_batch(self, groups: Sequence[Group]):
         from async_vapo.learner.vapo import make_rollout_batch
@@ -222,7 +229,24 @@ class StepLoop:
         groups, t = got
         for k, v in t.items():
             timing[k] = timing.get(k, 0.0) + v
-        return groups
+        return self._valid(groups)
+
+    def _valid(self, groups: list[Group]) -> list[Group]:
+        """The groups the learner may train on: a group with a token outside the policy's vocabulary, a
+        non-finite or positive log-prob, or a reward outside the verifier's set never reaches an update
+        (each is counted in ``invalid_groups``, by reason, and logged)."""
+        from async_vapo.replay.buffer import validate_group
+
+        ok = []
+        for g in groups:
+            reason = validate_group(g, limits=self.limits)
+            if reason is None:
+                ok.append(g)
+            else:
+                self.invalid_groups[reason] = self.invalid_groups.get(reason, 0) + 1
+                self._step_invalid += 1
+                self.log.warning("group %s refused before learning: %s", getattr(g, "uid", "?"), reason)
+        return ok
 
     # -- phases ---------------------------------------------------------------------------------------------
     def pretrain(self) -> bool:
@@ -240,6 +264,8 @@ class StepLoop:
             groups = self._fetch(timing)
             if groups is None:
                 return False
+            if not groups:  # every group refused (counted in invalid_groups): nothing to fit the critic to
+                continue
             t1 = time.perf_counter()
             with self._busy("learn"):
                 m = self.learner.pretrain_critic(self.make_batch(groups))
@@ -264,6 +290,7 @@ class StepLoop:
             while not self.leader or (self.step < total and not self._should_stop()):
                 t0 = time.perf_counter()
                 timing: Timing = {}
+                self._step_invalid = 0
                 groups = self._fetch(timing)
                 if groups is None:
                     return False
@@ -284,7 +311,8 @@ class StepLoop:
                     with self._busy("publish"):
                         push_s = self._publish(self.learner.version, self.learner.policy_state())
                 row = {"kind": "train", "step": self.step, "version": self.learner.version, "wall_s": self.wall(),
-                       "samples_seen": self.samples_seen, "groups_kept": len(kept), **group_stats(groups, "rollout"),
+                       "samples_seen": self.samples_seen, "groups_kept": len(kept),
+                       "learner/invalid_groups": self._step_invalid, **group_stats(groups, "rollout"),
                        **m, **self.source.row_metrics(kept, self.learner.version), **timing, "time/learn_s": t2 - t1,
                        "time/weight_push_s": push_s, "time/step_s": time.perf_counter() - t0}
                 self._write(row)

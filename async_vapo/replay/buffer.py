@@ -30,7 +30,9 @@ caller waits and asks again. A group that arrives already stale for the learner 
 added is served exactly once or dropped with a reason.
 
 Invalid groups (not a Group, no samples, negative or non-integer version, wrong group size, token
-ids and behaviour log-probs of different lengths) are rejected: counted by reason and logged, and
+ids and behaviour log-probs of different lengths, and against :class:`GroupLimits`: token ids outside the
+vocabulary, non-finite or positive log-probs, rewards outside the verifier's set, a version beyond the
+learner's newest + 1, a (uid, version) already stored) are rejected: counted by reason and logged, and
 ``add`` returns None; ``add(..., strict=True)`` raises ``InvalidGroupError`` instead. Store I/O
 errors always propagate: a group that was not stored was not acknowledged.
 
@@ -45,8 +47,10 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import threading
 import time
+from dataclasses import dataclass, replace
 
 import msgspec
 
@@ -65,6 +69,37 @@ REJECT_BAD_VERSION = "bad_version"
 REJECT_NEGATIVE_VERSION = "negative_version"
 REJECT_GROUP_SIZE = "group_size_mismatch"
 REJECT_LOGPROBS_LENGTH = "logprobs_length_mismatch"
+REJECT_TOKEN_RANGE = "token_out_of_vocab"
+REJECT_LOGPROBS = "bad_logprobs"
+REJECT_REWARD = "bad_reward"
+REJECT_VERSION_RANGE = "version_out_of_range"
+REJECT_DUPLICATE = "duplicate_uid"
+REJECT_FIELDS = "bad_fields"
+
+LOGPROB_SLACK = 1e-5
+"""A log-probability may exceed 0 by this much (float rounding of a log-softmax), never more."""
+
+
+@dataclass(frozen=True)
+class GroupLimits:
+    """What a valid group looks like at a trust boundary (each check is skipped when its limit is None).
+
+    ``vocab_size``: every token id in [0, vocab_size); ``rewards``: the verifier's reward set, and ``correct``
+    true exactly for ``reward_correct``; ``max_version``: the newest version a group may carry (the learner's
+    newest + 1)."""
+
+    group_size: int | None = None
+    vocab_size: int | None = None
+    rewards: frozenset[float] | None = None
+    reward_correct: float | None = None
+    max_version: int | None = None
+
+    @classmethod
+    def from_config(cls, cfg, vocab_size: int | None = None) -> GroupLimits:
+        v = cfg.verifier
+        return cls(group_size=cfg.algo.group_size, vocab_size=vocab_size,
+                   rewards=frozenset({float(v.reward_correct), float(v.reward_incorrect)}),
+                   reward_correct=float(v.reward_correct))
 
 
 class InvalidGroupError(ValueError):
@@ -109,8 +144,12 @@ class ReplayStats(msgspec.Struct, frozen=True, kw_only=True):
     torn_tail_truncations: int
 
 
-def validate_group(group: object, group_size: int | None = None) -> str | None:
-    """The reject reason for ``group``, or None when it may be stored."""
+def _ids_in_range(ids, vocab_size: int) -> bool:
+    return not ids or (min(ids) >= 0 and max(ids) < vocab_size)
+
+
+def validate_group(group: object, group_size: int | None = None, limits: GroupLimits | None = None) -> str | None:
+    """The reject reason for ``group``, or None when it may be stored (or trained on)."""
     if not isinstance(group, Group):
         return REJECT_NOT_A_GROUP
     if isinstance(group.version, bool) or not isinstance(group.version, int):
@@ -119,10 +158,28 @@ def validate_group(group: object, group_size: int | None = None) -> str | None:
         return REJECT_NEGATIVE_VERSION
     if not group.samples:
         return REJECT_EMPTY
-    if group_size is not None and len(group.samples) != group_size:
+    limits = limits or GroupLimits()
+    size = group_size if group_size is not None else limits.group_size
+    if size is not None and len(group.samples) != size:
         return REJECT_GROUP_SIZE
     if any(len(s.response_ids) != len(s.behavior_logprobs) for s in group.samples):
         return REJECT_LOGPROBS_LENGTH
+    if limits.max_version is not None and group.version > limits.max_version:
+        return REJECT_VERSION_RANGE
+    if not group.prompt_ids or any(s.finish_reason not in ("stop", "length") for s in group.samples):
+        return REJECT_FIELDS
+    if limits.vocab_size is not None and not (
+            _ids_in_range(group.prompt_ids, limits.vocab_size)
+            and all(_ids_in_range(s.response_ids, limits.vocab_size) for s in group.samples)):
+        return REJECT_TOKEN_RANGE
+    for s in group.samples:
+        lps = s.behavior_logprobs
+        if lps and not (all(map(math.isfinite, lps)) and max(lps) <= LOGPROB_SLACK):
+            return REJECT_LOGPROBS
+        if not math.isfinite(s.reward) or (limits.rewards is not None and s.reward not in limits.rewards):
+            return REJECT_REWARD
+        if limits.reward_correct is not None and bool(s.correct) != (s.reward == limits.reward_correct):
+            return REJECT_REWARD
     return None
 
 
@@ -136,6 +193,7 @@ class ReplayBuffer:
         group_size: int | None = None,
         capacity_groups: int = 4096,
         seed: int = 0,
+        limits: GroupLimits | None = None,
     ):
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
@@ -154,8 +212,12 @@ class ReplayBuffer:
         self._rejected: dict[str, int] = {}
         self._versions: list[int] = []
         self._by_version: dict[int, dict[int, None]] = {}
+        self.limits = limits or GroupLimits(group_size=group_size)
+        self._keys: dict[int, tuple[str, int]] = {}  # seq -> (uid, version) of every live group
+        self._live: set[tuple[str, int]] = set()
+        self._newest_seen = -1  # newest version stored or asked for: bounds what may arrive (+ 1)
         for seq, group in store.live():
-            self._index_add(seq, group.version)
+            self._index_add(seq, group.version, group.uid)
         self._learner_version = store.cursor.learner_version
         self._floor = None if self._learner_version is None else self._learner_version - max_staleness
         with self._lock:
@@ -166,7 +228,9 @@ class ReplayBuffer:
     def add(self, group: Group, *, strict: bool = False) -> int | None:
         """Validate and durably store ``group``; its seq, or None when rejected (see module docstring)."""
         with self._lock:
-            reason = validate_group(group, self.group_size)
+            reason = validate_group(group, self.group_size, self._limits_now())
+            if reason is None and (group.uid, group.version) in self._live:
+                reason = REJECT_DUPLICATE  # the same group sent twice (a retry, or a replayed message)
             if reason is not None:
                 self._rejected[reason] = self._rejected.get(reason, 0) + 1
                 logger.warning("rejected group %s: %s", getattr(group, "uid", "?"), reason)
@@ -174,7 +238,7 @@ class ReplayBuffer:
                     raise InvalidGroupError(reason)
                 return None
             seq = self.store.append(group)
-            self._index_add(seq, group.version)
+            self._index_add(seq, group.version, group.uid)
             if self._floor is not None and group.version < self._floor:
                 self._drop([seq], DROP_STALE)
             else:
@@ -264,7 +328,30 @@ class ReplayBuffer:
 
     # --- internals -------------------------------------------------------------------------------
 
-    def _index_add(self, seq: int, version: int) -> None:
+    def _limits_now(self) -> GroupLimits:
+        """The configured limits with the version bound of now: nothing newer than the learner's newest + 1
+        (unknown until the learner's first batch request, which is persisted)."""
+        if self._learner_version is None:
+            return self.limits
+        return replace(self.limits, max_version=self._learner_version + 1)
+
+    def request_error(self, num_groups: int, learner_version: int, min_version: int | None) -> str | None:
+        """Why a batch request must not be acted on, or None. A learner advances one version per batch (a
+        resumed one may go back), so a request beyond the newest version seen (asked for or stored) + 1 is
+        not one; nor is a floor above the version, or more groups than the buffer can ever hold."""
+        if not 1 <= num_groups <= self.capacity_groups:
+            return "bad_group_count"
+        if learner_version < 0 or (min_version is not None and min_version > learner_version):
+            return "bad_version"
+        newest = max(self._newest_seen, -1 if self._learner_version is None else self._learner_version)
+        if learner_version > max(newest, 0) + 1:
+            return "future_version"
+        return None
+
+    def _index_add(self, seq: int, version: int, uid: str) -> None:
+        self._keys[seq] = (uid, version)
+        self._live.add((uid, version))
+        self._newest_seen = max(self._newest_seen, version)
         bucket = self._by_version.get(version)
         if bucket is None:
             bucket = self._by_version[version] = {}
@@ -272,6 +359,7 @@ class ReplayBuffer:
         bucket[seq] = None
 
     def _index_remove(self, seq: int, version: int) -> None:
+        self._live.discard(self._keys.pop(seq, ("", -1)))
         bucket = self._by_version[version]
         del bucket[seq]
         if not bucket:

@@ -33,11 +33,16 @@ Recovery policy.
   torn tail: the file is truncated to the end of the last good record, the loss is counted in
   ``recovery`` and logged as a warning, and the store opens normally. A torn record was never
   acknowledged (``append`` had not returned), so truncating it loses nothing that was promised.
-* Corruption in the middle: a bad record followed by at least one valid record means acknowledged
-  data was damaged (bit rot, a foreign writer). That raises ``CorruptLogError`` naming the file and
-  byte offset and the store does not open: silently skipping would lose groups that ``add`` promised
-  to keep, and then the accounting "served or dropped with a reason" would be wrong. An operator can
-  move the file aside (or truncate it at the reported offset) to start over.
+  Only an *incomplete* record counts as torn: its header or its declared payload runs past the end of
+  the file, or the bytes there are not a record at all (no record magic: zeros or garbage).
+* Corruption: a *complete* record whose CRC does not match (magic right, the whole declared payload in
+  the file), at the tail or anywhere else, or a bad record followed by at least one valid record, means
+  acknowledged data was damaged (bit rot, a foreign writer). That raises ``CorruptLogError`` naming the
+  file and byte offset and the store does not open: silently cutting or skipping it would lose groups
+  that ``add`` promised to keep (or serve consumed ones again), and the accounting "served or dropped
+  with a reason" would be wrong. ``async-vapo replay fsck PATH`` (:func:`fsck`) reports what is damaged
+  and, with ``--apply``, moves the damaged bytes to a quarantine file and rewrites the log from the
+  records that are whole.
 * A record that passes its CRC but does not decode, or contradicts the log (a duplicate seq, a
   consume of a group that is not live), is also a ``CorruptLogError``: it is a bug or a format
   change, not a torn write.
@@ -508,8 +513,12 @@ class GroupStore:
         while off < len(data):
             end = _valid_record_end(data, off)
             if end is None:
+                if _complete_record(data, off):
+                    raise CorruptLogError(path, off, "complete record with a bad CRC (acknowledged data damaged; "
+                                                     f"`async-vapo replay fsck {path}` quarantines it)")
                 if _next_valid_record(data, off + 1) is not None:
-                    raise CorruptLogError(path, off, "bad record (magic, length or CRC) followed by valid records")
+                    raise CorruptLogError(path, off, "bad record (magic, length or CRC) followed by valid records "
+                                                     f"(`async-vapo replay fsck {path}` quarantines it)")
                 return n, off
             try:
                 rec = self._decoder.decode(memoryview(data)[off + _HEADER.size : end])
@@ -546,6 +555,14 @@ def _valid_record_end(data: bytes, off: int) -> int | None:
     return end
 
 
+def _complete_record(data: bytes, off: int) -> bool:
+    """Whether a whole record (magic, a sane length, every payload byte) is at ``off``, whatever its CRC."""
+    if off + _HEADER.size > len(data):
+        return False
+    magic, length, _ = _HEADER.unpack_from(data, off)
+    return magic == RECORD_MAGIC and length <= MAX_RECORD_BYTES and off + _HEADER.size + length <= len(data)
+
+
 def _next_valid_record(data: bytes, start: int) -> int | None:
     """Offset of the first valid record at or after ``start``, if any."""
     pos = data.find(RECORD_MAGIC, start)
@@ -571,3 +588,144 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# --- fsck ----------------------------------------------------------------------------------------
+
+
+class DamagedRegion(msgspec.Struct, kw_only=True):
+    offset: int
+    length: int
+    kind: Literal["torn_tail", "corrupt"]
+    """torn_tail: an incomplete last write (never acknowledged); corrupt: damaged bytes of whole records."""
+    records: list[str] = []
+    """What the damaged bytes held, where a record in them still decodes (its CRC aside)."""
+
+
+class FsckReport(msgspec.Struct, kw_only=True):
+    path: str
+    records_kept: int
+    damaged: list[DamagedRegion]
+    groups_lost: int
+    """Appended groups whose records are damaged (identified ones; ``unidentified_records`` may hold more)."""
+    unidentified_records: int
+    """Damaged regions, or parts of them, in which no record decodes."""
+    dangling_references: int
+    """Seqs that whole consume/drop records name but no whole append record holds (dropped from them)."""
+    live_groups: int
+    quarantine: str | None = None
+
+    @property
+    def clean(self) -> bool:
+        return not self.damaged
+
+
+def fsck(path: str | os.PathLike[str], *, apply: bool = False) -> FsckReport:
+    """Check a replay log; with ``apply``, quarantine its damaged bytes and rewrite it from the whole records.
+
+    The store must not be open (the log's lock is taken). The rewritten log is compact (a snapshot and the
+    live groups, as ``GroupStore.compact`` writes) and opens normally; the damaged bytes go, unchanged, to
+    ``<path>.quarantine-<unix seconds>`` beside a JSON report of the same name with ``.json`` appended.
+    """
+    import json
+    import time
+
+    path = Path(path)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise StoreLockedError(f"{path} is open in a running replay: stop it first") from None
+        with open(fd, "rb", closefd=False) as f:
+            data = f.read()
+        if not data.startswith(FILE_MAGIC):
+            raise CorruptLogError(str(path), 0, "not a replay log (bad file magic)")
+        decoder = msgspec.msgpack.Decoder(Record)
+        mem = GroupStore(None)
+        good: list[Record] = []
+        damaged: list[DamagedRegion] = []
+        off = len(FILE_MAGIC)
+        while off < len(data):
+            end = _valid_record_end(data, off)
+            rec = None
+            if end is not None:
+                try:
+                    rec = decoder.decode(memoryview(data)[off + _HEADER.size:end])
+                except msgspec.DecodeError:
+                    rec = None
+            if rec is not None:
+                good.append(rec)
+                off = end
+                continue
+            nxt = _next_valid_record(data, off + 1)
+            stop = len(data) if nxt is None else nxt
+            torn = nxt is None and not _complete_record(data, off)
+            damaged.append(DamagedRegion(offset=off, length=stop - off, kind="torn_tail" if torn else "corrupt",
+                                         records=_describe(data, off, stop, decoder)))
+            off = stop
+        lost = sum(1 for d in damaged if d.kind == "corrupt" for r in d.records if r.startswith("append"))
+        unidentified = sum(1 for d in damaged if d.kind == "corrupt" and not d.records)
+        dangling = 0
+        for rec in good:
+            if isinstance(rec, AppendRecord):
+                if rec.seq not in mem._live and rec.seq >= mem._next_seq:
+                    mem._apply_append(rec.seq, rec.group, 0)
+                continue
+            if isinstance(rec, (ConsumeRecord, DropRecord)):
+                seqs = [s for s in dict.fromkeys(rec.seqs) if s in mem._live]
+                dangling += len(rec.seqs) - len(seqs)
+                if not seqs:
+                    continue
+                rec = msgspec.structs.replace(rec, seqs=seqs)
+            mem._apply(rec)
+        # Seqs are never reused: past every seq a whole record names, and every damaged append that still decodes.
+        named = [int(r.split("seq=")[1].split()[0]) for d in damaged for r in d.records if r.startswith("append")]
+        named += [s for rec in good if isinstance(rec, (ConsumeRecord, DropRecord)) for s in rec.seqs]
+        mem._next_seq = max([mem._next_seq, *(n + 1 for n in named)])
+        report = FsckReport(path=str(path), records_kept=len(good), damaged=damaged, groups_lost=lost,
+                            unidentified_records=unidentified, dangling_references=dangling,
+                            live_groups=len(mem._live))
+        if not apply or report.clean:
+            return report
+        stamp = int(time.time())
+        quarantine = path.with_name(f"{path.name}.quarantine-{stamp}")
+        with open(quarantine, "wb") as q:
+            for d in damaged:
+                q.write(data[d.offset:d.offset + d.length])
+            q.flush()
+            os.fsync(q.fileno())
+        report = msgspec.structs.replace(report, quarantine=str(quarantine))
+        Path(f"{quarantine}.json").write_text(json.dumps(msgspec.to_builtins(report), indent=2) + "\n")
+        tmp = path.with_name(path.name + ".fsck.tmp")
+        records: list[Record] = [mem._snapshot()] + [AppendRecord(seq=s, group=g) for s, g in mem._live.items()]
+        with open(tmp, "wb") as f:
+            f.write(FILE_MAGIC + b"".join(mem._frame(r) for r in records))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+        return report
+    finally:
+        os.close(fd)
+
+
+def _describe(data: bytes, start: int, stop: int, decoder) -> list[str]:
+    """Records that still decode (CRC ignored) in ``data[start:stop]``, as "append seq=3 uid=..." lines."""
+    out = []
+    pos = data.find(RECORD_MAGIC, start, stop)
+    while pos != -1 and pos + _HEADER.size <= stop:
+        _, length, _ = _HEADER.unpack_from(data, pos)
+        end = pos + _HEADER.size + length
+        if end <= stop:
+            try:
+                rec = decoder.decode(memoryview(data)[pos + _HEADER.size:end])
+            except msgspec.DecodeError:
+                rec = None
+            if isinstance(rec, AppendRecord):
+                out.append(f"append seq={rec.seq} uid={rec.group.uid} version={rec.group.version}")
+            elif rec is not None:
+                out.append(f"{type(rec).__name__} {msgspec.to_builtins(rec)}"[:200])
+        pos = data.find(RECORD_MAGIC, pos + 1, stop)
+    return out

@@ -84,6 +84,15 @@ def test_replay_service_counts_bad_frames_and_keeps_serving(tmp_path):
         req = connect_with_handshake(transport, svc.router.endpoint, decoder=Decoder((BatchMsg,)), name="test",
                                      timeout_s=10.0)
         deadline = time.monotonic() + 20
+        while len(svc.buffer) < 2:  # both good groups stored
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        # a forged request for a far-future version would durably drop every stored group as stale: refused
+        forged = make_envelope(BatchRequest(n_groups=2, for_version=10**9, min_version=10**9 - 1), sender="x")
+        assert req.request(forged, 5.0).body.groups == []
+        assert ctx.metrics.registry.get_sample_value("async_vapo_replay_rejected_requests_total",
+                                                     {"reason": "future_version"}) == 1
+        assert len(svc.buffer) == 2
         batch = None
         while time.monotonic() < deadline:
             env = make_envelope(BatchRequest(n_groups=2, for_version=0, min_version=0), sender="test")

@@ -30,6 +30,7 @@ from async_vapo.replay.store import FILE_MAGIC
 from async_vapo.rollout.types import Group, Trajectory
 
 REPO = Path(__file__).resolve().parents[2]
+RECORD_MAGIC_TORN = b"\xabVR\x01\xff\x00\x00\x00"  # a record header declaring 255 bytes, then nothing
 _uid = iter(range(10**9))
 
 
@@ -351,6 +352,53 @@ def test_corruption_in_the_middle_raises_with_file_and_offset(tmp_path):
     assert err.value.offset == bad
     assert str(path) in str(err.value) and str(bad) in str(err.value)
     assert path.read_bytes() == bytes(data)  # nothing was truncated
+
+
+def test_a_complete_last_record_with_a_bad_crc_is_corruption_not_a_torn_tail(tmp_path):
+    # The last append was acknowledged (write(2) returned): cutting it off would silently lose a group.
+    path = tmp_path / "replay.log"
+    _write_groups(path, 5)
+    last = record_offsets(path)[-1]
+    data = bytearray(path.read_bytes())
+    data[last + 20] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptLogError, match="complete record with a bad CRC") as err:
+        GroupStore(path)
+    assert err.value.offset == last and "replay fsck" in str(err.value)
+    assert path.read_bytes() == bytes(data)
+
+
+def test_fsck_reports_quarantines_and_rewrites(tmp_path):
+    from async_vapo.cli import main as cli
+    from async_vapo.replay.store import fsck
+
+    path = tmp_path / "replay.log"
+    store = GroupStore(path, fsync="never")
+    groups = [make_group(0, uid=f"g{i}") for i in range(6)]
+    seqs = [store.append(g) for g in groups]
+    store.mark_consumed([seqs[0], seqs[2]], batch_id=1, learner_version=0)  # names a group fsck will lose
+    store.close()
+    offsets = record_offsets(path)
+    data = bytearray(path.read_bytes())
+    for victim in (offsets[3], offsets[6]):  # the last payload bytes of the appends of g2 and g5
+        data[victim - 1] ^= 0x01  # a letter of the last verdict: the record still decodes, its CRC fails
+    data += RECORD_MAGIC_TORN  # and a torn tail: an incomplete last write
+    path.write_bytes(bytes(data))
+    report = fsck(path)
+    assert [d.kind for d in report.damaged] == ["corrupt", "corrupt", "torn_tail"]
+    assert report.groups_lost == 2 and report.unidentified_records == 0
+    assert [d.records[0].split()[2] for d in report.damaged[:2]] == ["uid=g2", "uid=g5"]
+    assert report.dangling_references == 1 and report.live_groups == 3  # g1, g3, g4 (g0 was served)
+    assert path.read_bytes() == bytes(data)  # a report only
+    assert cli(["replay", "fsck", str(path)]) == 1
+    assert cli(["replay", "fsck", str(path), "--apply"]) == 0
+    quarantine = list(tmp_path.glob("replay.log.quarantine-*"))
+    assert len([q for q in quarantine if q.suffix != ".json"]) == 1
+    store = GroupStore(path)
+    assert [g.uid for _, g in store.live()] == ["g1", "g3", "g4"]
+    assert store.cursor.consumed_total == 1 and store.next_seq == seqs[-1] + 1  # seqs are never reused
+    store.close()
+    assert fsck(path).clean
 
 
 def test_not_a_log_file_raises(tmp_path):
