@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from async_vapo.metrics.jsonl import strict_json
+
 COMPARISON = {"vapo": "configs/tiny_cpu.toml", "dapo": "configs/baselines/dapo.toml",
               "grpo": "configs/baselines/grpo.toml", "ppo": "configs/baselines/ppo.toml"}
 ABLATIONS = {
@@ -168,7 +170,7 @@ def budget_metrics(run_dir: Path) -> Path:
         for r in rows:
             if "samples_seen" in r:
                 r["samples_generated"] = r["samples_seen"] + (pretrain if r["step"] > 0 else 0)
-            f.write(json.dumps(r) + "\n")
+            f.write(json.dumps(strict_json(r), allow_nan=False) + "\n")
     return out
 
 

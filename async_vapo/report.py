@@ -80,20 +80,23 @@ def analyse_cluster_run(run: Path) -> dict:
     busy = busy_intervals(run)
     fractions = {stage: _covered(iv, lo, hi) / window for stage, iv in busy.items()}
     gen_and_learn = _covered(_intersection(busy.get("generate", []), busy.get("learn", [])), lo, hi) / window
-    # critic error by sample age, pooled over updates (weighted by samples)
-    by_age: dict[int, dict[str, float]] = defaultdict(lambda: {"samples": 0.0, "ev_w": 0.0, "err_w": 0.0, "ev_n": 0.0})
+    # critic error by sample age, pooled over updates (weighted by samples); an update where a figure is undefined
+    # (null / NaN: the explained variance of targets that do not vary) does not count towards that figure
+    by_age: dict[int, dict[str, float]] = defaultdict(lambda: dict.fromkeys(("samples", "ev_w", "ev_n", "err_w",
+                                                                             "err_n"), 0.0))
     for r in train:
         for k, n in r.items():
             if k.startswith("critic_age/") and k.endswith("/samples"):
                 age = int(k.split("/")[1])
-                ev, err = r[f"critic_age/{age}/explained_variance"], r[f"critic_age/{age}/value_error_abs"]
                 d = by_age[age]
                 d["samples"] += n
-                d["err_w"] += n * err
-                if ev is not None and math.isfinite(ev):
-                    d["ev_w"] += n * ev
-                    d["ev_n"] += n
-    critic = {a: {"samples": int(d["samples"]), "value_error_abs": d["err_w"] / d["samples"],
+                for what, key in (("ev", "explained_variance"), ("err", "value_error_abs")):
+                    v = r.get(f"critic_age/{age}/{key}")
+                    if v is not None and math.isfinite(v):
+                        d[f"{what}_w"] += n * v
+                        d[f"{what}_n"] += n
+    critic = {a: {"samples": int(d["samples"]),
+                  "value_error_abs": d["err_w"] / d["err_n"] if d["err_n"] else None,
                   "explained_variance": d["ev_w"] / d["ev_n"] if d["ev_n"] else None}
               for a, d in sorted(by_age.items())}
     evals = [(r["wall_s"], r["eval/accuracy"], r["version"]) for r in rows if r.get("kind") == "eval"]
@@ -154,7 +157,8 @@ def report_async(out: Path) -> dict:
         for a in ages:
             c = r["critic_by_age"].get(a)
             ev = "–" if not c or c["explained_variance"] is None else f"{c['explained_variance']:.3f}"
-            cells.append("–" if not c else f"{c['value_error_abs']:.3f} / {ev} / {c['samples']}")
+            err = "–" if not c or c["value_error_abs"] is None else f"{c['value_error_abs']:.3f}"
+            cells.append("–" if not c else f"{err} / {ev} / {c['samples']}")
         critic_rows.append(f"| {s} | " + " | ".join(cells) + " |")
     services = sorted({k for r in res.values() for k in r["peak_rss_mib"]})
     mem_rows = ["| max_staleness | " + " | ".join(services) + " |", "|---|" + "---|" * len(services)]
@@ -228,7 +232,8 @@ def _plot_async(out: Path, res: dict[int, dict], alone: dict[str, float], slowes
     for i, s in enumerate(bounds):
         c = res[s]["critic_by_age"]
         if c:
-            a.plot(list(c), [v["value_error_abs"] for v in c.values()], "-o", color=f"C{i}", label=f"max_staleness {s}")
+            a.plot(list(c), [math.nan if v["value_error_abs"] is None else v["value_error_abs"] for v in c.values()],
+                   "-o", color=f"C{i}", label=f"max_staleness {s}")
     a.set(xlabel="sample age (versions)", ylabel="mean |V − target| per token", title="critic error by sample age")
     a.grid(alpha=0.3)
     a.legend(fontsize="small")

@@ -48,21 +48,22 @@ def vllm_engine(tiny_base):
     engine.close()
 
 
-def assert_engine_serves(engine, policy, tok, prompt="5+5-3="):
-    """The engine's log-probs of its own samples equal the given policy's: it serves exactly those weights.
-    (Parameter checksums inside vLLM are no proof: the CPU backend repacks weights after loading.)"""
+def assert_engine_serves(engine, policy, tok, prompt="5+5-3=", temperature=1.0):
+    """The engine's log-probs of its own samples (drawn at ``temperature``) equal the given policy's at that
+    temperature: it serves exactly those weights. (Parameter checksums inside vLLM are no proof: the CPU backend
+    repacks weights after loading.)"""
     import torch
 
     from async_vapo.algo.utils import logprobs_from_logits
     from async_vapo.models.rl import make_token_batch, response_logits
 
     ids = tok(prompt).input_ids
-    samples = engine.generate([ids], n=4, temperature=1.0, top_p=1.0, max_tokens=30,
+    samples = engine.generate([ids], n=4, temperature=temperature, top_p=1.0, max_tokens=30,
                               stop_token_ids=[tok.eos_token_id], seed=3)[0]
     for sample in samples:
         batch = make_token_batch([ids], [sample.token_ids], tok.pad_token_id)
         with torch.no_grad():
-            lp = logprobs_from_logits(response_logits(policy, batch), batch.response_ids)[0]
+            lp = logprobs_from_logits(response_logits(policy, batch, temperature), batch.response_ids)[0]
         torch.testing.assert_close(lp, torch.tensor(sample.logprobs), atol=1e-3, rtol=0)
 
 

@@ -4,6 +4,7 @@ from async_vapo.algo.advantages import broadcast_to_tokens, group_normalized_adv
 from async_vapo.algo.dapo import dynamic_sampling_keep, soft_overlong_punishment
 from async_vapo.algo.gae import compute_gae, length_adaptive_lambda
 from async_vapo.algo.losses import (
+    explained_variance,
     loss_normalizer,
     microbatch_weight,
     policy_loss,
@@ -24,6 +25,7 @@ __all__ = [
     "compute_gae",
     "dynamic_sampling_keep",
     "entropy_from_logits",
+    "explained_variance",
     "group_normalized_advantages",
     "length_adaptive_lambda",
     "logprobs_from_logits",

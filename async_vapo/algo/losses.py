@@ -32,7 +32,10 @@ Departures and choices:
   "Approximating KL divergence", 2020); non-negative, unbiased under samples from π_old.
 - Value clipping (PPO2 implementation detail; not in the VAPO paper) applies only when both
   ``old_values`` and ``clip`` are given.
-- ``explained_variance`` uses population variances and is 0 when Var(G) = 0.
+- ``explained_variance`` = 1 − Var(G − V) / Var(G) with population variances over valid tokens, and NaN
+  (undefined, as in stable-baselines3) when the targets do not vary: Var(G) ≤ 1e-8 · mean(G²), which also catches
+  constant targets whose computed variance is rounding noise (that would divide into a huge negative number).
+  Reducers of metrics must skip NaN explained variances rather than average them in as 0.
 - ``correct`` in :func:`positive_lm_loss` is read as ``correct > 0``, so bool, 0/1 and ±1 rewards work.
 """
 
@@ -42,9 +45,11 @@ import torch
 
 from async_vapo.algo.utils import masked_mean, masked_sum, masked_var
 
-__all__ = ["loss_normalizer", "microbatch_weight", "policy_loss", "positive_lm_loss", "value_loss"]
+__all__ = ["explained_variance", "loss_normalizer", "microbatch_weight", "policy_loss", "positive_lm_loss",
+           "value_loss"]
 
 _MAX_LOG_RATIO = 20.0
+_EV_REL_EPS = 1e-8
 
 
 def _seq_valid(mask: torch.Tensor) -> torch.Tensor:
@@ -146,6 +151,22 @@ def behavior_weights(proximal_logprobs: torch.Tensor, behavior_logprobs: torch.T
                "behavior_weight_capped_frac": masked_mean((torch.exp(log_w) > cap).to(w.dtype), valid)}
 
 
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """1 − Var(G − V) / Var(G) over valid tokens: [B, T] x3 -> 0-dim, in ``values``' dtype.
+
+    NaN when the targets do not vary (Var(G) ≤ 1e-8 · mean(G²): every G equal, up to rounding), and when no
+    token is valid. 1 for a perfect critic, 0 for one that predicts the mean, negative for a worse one."""
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    target = torch.where(valid, returns.to(values.dtype), zero)
+    v = torch.where(valid, values.detach(), zero)
+    var_returns = masked_var(target, valid)
+    var_resid = masked_var(target - v, valid)
+    undefined = var_returns <= _EV_REL_EPS * masked_mean(target.square(), valid)
+    safe_var = torch.where(undefined, torch.ones_like(var_returns), var_returns)
+    return torch.where(undefined, torch.full_like(var_returns, float("nan")), 1.0 - var_resid / safe_var)
+
+
 def value_loss(
     values: torch.Tensor,
     returns: torch.Tensor,
@@ -178,10 +199,7 @@ def value_loss(
     loss = 0.5 * masked_mean(sq_err, valid)
 
     with torch.no_grad():
-        var_returns = masked_var(target, valid)
-        var_resid = masked_var(target - v, valid)
-        safe_var = torch.where(var_returns > 0, var_returns, torch.ones_like(var_returns))
-        metrics["explained_variance"] = torch.where(var_returns > 0, 1.0 - var_resid / safe_var, zero)
+        metrics["explained_variance"] = explained_variance(v, target, valid)
         metrics["value_mean"] = masked_mean(v, valid)
         metrics["return_mean"] = masked_mean(target, valid)
         metrics["value_error_abs"] = masked_mean((v - target).abs(), valid)

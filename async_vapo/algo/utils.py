@@ -67,6 +67,9 @@ def masked_whiten(
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[labels]: [B, T, V], [B, T] -> [B, T].
 
+    For a policy's log-probs, ``logits`` are those of the distribution the tokens were sampled from: the
+    model's logits divided by the sampling temperature (``models.rl.response_logits`` divides, in place).
+
     Never materialises a second [B, T, V] tensor of log-probs: gathers the label logit and
     subtracts logsumexp. Half-precision logits are processed one row at a time in float32 (the
     logsumexp of a 150k vocabulary is too lossy in bf16), so the result is float32 for them.
@@ -81,7 +84,8 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits) per position: [B, T, V] -> [B, T].
 
-    H = logsumexp(z) − Σ softmax(z)·z. Half precision is handled row by row in float32.
+    H = logsumexp(z) − Σ softmax(z)·z. Half precision is handled row by row in float32. With tempered
+    logits (z = logits / temperature) this is the entropy of the sampling distribution.
     """
     if logits.dtype in _LOW_PRECISION:
         return torch.stack([entropy_from_logits(row.float()) for row in logits])

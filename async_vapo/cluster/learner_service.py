@@ -40,6 +40,7 @@ from pathlib import Path
 from async_vapo.cluster.common import ServiceContext
 from async_vapo.learner.dist import destroy_process_group, init_process_group
 from async_vapo.metrics.jsonl import JsonlWriter
+from async_vapo.metrics.prom import ServiceMetrics
 from async_vapo.transport import (
     BatchMsg,
     BatchRequest,
@@ -54,6 +55,44 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     steps = [(int(p.name.split("_")[1]), p) for p in (run_dir / "checkpoints").glob("step_*")
              if p.name.split("_")[1].isdigit() and (p / "learner_state.pt").exists()]
     return max(steps)[1] if steps else None
+
+
+def export_row(metrics: ServiceMetrics, row: dict, version: int) -> None:
+    """Set the learner's gauges from one metrics row (``version``: the learner's after it).
+
+    A value that is undefined for the step (NaN, or None) sets its gauge to NaN, which the exposition format
+    carries as ``NaN`` and Grafana draws as a gap: the explained variance of returns that do not vary, for
+    instance. The gauge then says "undefined at the last update" rather than keep an older update's value."""
+    lm = metrics.learner
+
+    def value(key: str) -> float:
+        v = row[key]
+        return math.nan if v is None else float(v)
+
+    if row["kind"] == "pretrain":
+        lm.value_pretrain_steps_total.inc()
+    if row.get("learner/invalid_groups"):
+        metrics.counter("invalid_groups_total", "Groups refused before learning (a token outside the vocabulary, "
+                        "a non-finite log-prob or reward, ...).").inc(row["learner/invalid_groups"])
+    for kind, key in (("policy", "actor/pg_loss"), ("value", "critic/value_loss"), ("pos_lm", "actor/pos_lm_nll")):
+        if key in row:
+            lm.loss.labels(kind=kind).set(value(key))
+    for gauge, key in ((lm.reward, "rollout/reward"), (lm.accuracy, "rollout/accuracy"),
+                       (lm.entropy, "actor/entropy"), (lm.explained_variance, "critic/explained_variance")):
+        if key in row:
+            gauge.set(value(key))
+    for side in ("low", "high"):
+        if f"actor/clipfrac_{side}" in row:
+            lm.clipfrac.labels(side=side).set(value(f"actor/clipfrac_{side}"))
+    for key in row:  # critic_age/<a>/<what>: the critic's error on samples <a> versions old
+        if key.startswith("critic_age/") and not key.endswith("/samples"):
+            _, age, what = key.split("/")
+            metrics.gauge(f"critic_{what}_by_age", f"Critic {what.replace('_', ' ')} before the update, by sample "
+                          "age in versions (NaN: undefined).", labels=("age",)).labels(age=age).set(value(key))
+    lm.version.set(version)
+    if "time/step_s" in row:
+        lm.step_seconds.observe(row["time/step_s"])
+    metrics.set_health(policy_version=version, step=row.get("step", 0), phase=row["kind"])
 
 
 class ReplaySource:
@@ -187,29 +226,7 @@ class LearnerService:
 
     # -- metrics -------------------------------------------------------------------------------------------------
     def _export(self, row: dict) -> None:
-        lm = self.lm
-        if row["kind"] == "pretrain":
-            lm.value_pretrain_steps_total.inc()
-        for kind, key in (("policy", "actor/pg_loss"), ("value", "critic/value_loss"), ("pos_lm", "actor/pos_lm_nll")):
-            if key in row:
-                lm.loss.labels(kind=kind).set(row[key])
-        for gauge, key in ((lm.reward, "rollout/reward"), (lm.accuracy, "rollout/accuracy"),
-                           (lm.entropy, "actor/entropy"), (lm.explained_variance, "critic/explained_variance")):
-            if key in row:
-                gauge.set(row[key])
-        for side in ("low", "high"):
-            if f"actor/clipfrac_{side}" in row:
-                lm.clipfrac.labels(side=side).set(row[f"actor/clipfrac_{side}"])
-        for key, value in row.items():  # critic_age/<a>/<what>: the critic's error on samples <a> versions old
-            if key.startswith("critic_age/") and not key.endswith("/samples") and math.isfinite(value):
-                _, age, what = key.split("/")
-                self.ctx.metrics.gauge(f"critic_{what}_by_age", f"Critic {what.replace('_', ' ')} before the "
-                                       "update, by sample age in versions.", labels=("age",)).labels(age=age).set(value)
-        lm.version.set(self.learner.version)
-        if "time/step_s" in row:
-            lm.step_seconds.observe(row["time/step_s"])
-        self.ctx.metrics.set_health(policy_version=self.learner.version, step=row.get("step", 0),
-                                    phase=row["kind"])
+        export_row(self.ctx.metrics, row, self.learner.version)
 
     # -- run ------------------------------------------------------------------------------------------------------
     def run(self) -> None:

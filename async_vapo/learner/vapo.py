@@ -5,6 +5,15 @@ One rollout step's groups become one ``RolloutBatch``; ``Learner.update`` then r
 losses are weighted by their share of the mini-batch's tokens (or sequences) — so the token-level loss
 is one mean over every valid token of the mini-batch however it is split.
 
+Every log-prob (``old_logprobs``, the ratio's, the behaviour weights', the entropy) is of the distribution the
+engines sample from: softmax(logits / ``rollout.temperature``) over the whole vocabulary (the config rejects a
+training ``top_p`` < 1), so that on-policy samples have ratio 1 and behaviour weight 1 at any temperature.
+
+Precision (``learner.precision``): parameters, gradients and AdamW moments are float32 whatever ``model.dtype``;
+forwards run under autocast to ``model.dtype``, and :meth:`Learner.policy_state` hands out weights in it, the
+dtype the engines run. Learning-rate warm-up (``optim.warmup_steps``) counts each optimiser's own steps: the
+critic's (value pretraining included) for the critic, the policy's for the policy.
+
 ``old_logprobs`` are recomputed by the learner with its weights at the start of the update (the
 proximal policy): for on-policy samples these are the weights that generated them. Samples that older
 weights generated (asynchronous training, ``async.max_staleness`` > 0) are corrected by the decoupled PPO
@@ -20,6 +29,7 @@ Advantages by algorithm (the math lives in ``async_vapo.algo``):
 
 from __future__ import annotations
 
+import math
 import random
 from collections import defaultdict
 from collections.abc import Sequence
@@ -33,6 +43,7 @@ from async_vapo.algo.dapo import soft_overlong_punishment
 from async_vapo.algo.gae import compute_gae, length_adaptive_lambda
 from async_vapo.algo.losses import (
     behavior_weights,
+    explained_variance,
     loss_normalizer,
     microbatch_weight,
     policy_loss,
@@ -42,6 +53,7 @@ from async_vapo.algo.losses import (
 from async_vapo.algo.utils import entropy_from_logits, logprobs_from_logits, masked_mean, masked_whiten
 from async_vapo.config import Config
 from async_vapo.learner.dist import allreduce_gradients, data_parallel_world
+from async_vapo.learner.precision import Precision
 from async_vapo.models.rl import (
     TokenBatch,
     load_critic,
@@ -90,26 +102,33 @@ def make_rollout_batch(groups: Sequence[Group], pad_id: int, *, overlong_max_len
 
 
 def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Mean of each metric over ``rows``. An explained variance is NaN where it is undefined (targets that do
+    not vary), not broken: it is averaged over the rows that define it (NaN when none does). Every other NaN
+    (a loss, a gradient norm) propagates, so that it shows."""
     acc: dict[str, list[float]] = defaultdict(list)
     for row in rows:
         for k, v in row.items():
             acc[k].append(v)
-    return {k: sum(v) / len(v) for k, v in acc.items()}
+    out = {}
+    for k, v in acc.items():
+        if k.endswith("explained_variance"):
+            v = [x for x in v if not math.isnan(x)] or [math.nan]
+        out[k] = sum(v) / len(v)
+    return out
 
 
 def critic_error_by_age(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, ages: torch.Tensor
                         ) -> dict[str, float]:
     """The critic's error on the samples of each age (learner version − the version that generated them;
     0 = on-policy): ``critic_age/<a>/explained_variance`` (over valid tokens; NaN when the targets do not
-    vary), ``.../value_error_abs`` (mean |V − target| per token) and ``.../samples``."""
+    vary, see ``algo.losses.explained_variance``), ``.../value_error_abs`` (mean |V − target| per token) and
+    ``.../samples``."""
     out: dict[str, float] = {}
     mask = mask.bool()
     for age in sorted(set(ages.tolist())):
         m = mask & (ages == age)[:, None]
         v, r = values[m], returns[m]
-        var = float(r.var(unbiased=False)) if r.numel() > 1 else 0.0
-        ev = 1.0 - float((r - v).var(unbiased=False)) / var if var > 1e-8 else float("nan")
-        out[f"critic_age/{age}/explained_variance"] = ev
+        out[f"critic_age/{age}/explained_variance"] = float(explained_variance(values, returns, m))
         out[f"critic_age/{age}/value_error_abs"] = float((v - r).abs().mean())
         out[f"critic_age/{age}/samples"] = float((ages == age).sum())
     return out
@@ -121,24 +140,38 @@ class Learner:
         self.algo = cfg.algo
         torch.manual_seed(cfg.train.seed)
         self.rng = random.Random(cfg.train.seed)
-        self.policy = load_policy(policy_path, cfg.model.dtype)  # eval mode: no dropout anywhere
+        self.temperature = cfg.rollout.temperature  # of the engines' training samples
+        # float32 master weights and optimiser state; forwards under autocast to model.dtype (learner.precision)
+        self.policy = load_policy(policy_path, "float32")  # eval mode: no dropout anywhere
+        self.precision = Precision(cfg.model.dtype, next(self.policy.parameters()).device.type)
         self.actor_opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optim.actor_lr,
                                            betas=(cfg.optim.beta1, cfg.optim.beta2),
                                            weight_decay=cfg.optim.weight_decay)
-        self.critic = self.critic_opt = None
+        self.actor_scaler = self.precision.grad_scaler()
+        self.critic = self.critic_opt = self.critic_scaler = None
         if self.algo.uses_critic:
-            self.critic = load_critic(critic_path or policy_path, cfg.model.dtype)
+            self.critic = load_critic(critic_path or policy_path, "float32")
             self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.optim.critic_lr,
                                                 betas=(cfg.optim.beta1, cfg.optim.beta2),
                                                 weight_decay=cfg.optim.weight_decay)
+            self.critic_scaler = self.precision.grad_scaler()
         self.version = 0  # policy updates published so far
-        self.optimizer_steps = 0
-        self.critic_steps = 0
+        self.optimizer_steps = 0  # policy optimiser steps
+        self.critic_steps = 0  # critic optimiser steps, value pretraining included
 
     # ---------------------------------------------------------------- helpers
-    def _lr_scale(self) -> float:
+    def _lr_scale(self, steps_done: int) -> float:
+        """Linear warm-up factor of an optimiser's next step, from the steps it has taken."""
         w = self.cfg.optim.warmup_steps
-        return 1.0 if w == 0 else min(1.0, (self.optimizer_steps + 1) / w)
+        return 1.0 if w == 0 else min(1.0, (steps_done + 1) / w)
+
+    def _logits(self, tb: TokenBatch) -> torch.Tensor:
+        with self.precision.autocast():
+            return response_logits(self.policy, tb, self.temperature)
+
+    def _values(self, tb: TokenBatch) -> torch.Tensor:
+        with self.precision.autocast():
+            return response_values(self.critic, tb)
 
     def _minibatches(self, n: int) -> list[list[int]]:
         order = list(range(n))
@@ -159,9 +192,9 @@ class Learner:
         for idx in self._micro(list(range(n))):
             tb = batch.tokens.select(idx)
             w = tb.response_ids.shape[1]
-            old_lp[idx, :w] = logprobs_from_logits(response_logits(self.policy, tb), tb.response_ids)
+            old_lp[idx, :w] = logprobs_from_logits(self._logits(tb), tb.response_ids)
             if values is not None:
-                values[idx, :w] = response_values(self.critic, tb)
+                values[idx, :w] = self._values(tb)
         mask = batch.tokens.response_mask.bool()
         return old_lp.masked_fill(~mask, 0.0), None if values is None else values.masked_fill(~mask, 0.0)
 
@@ -179,13 +212,17 @@ class Learner:
         rank, world = data_parallel_world()
         return self._micro(idx)[rank::world]
 
-    def _step(self, model: torch.nn.Module, opt: torch.optim.Optimizer, lr: float) -> float:
+    def _step(self, model: torch.nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler, lr: float,
+              steps_done: int) -> float:
+        """One optimiser step on the accumulated (loss-scaled) gradients; skipped when they are not finite."""
         allreduce_gradients(model)
+        scaler.unscale_(opt)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.algo.grad_clip)
         for g in opt.param_groups:
-            g["lr"] = lr * self._lr_scale()
+            g["lr"] = lr * self._lr_scale(steps_done)
         if torch.isfinite(norm):
-            opt.step()
+            scaler.step(opt)
+        scaler.update()
         opt.zero_grad(set_to_none=True)
         return float(norm)
 
@@ -198,7 +235,6 @@ class Learner:
         _, values = self._forward_old(batch)
         _, returns = compute_gae(self._token_rewards(batch), values, mask, 1.0, self.algo.gamma)
         rows = [self._critic_minibatch(batch, idx, returns, values) for idx in self._minibatches(len(mask))]
-        self.critic_steps += len(rows)
         return _mean_metrics(rows)
 
     def _critic_minibatch(self, batch: RolloutBatch, idx: list[int], returns: torch.Tensor,
@@ -209,12 +245,15 @@ class Learner:
         for mi in self._my_micro(idx):
             tb = batch.tokens.select(mi)
             w = tb.response_ids.shape[1]
-            v = response_values(self.critic, tb)
+            v = self._values(tb)
             vl, m = value_loss(v, returns[mi, :w], tb.response_mask, old_values[mi, :w], self.algo.value_clip)
-            (self.algo.vf_coef * microbatch_weight(tb.response_mask, total, True) * vl).backward()
+            self.critic_scaler.scale(self.algo.vf_coef * microbatch_weight(tb.response_mask, total, True) * vl
+                                     ).backward()
             rows.append({"critic/value_loss": float(vl.detach()), **{f"critic/{k}": float(x) for k, x in m.items()}})
         out = _mean_metrics(rows)
-        out["critic/grad_norm"] = self._step(self.critic, self.critic_opt, self.cfg.optim.critic_lr)
+        out["critic/grad_norm"] = self._step(self.critic, self.critic_opt, self.critic_scaler,
+                                             self.cfg.optim.critic_lr, self.critic_steps)
+        self.critic_steps += 1
         return out
 
     # ---------------------------------------------------------------- advantages
@@ -268,7 +307,7 @@ class Learner:
                 for mi in self._my_micro(idx):
                     tb = batch.tokens.select(mi)
                     w = tb.response_ids.shape[1]
-                    logits = response_logits(self.policy, tb)
+                    logits = self._logits(tb)
                     lp = logprobs_from_logits(logits, tb.response_ids)
                     with torch.no_grad():
                         ent = entropy_from_logits(logits)
@@ -287,10 +326,11 @@ class Learner:
                         ent_g = entropy_from_logits(logits)
                         loss = loss - self.algo.entropy_coef * microbatch_weight(
                             tb.response_mask, total, token_level) * masked_mean(ent_g, tb.response_mask)
-                    loss.backward()
+                    self.actor_scaler.scale(loss).backward()
                     mrows.append(row)
                 out = _mean_metrics(mrows)
-                out["actor/grad_norm"] = self._step(self.policy, self.actor_opt, self.cfg.optim.actor_lr)
+                out["actor/grad_norm"] = self._step(self.policy, self.actor_opt, self.actor_scaler,
+                                                    self.cfg.optim.actor_lr, self.optimizer_steps)
                 if self.critic is not None:
                     out.update(self._critic_minibatch(batch, idx, returns, values))
                 self.optimizer_steps += 1
@@ -308,7 +348,8 @@ class Learner:
         return {"dapo/empty_batch": 1.0}
 
     def policy_state(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach() for k, v in self.policy.state_dict().items()}
+        """The policy's weights as the engines load them: in ``model.dtype`` (the learner's masters are float32)."""
+        return self.precision.engine_state(self.policy.state_dict())
 
     def save(self, path: str | Path, extra: dict | None = None) -> Path:
         path = Path(path)
@@ -320,6 +361,8 @@ class Learner:
         torch.save({
             "actor_opt": self.actor_opt.state_dict(),
             "critic_opt": None if self.critic_opt is None else self.critic_opt.state_dict(),
+            "actor_scaler": self.actor_scaler.state_dict(),
+            "critic_scaler": None if self.critic_scaler is None else self.critic_scaler.state_dict(),
             "version": self.version, "optimizer_steps": self.optimizer_steps, "critic_steps": self.critic_steps,
             "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state(), "extra": extra or {},
         }, tmp / "learner_state.pt")
@@ -336,6 +379,10 @@ class Learner:
         self.actor_opt.load_state_dict(state["actor_opt"])
         if self.critic_opt is not None and state["critic_opt"] is not None:
             self.critic_opt.load_state_dict(state["critic_opt"])
+        if state.get("actor_scaler"):  # float16 only (a disabled scaler's state is empty)
+            self.actor_scaler.load_state_dict(state["actor_scaler"])
+        if self.critic_scaler is not None and state.get("critic_scaler"):
+            self.critic_scaler.load_state_dict(state["critic_scaler"])
         self.version, self.optimizer_steps = state["version"], state["optimizer_steps"]
         self.critic_steps = state["critic_steps"]
         self.rng.setstate(state["rng"])

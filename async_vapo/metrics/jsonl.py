@@ -3,13 +3,31 @@
 One JSON object per line, each appended with a single ``write(2)`` on an ``O_APPEND`` descriptor, so
 several processes (the cluster's learner writes pretrain/train rows, rollout 0 eval rows) can share one
 file without interleaving inside a line (rows are far below the size where that could happen).
+
+Every line is strict JSON (RFC 8259): a float that is not finite is written as ``null``. A metric is NaN when it
+is undefined for that step (the critic's explained variance of returns that do not vary); Python's ``json``
+would write the token ``NaN``, which jq, JavaScript, Go and most JSON readers other than Python's reject. Readers
+take ``null`` as "no value at this step" (the plots draw a gap).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
+from typing import Any
+
+
+def strict_json(value: Any) -> Any:
+    """``value`` with every non-finite float (in nested dicts and lists too) replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict_json(v) for v in value]
+    return value
 
 
 class JsonlWriter:
@@ -22,7 +40,7 @@ class JsonlWriter:
         self._fd = os.open(path, flags, 0o644)
 
     def write(self, row: dict) -> None:
-        os.write(self._fd, (json.dumps(row) + "\n").encode())
+        os.write(self._fd, (json.dumps(strict_json(row), allow_nan=False) + "\n").encode())
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -59,9 +59,10 @@ def series(rows: Sequence[Mapping[str, Any]], x: str, y: str, *, kind: str | Non
            source: PathLike = "metrics") -> tuple[list[float], list[float]]:
     """(x, y) of the rows holding both keys (and of ``kind`` if given), sorted by x; ``wall_s`` in minutes.
 
-    Raises ValueError naming ``source`` when no row has both."""
-    pts = [(float(r[x]), float(r[y])) for r in rows
-           if x in r and y in r and (kind is None or r.get("kind") == kind) and r[y] is not None]
+    A y that is undefined at a step (``null`` in metrics.jsonl, or NaN) is NaN: matplotlib leaves a gap there
+    rather than joining its neighbours over it. Raises ValueError naming ``source`` when no row has both."""
+    pts = [(float(r[x]), math.nan if r[y] is None else float(r[y])) for r in rows
+           if x in r and y in r and (kind is None or r.get("kind") == kind) and r[x] is not None]
     if not pts:
         where = f" kind={kind!r}" if kind else ""
         raise ValueError(f"{source}: no{where} row has both {x!r} and {y!r}")
@@ -140,7 +141,9 @@ Curve = tuple[list[float], list[float]]
 
 def mean_and_spread(curves: Sequence[Curve]) -> tuple[list[float], list[float], list[float], list[float]]:
     """Mean, min and max of several (x, y) curves on the x range they all cover, linearly interpolated
-    onto the union of their x values there. Repeated x keep the last y (a resumed run re-evaluates)."""
+    onto the union of their x values there. Repeated x keep the last y (a resumed run re-evaluates). A NaN y
+    (undefined at that step) makes the curve NaN on both sides of it up to its neighbours, and the mean, min and
+    max NaN wherever a curve is: a gap in the plot, not a value made up across it."""
     import numpy as np
 
     if not curves:

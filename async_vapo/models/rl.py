@@ -94,12 +94,19 @@ def make_token_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Seque
     return TokenBatch(input_ids, attention_mask, position_ids, input_ids[:, p:].clone(), response_mask, p)
 
 
-def response_logits(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
-    """Policy logits predicting each response token: ``[B, T, V]``."""
+def response_logits(model: torch.nn.Module, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
+    """Float32 logits of the sampling distribution for each response token: ``[B, T, V]``, the model's logits
+    divided by the sampling ``temperature``, so that their log-softmax is log π(y_t) of the distribution the engine
+    sampled from (vLLM divides its float32 logits by the temperature before sampling, as verl's actor does here).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (greedy decoding has no log-probs to learn from), got {temperature}")
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
                 use_cache=False)
     p, t = batch.prompt_len, batch.response_ids.shape[1]
-    return out.logits[:, p - 1: p - 1 + t].float()
+    logits = out.logits[:, p - 1: p - 1 + t].float()
+    # in place: no second [B, T, V] tensor (the lm head's backward does not need its output)
+    return logits if temperature == 1.0 else logits.div_(temperature)
 
 
 def response_values(critic: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:

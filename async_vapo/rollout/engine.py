@@ -5,6 +5,13 @@ weights in place (no restart) and reports the weight version it serves. Prompts 
 responses come back as token ids (``skip_tokenizer_init``): tokenisation stays on our side, so the
 same code serves a character tokenizer and Qwen2.5's BPE.
 
+Log-probs are those of the distribution each token was sampled from: the engine is created with
+``logprobs_mode="processed_logprobs"``, so vLLM reports log softmax of the logits after temperature (and after
+top-p, renormalised over the nucleus, when a request sets one) rather than its default raw, untempered ones.
+The learner's are of softmax(logits / ``rollout.temperature``); training requests have top_p = 1. A greedy request
+(temperature 0, evaluation) reports the untempered log-probs. On CUDA this mode keeps vLLM on its PyTorch sampler
+(FlashInfer's returns no log-probs), which training requests (no top-p, no top-k) use anyway.
+
 Weights reach the engine's workers (``worker_ext.py``) in one of these ways, all ending in vLLM's own
 ``reload_weights``:
 
@@ -93,6 +100,7 @@ class VLLMEngine:
             skip_tokenizer_init=True,
             gpu_memory_utilization=spec.gpu_memory_utilization,
             max_num_seqs=spec.max_num_seqs,
+            logprobs_mode="processed_logprobs",  # of the tempered distribution sampled from (module docstring)
             worker_extension_cls="async_vapo.rollout.worker_ext.WeightSyncExtension",
         )
         self.start_seconds = time.perf_counter() - t0
@@ -106,7 +114,8 @@ class VLLMEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float,
                  max_tokens: int, stop_token_ids: Sequence[int], seed: int | None = None) -> list[list[Sample]]:
-        """``n`` samples for each prompt (token ids), in prompt order."""
+        """``n`` samples for each prompt (token ids), in prompt order, each token with its log-probability under
+        the distribution it was drawn from (see the module docstring)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 

@@ -92,6 +92,15 @@ def test_cross_field_validation():
     assert load_config(overrides=["algo.clip_higher=false", "algo.eps_high=0.1"]).algo.effective_eps_high == 0.2
 
 
+def test_training_top_p_below_one_is_rejected_evaluation_is_free():
+    with pytest.raises(ConfigError, match=r"rollout.top_p = 0.9: training samples must come from the full tempered"):
+        load_config(overrides=["rollout.top_p=0.9"])
+    cfg = load_config(overrides=["rollout.eval_top_p=0.5", "rollout.eval_temperature=0", "rollout.temperature=0.7"])
+    assert (cfg.rollout.eval_top_p, cfg.rollout.eval_temperature, cfg.rollout.temperature) == (0.5, 0.0, 0.7)
+    with pytest.raises(ConfigError, match="temperature"):  # greedy training has no distribution to learn from
+        load_config(overrides=["rollout.temperature=0"])
+
+
 def test_overrides_layer_over_files_and_extends(tmp_path):
     _write(tmp_path, "parent.toml", "[algo]\nalpha = 2.0\ngroup_size = 16\n")
     child = _write(tmp_path, "child.toml", 'extends = "parent.toml"\n[algo]\ngroup_size = 4\n')

@@ -7,6 +7,7 @@ import torch
 from torch.testing import assert_close
 
 from async_vapo.algo.losses import (
+    explained_variance,
     loss_normalizer,
     microbatch_weight,
     policy_loss,
@@ -192,12 +193,49 @@ def test_explained_variance():
     mean = (1 - 1 + 1 + 1 + 1) / 5
     _, m = value_loss(torch.full_like(returns, mean), returns, mask)
     assert_close(m["explained_variance"], scalar(0.0), **TOL)
-    # Var(G) = 0: guarded to 0, not NaN.
+    # Var(G) = 0: undefined, NaN (not 0, which would read as "the critic predicts the mean").
     _, m = value_loss(torch.zeros_like(returns), torch.ones_like(returns), mask)
-    assert_close(m["explained_variance"], scalar(0.0), **TOL)
+    assert torch.isnan(m["explained_variance"])
     # Hand value: G = [1, −1, 1, 1, 1], V = 0.5·G → residual 0.5·G, EV = 1 − 0.25 = 0.75.
     _, m = value_loss(0.5 * returns, returns, mask)
     assert_close(m["explained_variance"], scalar(0.75), **TOL)
+    # Hand value, padding ignored: G = [1, −1, 1, 1, 1] (mean 0.6, Var 0.64), V = [1, 0, 1, 1, 1] →
+    # G − V = [0, −1, 0, 0, 0] (mean −0.2, Var 0.16) → EV = 1 − 0.16 / 0.64 = 0.75.
+    values = torch.tensor([[1.0, 0.0, 1.0, 9.0], [1.0, 1.0, -9.0, 9.0]], dtype=F64)
+    assert_close(explained_variance(values, returns, mask), scalar(0.75), **TOL)
+
+
+def test_explained_variance_of_constant_returns_is_nan_not_rounding_noise():
+    """Every return 0.1 (float32): the computed Var(G) is ~6e-17 of rounding, not 0. Dividing by it gave an
+    explained variance of about −2e16; it is undefined (NaN)."""
+    returns = torch.full((3, 7), 0.1)
+    mask = torch.ones(3, 7)
+    values = torch.linspace(-1.0, 1.0, 21).reshape(3, 7)
+    assert 0 < float(masked_var(returns, mask)) < 1e-15
+    assert torch.isnan(explained_variance(values, returns, mask))
+    _, m = value_loss(values, returns, mask)
+    assert torch.isnan(m["explained_variance"])
+    assert torch.isnan(explained_variance(values, returns, torch.zeros(3, 7)))  # nothing valid: undefined too
+    # a large constant (1000) is just as constant; a small but real spread (1e-3 around 0) is defined
+    assert torch.isnan(explained_variance(values, torch.full((3, 7), 1000.0), mask))
+    small = 1e-3 * torch.linspace(-1.0, 1.0, 21).reshape(3, 7)
+    assert_close(explained_variance(small, small, mask), torch.tensor(1.0), atol=1e-6, rtol=0)
+
+
+def test_explained_variance_against_a_naive_loop():
+    torch.manual_seed(0)
+    for _ in range(20):
+        returns, values = torch.randn(4, 6, dtype=F64), torch.randn(4, 6, dtype=F64)
+        mask = torch.rand(4, 6) > 0.3
+        g = [float(returns[i, j]) for i in range(4) for j in range(6) if mask[i, j]]
+        r = [g_ - float(values[i, j]) for (i, j), g_ in zip(
+            [(i, j) for i in range(4) for j in range(6) if mask[i, j]], g, strict=True)]
+
+        def var(xs):
+            mu = sum(xs) / len(xs)
+            return sum((x - mu) ** 2 for x in xs) / len(xs)
+
+        assert_close(explained_variance(values, returns, mask), scalar(1 - var(r) / var(g)), **TOL)
 
 
 # ---------------------------------------------------------------- positive-example LM loss
@@ -368,6 +406,24 @@ def test_critic_error_by_age_separates_ages_and_ignores_padding():
     assert out["critic_age/2/value_error_abs"] == pytest.approx(1.0)
     assert set(out) == {f"critic_age/{a}/{k}" for a in (0, 2) for k in ("explained_variance", "value_error_abs",
                                                                             "samples")}
+    # ages 0 and 1 split differently: age 1 (row 1) has targets −1, −1, −1 only: EV undefined, the error is not
+    out = critic_error_by_age(values, returns, mask, torch.tensor([0, 1, 2, 2]))
+    assert math.isnan(out["critic_age/1/explained_variance"])
+    assert out["critic_age/1/value_error_abs"] == pytest.approx(0.0)
+    assert math.isnan(out["critic_age/0/explained_variance"])  # row 0 alone: targets 1, 1
+
+
+def test_learner_metric_means_skip_undefined_explained_variances_only():
+    from async_vapo.learner.vapo import _mean_metrics
+
+    rows = [{"critic/explained_variance": 0.5, "critic/value_loss": 1.0},
+            {"critic/explained_variance": math.nan, "critic/value_loss": 3.0},
+            {"critic/explained_variance": 0.25, "critic/value_loss": math.nan}]
+    out = _mean_metrics(rows[:2])
+    assert out == {"critic/explained_variance": 0.5, "critic/value_loss": 2.0}
+    out = _mean_metrics(rows)
+    assert out["critic/explained_variance"] == pytest.approx(0.375) and math.isnan(out["critic/value_loss"])
+    assert math.isnan(_mean_metrics(rows[1:2])["critic/explained_variance"])
 
 
 # -- decoupled PPO: samples of older weights ------------------------------------------------------------------

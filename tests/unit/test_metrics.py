@@ -157,6 +157,29 @@ def test_full_names_and_types():
     assert not [n for n in f if n.endswith("_created")]
 
 
+def test_learner_rows_with_undefined_values_export_nan_gauges():
+    """An explained variance undefined at the last update (NaN in the row, null once read back from
+    metrics.jsonl) sets its gauges to NaN, which the exposition carries and Prometheus parses; defined values
+    still go through."""
+    import math
+
+    from async_vapo.cluster.learner_service import export_row
+
+    m = ServiceMetrics("learner", gpu=False)
+    export_row(m, {"kind": "train", "step": 3, "critic/explained_variance": 0.5, "critic_age/0/explained_variance": 0.5,
+                   "critic_age/0/value_error_abs": 0.25, "critic_age/0/samples": 8.0}, version=3)
+    export_row(m, {"kind": "train", "step": 4, "critic/explained_variance": math.nan, "rollout/reward": 0.75,
+                   "critic_age/0/explained_variance": None, "critic_age/0/value_error_abs": 0.125,
+                   "critic_age/0/samples": 8.0}, version=4)
+    f = families(m.exposition().decode())
+    assert math.isnan(f["async_vapo_learner_explained_variance"].samples[0].value)
+    assert math.isnan(f["async_vapo_learner_critic_explained_variance_by_age"].samples[0].value)
+    assert f["async_vapo_learner_critic_value_error_abs_by_age"].samples[0].value == 0.125
+    assert f["async_vapo_learner_reward"].samples[0].value == 0.75
+    assert f["async_vapo_learner_version"].samples[0].value == 4.0
+    assert m.health()["policy_version"] == 4 and m.health()["step"] == 4
+
+
 def test_sample_age_buckets():
     m = ServiceMetrics("replay", gpu=False)
     for age in (0, 1, 1, 5, 40):

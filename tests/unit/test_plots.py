@@ -12,7 +12,15 @@ import pytest
 from matplotlib.colors import to_rgb
 from matplotlib.image import imread
 
-from async_vapo.metrics.plots import bar_chart, mean_and_spread, plot_curves_with_spread, plot_runs, read_metrics
+from async_vapo.metrics.jsonl import JsonlWriter
+from async_vapo.metrics.plots import (
+    bar_chart,
+    mean_and_spread,
+    plot_curves_with_spread,
+    plot_runs,
+    read_metrics,
+    series,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -156,3 +164,39 @@ def test_bar_chart(tmp_path):
         bar_chart(["a", "b", "c"], [1, 2, 3], tmp_path / "x.png", reference=[1, 2])
     with pytest.raises(ValueError, match="no labels"):
         bar_chart([], [], tmp_path / "x.png")
+
+
+def strict_loads(line: str):
+    """json.loads that rejects NaN / Infinity, as RFC 8259 readers (jq, JavaScript, Go) do."""
+    def reject(token):
+        raise ValueError(f"non-standard JSON token {token}")
+
+    return json.loads(line, parse_constant=reject)
+
+
+def test_undefined_metrics_are_null_in_metrics_jsonl_and_a_gap_in_the_plots(tmp_path):
+    """A step whose explained variance is undefined (NaN: returns that do not vary) is written as null, every
+    line stays strict JSON, and the curve has a gap there: no point at 0, no line joining its neighbours."""
+    run = tmp_path / "run"
+    writer = JsonlWriter(run / "metrics.jsonl", truncate=True)
+    evs = [0.1, 0.2, math.nan, 0.4, 0.5]
+    for s, ev in enumerate(evs, 1):
+        writer.write({"kind": "train", "step": s, "samples_seen": 16 * s, "critic/explained_variance": ev,
+                      "nested": {"inf": math.inf, "list": [1.0, -math.inf]}})
+    writer.close()
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    rows = [strict_loads(x) for x in lines]
+    assert rows[2]["critic/explained_variance"] is None and rows[0]["nested"] == {"inf": None, "list": [1.0, None]}
+    assert read_metrics(run) == rows
+
+    xs, ys = series(rows, "step", "critic/explained_variance", kind="train")
+    assert xs == [1, 2, 3, 4, 5] and math.isnan(ys[2]) and ys[:2] + ys[3:] == [0.1, 0.2, 0.4, 0.5]
+    other = write_run(tmp_path / "other", steps=5)
+    gx, mean, lo, hi = mean_and_spread([(xs, ys), series(read_metrics(other), "step", "critic/explained_variance",
+                                                         kind="train")])
+    assert gx == [1, 2, 3, 4, 5]
+    assert [math.isnan(v) for v in mean] == [False, False, True, False, False]
+    assert mean[0] == pytest.approx((0.1 + 0.1) / 2) and math.isnan(lo[2]) and math.isnan(hi[2])
+    assert_png(plot_curves_with_spread({"vapo": [run, other]}, tmp_path / "ev.png", x="step",
+                                       y="critic/explained_variance", kind="train"))
+

@@ -89,3 +89,24 @@ def test_weight_sync_and_transport_reports_render_the_committed_results(tmp_path
                 assert f"| {size} | {r['params']:,} |" in md and f"{r['memcpy']['median_s']:.3f}" in md
         else:
             assert f"{data['after']['ratio']:.3f}" in md and f"{data['before']['ratio']:.3f}" in md
+
+
+def test_undefined_explained_variance_is_left_out_not_averaged_in(tmp_path):
+    """Updates whose explained variance is undefined (null in metrics.jsonl) do not count towards the pooled
+    figure; an age where it is never defined shows "–"."""
+    for s in (0, 1):
+        run = tmp_path / f"staleness_{s}"
+        _write_run(run, step_s=8.0 - s, gen=2.0, learn=6.0, ages=[0, 1])
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        for i, r in enumerate(rows):
+            if r["kind"] == "train":
+                r["critic_age/1/explained_variance"] = None
+                if i % 2:
+                    r["critic_age/0/explained_variance"] = None
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = report_async(tmp_path)
+    critic = s["runs"]["1"]["critic_by_age"]
+    assert critic[0]["explained_variance"] == pytest.approx(0.2)  # the defined updates' 0.2, not pulled to 0
+    assert critic[1]["explained_variance"] is None and critic[1]["value_error_abs"] == pytest.approx(0.6)
+    assert "0.600 / – / 320" in (tmp_path / "async_vs_sync.md").read_text()
+    assert (tmp_path / "async_vs_sync.png").stat().st_size > 0

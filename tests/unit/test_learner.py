@@ -1,0 +1,134 @@
+"""The learner on a tiny real model: mixed precision (float32 masters, bf16 / fp16 compute, weights pushed in the
+engines' dtype) and the learning-rate warm-up of each optimiser, across a checkpoint."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from async_vapo.config import load_config
+from async_vapo.learner.vapo import Learner, make_rollout_batch
+from async_vapo.models.base import ensure_base_model
+from async_vapo.rollout.types import Group, Trajectory
+
+FAST = ["base_model.hidden_size=32", "base_model.num_layers=1", "base_model.num_heads=2",
+        "base_model.num_kv_heads=1", "base_model.intermediate_size=64", "base_model.sft_steps=3",
+        "base_model.sft_batch_size=8", "task.num_train=100", "task.num_eval=12", "task.max_ops=2",
+        "rollout.max_response_tokens=30", "algo.prompts_per_step=2", "algo.group_size=4",
+        "algo.mini_batch_size=8", "algo.micro_batch_size=4", "algo.value_pretrain_steps=0", "train.threads=1"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("model-cache")
+
+
+def make(cache, *overrides: str) -> tuple[Learner, object]:
+    """A learner on the tiny base model and one rollout batch of 2 groups x 4 responses (one mini-batch)."""
+    cfg = load_config([], FAST + [f"model.cache_dir={cache}", *overrides])
+    base = ensure_base_model(cfg, progress=False)
+    tok = AutoTokenizer.from_pretrained(str(base))
+    rng = random.Random(0)
+    groups = []
+    for g in range(2):
+        samples = []
+        for k in range(4):
+            ids = tok(f"{rng.randint(0, 9)}+{rng.randint(0, 9)}=" + "7" * rng.randint(1, 12)).input_ids
+            ids.append(tok.eos_token_id)
+            samples.append(Trajectory(response_ids=ids, behavior_logprobs=[], finish_reason="stop",
+                                      reward=1.0 if k % 2 else -1.0, correct=bool(k % 2), verdict="x"))
+        groups.append(Group(uid=f"g{g}", prompt="p", answer="7", prompt_ids=tok(f"{g}+1").input_ids, version=0,
+                            samples=samples))
+    torch.manual_seed(0)
+    return Learner(cfg, base), make_rollout_batch(groups, tok.pad_token_id)
+
+
+def weight_delta(cache, dtype: str, steps: int = 3, lr: float = 1e-6) -> tuple[Learner, torch.Tensor]:
+    learner, batch = make(cache, f"model.dtype={dtype}", f"optim.actor_lr={lr}", f"optim.critic_lr={lr}")
+    before = {k: v.detach().float().clone() for k, v in learner.policy.state_dict().items()}
+    for _ in range(steps):
+        learner.update(batch)
+    after = learner.policy.state_dict()
+    return learner, torch.cat([(after[k].float() - before[k]).flatten() for k in before])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_training_moves_every_weight_at_lr_1e6(cache, dtype, tmp_path):
+    """lr 1e-6, 3 AdamW steps: every weight moves by ~3e-6 (Adam's first steps are ±lr per weight), as in float32.
+    bf16 weights updated in place moved 1.6% of the weights (the rest rounded back: an ulp of 1e-2 is 6e-5) and
+    fp16 ones turned NaN; the float32 masters move them all, and the direction is float32's."""
+    lr, steps = 1e-6, 3
+    _, ref = weight_delta(cache, "float32", steps, lr)
+    learner, delta = weight_delta(cache, dtype, steps, lr)
+    assert torch.isfinite(delta).all()
+    moved = float((delta != 0).float().mean())
+    assert moved > 0.99, f"only {moved:.2%} of the weights moved"
+    assert 0.8 * steps * lr < float(delta.abs().mean()) < 1.2 * steps * lr
+    assert float(torch.nn.functional.cosine_similarity(delta, ref, dim=0)) > 0.99
+
+    # float32 masters and optimiser state; weights leave in the engines' dtype, rounded from the masters
+    compute = getattr(torch, dtype)
+    assert {p.dtype for p in learner.policy.parameters()} == {torch.float32}
+    assert {p.dtype for p in learner.critic.parameters()} == {torch.float32}
+    for opt in (learner.actor_opt, learner.critic_opt):
+        assert {s["exp_avg"].dtype for s in opt.state.values()} == {torch.float32}
+    masters = learner.policy.state_dict()
+    pushed = learner.policy_state()
+    assert pushed.keys() == masters.keys()
+    for k, v in pushed.items():
+        assert v.dtype == compute, k
+        torch.testing.assert_close(v, masters[k].to(compute), rtol=0, atol=0)
+
+    # a checkpoint keeps the float32 masters (and fp16's loss scale): a resumed learner continues from them exactly
+    ckpt = learner.save(tmp_path / "ckpt")
+    again = Learner(learner.cfg, ckpt / "policy", ckpt / "critic")
+    again.load_state(ckpt)
+    for k, v in again.policy.state_dict().items():
+        torch.testing.assert_close(v, masters[k], rtol=0, atol=0)
+    assert again.actor_scaler.is_enabled() == (dtype == "float16")
+    if dtype == "float16":
+        assert again.actor_scaler.get_scale() == learner.actor_scaler.get_scale()
+        assert again.critic_scaler.get_scale() == learner.critic_scaler.get_scale()
+
+
+def test_float32_learner_pushes_its_own_tensors():
+    """No copy of a float32 model's weights for a push: policy_state holds the parameters' own storage."""
+    from async_vapo.learner.precision import Precision
+
+    w = torch.randn(3, 3)
+    state = Precision("float32").engine_state({"w": w, "step": torch.tensor(3)})
+    assert state["w"].data_ptr() == w.data_ptr()
+    bf = Precision("bfloat16").engine_state({"w": w, "step": torch.tensor(3)})
+    assert bf["w"].dtype == torch.bfloat16 and bf["step"].dtype == torch.int64
+
+
+def lrs(learner: Learner) -> tuple[float, float]:
+    return learner.actor_opt.param_groups[0]["lr"], learner.critic_opt.param_groups[0]["lr"]
+
+
+def test_each_optimiser_warms_up_over_its_own_steps_across_a_checkpoint(cache, tmp_path):
+    """warmup_steps = 4: the critic's lr climbs 1/4, 2/4, 3/4 of critic_lr over value pretraining (it stayed at 1/4
+    while only policy steps were counted); the policy's first step is at 1/4 of actor_lr however many critic steps
+    came before. The counts survive a checkpoint."""
+    actor_lr, critic_lr = 1e-3, 2e-3
+    learner, batch = make(cache, "optim.warmup_steps=4", f"optim.actor_lr={actor_lr}", f"optim.critic_lr={critic_lr}")
+    for k in (1, 2, 3):
+        learner.pretrain_critic(batch)
+        assert learner.critic_steps == k and learner.optimizer_steps == 0
+        assert lrs(learner) == (actor_lr, pytest.approx(critic_lr * k / 4))  # the actor's untouched
+    learner.update(batch)  # one mini-batch: one step of each
+    assert (learner.optimizer_steps, learner.critic_steps) == (1, 4)
+    assert lrs(learner) == (pytest.approx(actor_lr / 4), pytest.approx(critic_lr))
+
+    ckpt = learner.save(tmp_path / "ckpt")
+    again = Learner(learner.cfg, ckpt / "policy", ckpt / "critic")
+    again.load_state(ckpt)
+    assert (again.optimizer_steps, again.critic_steps) == (1, 4)
+    again.update(batch)
+    assert lrs(again) == (pytest.approx(actor_lr * 2 / 4), pytest.approx(critic_lr))
+    learner.update(batch)  # the uninterrupted run takes the same step
+    for k, v in learner.policy.state_dict().items():
+        torch.testing.assert_close(again.policy.state_dict()[k], v, rtol=0, atol=0)
