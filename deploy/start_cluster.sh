@@ -143,7 +143,8 @@ done
 # ... and a supervisord of an earlier start still running there (it would restart what it supervises)
 if [ -f "$RUN_DIR/supervisor/hosts" ]; then
   while read -r tag host; do
-    chk="p=\$(cat $(q "$RUN_DIR/supervisor/$tag.pid") 2>/dev/null) && grep -qa supervisord /proc/\$p/cmdline 2>/dev/null"
+    chk="p=\$(cat $(q "$RUN_DIR/supervisor/$tag.pid") 2>/dev/null) && tr '\\0' ' ' < /proc/\$p/cmdline 2>/dev/null \
+| grep -qF $(q "$RUN_DIR/supervisor/$tag.conf")"
     if [ "$host" = - ]; then rc=0; bash -c "$chk" || rc=$?
     else rc=0; "${OLD_SSH[@]}" "$host" "bash -c $(q "$chk")" < /dev/null 2>/dev/null || rc=$?; fi
     if [ "$rc" != 1 ]; then

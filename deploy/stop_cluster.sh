@@ -29,9 +29,9 @@ q() { local s=$1; printf "'%s'" "${s//\'/\'\\\'\'}"; }  # one word, single-quote
 SUP="$RUN_DIR/supervisor"
 ABS_SUP=$( (cd "$SUP" 2>/dev/null && pwd -P) || echo "$SUP")
 sup_do() {  # sup_do TAG HOST SIG: signal TAG's supervisord on HOST ("-": here); exit 1 when it does not run
-  local script
-  script="p=\$(cat $(q "$ABS_SUP/$1.pid") 2>/dev/null) && grep -qa supervisord /proc/\$p/cmdline 2>/dev/null \
-&& kill -$3 \$p"
+  local script  # only a PID that still runs supervisord on this config (a PID reused by anything else is left alone)
+  script="p=\$(cat $(q "$ABS_SUP/$1.pid") 2>/dev/null) && tr '\\0' ' ' < /proc/\$p/cmdline 2>/dev/null \
+| grep -qF $(q "$ABS_SUP/$1.conf") && kill -$3 \$p"
   if [ "$2" = - ]; then bash -c "$script"; else "${SSH[@]}" "$2" "bash -c $(q "$script")" < /dev/null 2>/dev/null; fi
 }
 SUPS=()
