@@ -145,6 +145,20 @@ if [ -z "$POLICY_PATH" ]; then
     || { echo "start_cluster: building the base model failed:" >&2; tail -n 30 "$RUN_DIR/logs/make-base.log" >&2; exit 1; }
 fi
 
+# -- keys: one CURVE key pair per role (cluster.security), made here; remote hosts get theirs when started --------
+if [ "$CURVE" = 1 ]; then
+  "$PY" -m async_vapo.transport.security create "$KEYS_DIR" > /dev/null \
+    || { echo "start_cluster: creating the cluster's keys in $KEYS_DIR failed" >&2; exit 1; }
+fi
+hand_keys() {  # hand_keys HOST ROLE: the role's secret key and every public key, over the same ssh (0700 / 0600)
+  [ "$CURVE" = 1 ] || return 0
+  local files=("$2.key_secret") r
+  for r in replay verifier rollout learner; do files+=("$r.key" "public/$r/$r.key"); done
+  tar -C "$KEYS_DIR" -cf - "${files[@]}" | "${SSH[@]}" "$1" "bash -c $(q "umask 077; mkdir -p $(q "$KEYS_DIR") \
+&& chmod 700 $(q "$KEYS_DIR") && tar -C $(q "$KEYS_DIR") -xf - && chmod 600 $(q "$KEYS_DIR/$2.key_secret")")" \
+    || fail_start "handing the keys of $2 to $1 over ssh failed (ASYNC_VAPO_SSH='$SSH_CMD')"
+}
+
 # -- placement -----------------------------------------------------------------------------------------------------
 ROLLOUT_CPUS=() LEARNER_CPUS=""
 ncpu=$(nproc)
@@ -196,6 +210,7 @@ start() {  # start NAME HOST CPUS CMD...
     # `;` not `&&` before the `&`: only the service goes to the background, and $! is its PID (setsid needs no
     # fork there: a background job of a non-interactive shell is no group leader), so PID = its group id.
     local cmd="" a out rc=0
+    hand_keys "$host" "${name%%-*}"
     for a in "$@"; do cmd+=" $(q "$a")"; done
     out=$(remote "$host" "cd $(q "$REPO") || exit 1; mkdir -p $(q "$RUN_DIR/logs") $(q "$RUN_DIR/pids") || exit 1; \
 env $(remote_env) setsid nohup$cmd >> $(q "$log") 2>&1 < /dev/null & echo \$!") || rc=$?

@@ -195,6 +195,34 @@ class ServiceContext:
             self.server.stop()
 
 
+def keys_dir(cfg: Config, run_dir: Path) -> Path:
+    """Where the cluster's CURVE keys are: ``cluster.security.keys_dir``, or RUN_DIR/keys."""
+    d = cfg.cluster.security.keys_dir
+    return Path(d).expanduser() if d else Path(run_dir) / "keys"
+
+
+def make_transport(ctx: ServiceContext):
+    """The service's ZeroMQ transport: CURVE with this service's role key and ZAP role checks
+    (``transport.security``) unless ``cluster.security.curve`` is off. Refused handshakes count in
+    ``auth_failures_total``."""
+    from async_vapo.transport import ZmqTransport, shared_context
+
+    if not ctx.cfg.cluster.security.curve:
+        ctx.log.warning("%s: CURVE is off: every socket is unauthenticated plaintext", ctx.name)
+        return ZmqTransport()
+    from async_vapo.transport.security import CurveKeys, Security
+
+    keys = CurveKeys.load(keys_dir(ctx.cfg, ctx.run_dir), ctx.service)
+    refused = ctx.metrics.counter("auth_failures_total", "Connections refused by CURVE/ZAP: an unknown key, or a "
+                                  "key of a role that socket does not admit.")
+
+    def on_refused(reason: str) -> None:
+        refused.inc()
+        ctx.log.warning("%s: refused a connection: %s", ctx.name, reason)
+
+    return ZmqTransport(security=Security(keys, shared_context(), on_refused=on_refused))
+
+
 def make_context(service: str, args: argparse.Namespace | None = None, *, cfg: Config | None = None,
                  run_dir: str | Path | None = None, instance: int = 0, serve_metrics: bool = True,
                  install_signals: bool = True) -> ServiceContext:
@@ -281,7 +309,7 @@ def _plan(argv: Sequence[str]) -> int:
     out = {"RUN_DIR": str(rd), "N_ROLLOUT": n_roll, "N_LEARNER": cfg.async_.learner_devices,
            "HEALTH_TIMEOUT": int(math.ceil(c.deploy.health_timeout_s)),
            "STOP_GRACE": int(math.ceil(c.deploy.stop_grace_s)),
-           "POLICY_PATH": cfg.model.path or ""}
+           "POLICY_PATH": cfg.model.path or "", "CURVE": int(c.security.curve), "KEYS_DIR": str(keys_dir(cfg, rd))}
     for s in SERVICES:
         for i, t in enumerate(targets[s]):
             out[f"HEALTH_{s.upper()}_{i}"] = f"http://{t}/health"

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 
-from async_vapo.cluster.common import ServiceContext
+from async_vapo.cluster.common import ServiceContext, make_transport
 from async_vapo.rollout.generate import score_groups
 from async_vapo.rollout.types import Group
 from async_vapo.transport import GroupsMsg, Heartbeat, Transport, make_envelope
@@ -34,8 +34,10 @@ class VerifierService:
         self.pool = pool or VerifierPool.from_config(v)
         self.transport = transport
         self.pull = self.transport.receiver(in_endpoint or ctx.endpoint(c.hosts.bind_host, c.ports.verifier_port),
-                                            decoder=ctx.decoder((GroupsMsg, Heartbeat), "in"), bind=True)
-        self.push = self.transport.sender(out_endpoint or ctx.endpoint(c.hosts.replay_host, c.ports.replay_port))
+                                            decoder=ctx.decoder((GroupsMsg, Heartbeat), "in"), bind=True,
+                                            peer="rollout")
+        self.push = self.transport.sender(out_endpoint or ctx.endpoint(c.hosts.replay_host, c.ports.replay_port),
+                                          peer="replay")
         self.m = ctx.metrics.verifier
         self._write_worker_pids()
 
@@ -96,10 +98,8 @@ def make_decoder(ctx: ServiceContext):
 
 
 def run_verifier(ctx: ServiceContext) -> None:
-    from async_vapo.transport import ZmqTransport
-
     decode = make_decoder(ctx)
-    with ZmqTransport() as transport:
+    with make_transport(ctx) as transport:
         svc = VerifierService(ctx, transport)
         try:
             svc.run(decode)

@@ -403,6 +403,18 @@ class ClusterReplayConfig(_Section):
     """Replay store's fsync policy (see async_vapo.replay.store)."""
 
 
+class SecurityConfig(_Section):
+    """Authentication and encryption of every ZeroMQ socket (``async_vapo.transport.security``)."""
+
+    curve: bool = True
+    """CURVE on every socket, each admitting only its peer role's keys (start_cluster.sh makes the keys)."""
+    keys_dir: str | None = None
+    """Where the cluster's keys are (None: RUN_DIR/keys, where start_cluster.sh creates them)."""
+    allow_plaintext: bool = False
+    """Permit ``curve = false`` while binding beyond loopback (anyone who reaches the ports can then feed the
+    replay, steal batches and download the weights)."""
+
+
 class DeployConfig(_Section):
     """start_cluster.sh / stop_cluster.sh."""
     health_timeout_s: float = Field(600.0, gt=0)
@@ -461,12 +473,14 @@ class ClusterConfig(_Section):
     rollout: ClusterRolloutConfig = ClusterRolloutConfig()
     replay: ClusterReplayConfig = ClusterReplayConfig()
     deploy: DeployConfig = DeployConfig()
+    security: SecurityConfig = SecurityConfig()
 
     @model_validator(mode="before")
     @classmethod
     def _legacy_flat_keys(cls, data):
         if not isinstance(data, dict):
             return data
+
         data = dict(data)
         for key in [k for k in data if k in LEGACY_CLUSTER_KEYS]:
             section, name = LEGACY_CLUSTER_KEYS[key]
@@ -477,6 +491,16 @@ class ClusterConfig(_Section):
             sub[name] = data.pop(key)
             data[section] = sub
         return data
+
+    @model_validator(mode="after")
+    def _no_silent_plaintext(self) -> ClusterConfig:
+        host = self.hosts.bind_host
+        loopback = host == "localhost" or host.startswith("127.") or host == "::1"
+        if not self.security.curve and not loopback and not self.security.allow_plaintext:
+            raise ValueError(f"cluster.security.curve = false while binding {host}: anyone who reaches these ports "
+                             "could feed the replay, request batches and download the weights; keep curve on, or "
+                             "set cluster.security.allow_plaintext = true to accept that")
+        return self
 
 
 class TrainConfig(_Section):
