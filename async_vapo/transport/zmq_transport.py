@@ -93,8 +93,9 @@ limit still reaches the decoder and is counted ("oversized"); a larger one never
 disconnects its sender, which reconnects)."""
 
 
-XPUB_MAX_SUBSCRIPTION_BYTES = 256
-"""Largest subscription message a publisher accepts (its subscribers subscribe to everything: 1 byte)."""
+XPUB_MAX_SUBSCRIPTION_BYTES = 4096
+"""Largest message a publisher accepts from a subscriber: its subscribers subscribe to everything (1 byte), and
+the CURVE handshake's INITIATE command (a few hundred bytes) is bounded by the same limit."""
 
 
 def frame_cap(decoder: Decoder) -> int:

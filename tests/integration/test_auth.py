@@ -156,3 +156,29 @@ def test_keys_are_private_and_plaintext_beyond_loopback_is_refused(tmp_path):
         load_config([], ["cluster.security.curve=false", "cluster.hosts.bind_host=0.0.0.0"])
     assert not load_config([], ["cluster.security.curve=false", "cluster.hosts.bind_host=0.0.0.0",
                                 "cluster.security.allow_plaintext=true"]).cluster.security.curve
+
+
+def test_only_rollouts_hear_the_weight_announcements(keys):
+    from async_vapo.transport import Heartbeat
+
+    cluster, stranger = keys
+    learner = _transport(cluster, "learner")
+    pub = learner.publisher("tcp://127.0.0.1:*", peer="rollout")
+    stranger_ctx = zmq.Context()
+    subs = {name: t.subscriber(pub.endpoint, decoder=Decoder((Heartbeat,)), peer="learner")
+            for name, t in (("rollout", _transport(cluster, "rollout")), ("replay", _transport(cluster, "replay")),
+                            ("stranger", _transport(stranger, "rollout", stranger_ctx)))}
+    heard = dict.fromkeys(subs, 0)
+    try:
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:  # the CURVE handshake (a few hundred bytes) passes the subscription cap
+            pub.pump()
+            pub.publish(make_envelope(Heartbeat(service="learner", instance="0", served_version=1), sender="l"))
+            for name, sub in subs.items():
+                heard[name] += sub.recv(0.05) is not None
+        assert heard["rollout"] > 0 and heard["replay"] == 0 and heard["stranger"] == 0, heard
+    finally:
+        learner.close()
+        for sub in subs.values():
+            sub.close()
+        stranger_ctx.destroy(linger=0)
