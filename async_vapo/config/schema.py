@@ -129,12 +129,28 @@ class VerifierConfig(_Section):
     reward_correct: float = 1.0
     """Reward of a verified-correct answer (DAPO/VC-PPO: +1)."""
     reward_incorrect: float = -1.0
-    """Reward of every other outcome (wrong, no answer, timeout, crash...; DAPO/VC-PPO: -1)."""
+    """Reward of every other outcome (wrong, no answer, timeout, crash, over_budget...; DAPO/VC-PPO: -1)."""
+    message_budget_s: float | None = Field(120.0, gt=0, le=86400)
+    """Wall-clock budget of one verification call: one received message in the verifier service, one step's
+    batch in the one-process trainer. Responses not graded when it is spent get the verdict 'over_budget'
+    (reward_incorrect) and the call returns, so hostile or slow responses cannot stall the pipeline for longer.
+    At least timeout_s. None: no budget (a call may take len(responses) * timeout_s / num_workers)."""
+    max_processes: int = Field(4, ge=1, le=4096)
+    """RLIMIT_NPROC of each checker process: tasks (processes and threads), the checker itself included. Counted
+    per checker when the verifier runs as root (a uid of its own) or can make user namespaces; else over every
+    task of the verifier's user. A check needs 1; a fork bomb stops here."""
+    sandbox_uid_base: int = Field(1_900_000_000, ge=1000, le=2**31 - 1 - 4096)
+    """When the verifier runs as root, each checker runs as a uid (and gid) of its own, leased from
+    [sandbox_uid_base, sandbox_uid_base + 4096): no account and no other program on the machine may use that
+    range. The default lies in the range systemd leaves unused; in a rootless container pick a mapped range."""
 
     @model_validator(mode="after")
     def _check(self) -> VerifierConfig:
         if self.reward_correct <= self.reward_incorrect:
             raise ValueError("reward_correct must be greater than reward_incorrect")
+        if self.message_budget_s is not None and self.message_budget_s < self.timeout_s:
+            raise ValueError(f"message_budget_s ({self.message_budget_s}) is below timeout_s ({self.timeout_s}): "
+                             "no check could use its own time limit")
         return self
 
 

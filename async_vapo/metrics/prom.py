@@ -156,7 +156,7 @@ class RolloutMetrics:
 class VerifierMetrics:
     """Sandboxed answer checker."""
 
-    checks_total: Counter  # labels: reason (the verdict: correct, incorrect, no_answer, timeout, error, ...)
+    checks_total: Counter  # labels: reason (the verdict: one of async_vapo.verify.REASONS)
     timeouts_total: Counter
     rejects_total: Counter  # labels: reason (requests refused before checking: oversize, bad message, ...)
     queue_depth: Gauge
