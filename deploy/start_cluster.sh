@@ -23,7 +23,7 @@
 # 2>&1 < /dev/null & echo $!'`, its environment ASYNC_VAPO_T0, PYTHONPATH=REPO[:$PYTHONPATH] and this shell's
 # ASYNC_VAPO_*, VLLM_*, HF_*, TRANSFORMERS_*, TORCH_*, NCCL_*, GLOO_*, OMP_NUM_THREADS, MKL_NUM_THREADS,
 # CUDA_VISIBLE_DEVICES, TOKENIZERS_PARALLELISM. The printed PID (= its process-group id there) goes to
-# RUN_DIR/pids/NAME.pid and the host to NAME.host; health is polled at http://HOST:PORT/health from here while
+# RUN_DIR/pids/NAME.pid and the host to NAME.host; health is polled at http(s)://HOST:PORT/health from here while
 # the process is checked over ssh. The services then bind 0.0.0.0 and connect to the hosts named here; roles on
 # this machine are announced to the others as ASYNC_VAPO_ADVERTISE_HOST (default: this machine's source address
 # towards the first remote host; 127.0.0.1 when every role is local). The base model must be visible at the same
@@ -265,7 +265,7 @@ alive() {  # alive NAME: its process still runs (a remote one checked over ssh; 
 wait_health_remote() {  # wait_health_remote NAME URL TIMEOUT_S: wait-health in short rounds, checking the process
   local deadline=$(( SECONDS + $3 ))
   while :; do
-    "$PY" -m async_vapo.cluster.common wait-health "$2" 5 2>/dev/null && return 0
+    "$PY" -m async_vapo.cluster.common wait-health "${HEALTH_OPTS[@]}" "$2" 5 2>/dev/null && return 0
     alive "$1" || { echo "$1 ($(cat "$RUN_DIR/pids/$1.host")) exited before $2 became healthy" >&2; return 1; }
     [ "$SECONDS" -lt "$deadline" ] || { echo "$2 not healthy after $3 s" >&2; return 1; }
   done
@@ -274,7 +274,7 @@ for name in "${STARTED[@]}"; do
   if [ -e "$RUN_DIR/pids/$name.host" ]; then
     wait_health_remote "$name" "$(health_url "$name")" "$HEALTH_TIMEOUT" && ok=1 || ok=0
   else
-    "$PY" -m async_vapo.cluster.common wait-health "$(health_url "$name")" "$HEALTH_TIMEOUT" \
+    "$PY" -m async_vapo.cluster.common wait-health "${HEALTH_OPTS[@]}" "$(health_url "$name")" "$HEALTH_TIMEOUT" \
       "$(cat "$RUN_DIR/pids/$name.pid")" && ok=1 || ok=0
   fi
   if [ "$ok" = 0 ]; then

@@ -61,11 +61,13 @@ def generate_groups(engine, encode: Callable[[Problem], list[int]], problems: Se
             for p, ids, samples in zip(problems, prompts, outs, strict=True)]
 
 
-def score_groups(groups: Sequence[Group], verifier, decode: Callable[[Sequence[int]], str]) -> list:
+def score_groups(groups: Sequence[Group], verifier, decode: Callable[[Sequence[int]], str], *,
+                 budget_s: float | None = None) -> list:
     """Grade every sample with ``verifier`` (a VerifierPool), filling reward, correct and verdict in place;
-    returns the pool's results in sample order."""
+    returns the pool's results in sample order. ``budget_s``: wall-clock budget of the whole call (None: the
+    pool's default)."""
     items = [(decode(s.response_ids), g.answer) for g in groups for s in g.samples]
-    results = verifier.verify(items)
+    results = verifier.verify(items, budget_s=budget_s)
     it = iter(results)
     for g in groups:
         for s in g.samples:
