@@ -119,6 +119,10 @@ class BaseModelConfig(_Section):
 
 
 class VerifierConfig(_Section):
+    answer_format: Literal["boxed", "answer_line", "auto"] = "boxed"
+    """Which part of a response is its answer: the last ``\\boxed{}`` ("boxed"), the last ``Answer:`` line in
+    its last 300 characters as DAPO's reward reads it ("answer_line": DAPO-Math-17k's prompt asks for it), or
+    a box, else an Answer line, else math-verify's extraction from the whole response ("auto")."""
     num_workers: int = Field(2, ge=1, le=256)
     """Sandboxed checker processes."""
     timeout_s: float = Field(2.0, gt=0, le=600)

@@ -326,6 +326,7 @@ class VerifierPool:
         message_budget_s: float | None = None,
         max_processes: int = 4,
         sandbox_uid_base: int = DEFAULT_UID_BASE,
+        answer_format: str = "boxed",
         _test_hooks: bool = False,
     ) -> None:
         if num_workers < 1:
@@ -361,6 +362,11 @@ class VerifierPool:
         self.soft_timeout_s = float(soft_timeout_s)
         self.message_budget_s = message_budget_s
         self.max_processes = max_processes
+        from async_vapo.verify.check import ANSWER_FORMATS
+
+        if answer_format not in ANSWER_FORMATS:
+            raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")
+        self.answer_format = answer_format
         self._test_hooks = _test_hooks
         self._rewards = {r: (reward_correct if r == "correct" else reward_incorrect) for r in REASONS}
         self._rewards.update(reason_rewards or {})
@@ -404,7 +410,7 @@ class VerifierPool:
         return cls(num_workers=num_workers or v.num_workers, timeout_s=v.timeout_s, memory_limit_mb=v.memory_limit_mb,
                    max_response_chars=v.max_response_chars, reward_correct=v.reward_correct,
                    reward_incorrect=v.reward_incorrect, message_budget_s=v.message_budget_s,
-                   max_processes=v.max_processes, sandbox_uid_base=v.sandbox_uid_base)
+                   max_processes=v.max_processes, sandbox_uid_base=v.sandbox_uid_base, answer_format=v.answer_format)
 
     def verify(self, items: Sequence[tuple[str, str]], budget_s: float | None = None) -> list[VerifyResult]:
         """Grade ``(response, answer)`` pairs; results come back in input order.
@@ -737,6 +743,7 @@ class VerifierPool:
             "--soft-timeout-s", repr(self.soft_timeout_s),
             "--cpu-limit-s", repr(self.cpu_limit_s if self.cpu_limit_s else 2 * self.timeout_s + 1),
             "--max-processes", str(self.max_processes),
+            "--answer-format", self.answer_format,
         ]  # fmt: skip
         if uid is not None:
             cmd += ["--uid", str(uid), "--gid", str(uid)]
@@ -1123,7 +1130,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     # Imports and warm-up run before the drop: they read only installed code and these fixed answers.
     for response, answer in _WARMUP:
-        check_answer(response, answer)
+        check_answer(response, answer, answer_format=args.answer_format)
     isolation = _drop_privileges(args.uid, args.gid, args.max_processes)
     isolation.update(netns=netns, userns=userns, nproc_scope="worker" if args.uid is not None or userns else "user")
     if check_answer(*_WARMUP[0]) != (True, "correct"):
@@ -1149,7 +1156,7 @@ def _serve(args: argparse.Namespace) -> int:
                     if hooked is not None:
                         reason, detail = hooked
                     else:
-                        reason = check_answer(response, answer)[1]
+                        reason = check_answer(response, answer, answer_format=args.answer_format)[1]
                 finally:
                     _armed = False
                     signal.setitimer(signal.ITIMER_REAL, 0)
@@ -1175,6 +1182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--soft-timeout-s", type=float, default=1.5)
     parser.add_argument("--cpu-limit-s", type=float, default=5.0, help="CPU seconds per check")
     parser.add_argument("--max-processes", type=int, default=4, help="RLIMIT_NPROC (tasks, the worker included)")
+    parser.add_argument("--answer-format", default="boxed", choices=("boxed", "answer_line", "auto"),
+                        help="which part of a response is its answer (verify.check)")
     parser.add_argument("--uid", type=int, help="run checks as this uid (the pool runs as root)")
     parser.add_argument("--gid", type=int, help="and this gid")
     parser.add_argument("--test-hooks", action="store_true", help=argparse.SUPPRESS)

@@ -53,3 +53,25 @@ def test_answer_line_details():
     assert extract_prediction("\\boxed{1}\nAnswer: 2", "auto") == "1"  # a box wins in auto
     with pytest.raises(ValueError):
         extract_prediction("x", "whatever")  # type: ignore[arg-type]
+
+
+def test_the_sandboxed_pool_grades_by_its_answer_format():
+    from async_vapo.verify.sandbox import VerifierPool
+
+    responses = [(STYLES[s], "27") for s in ("answer_line", "boxed", "prose")]
+    with VerifierPool(num_workers=1, answer_format="answer_line") as pool:
+        assert [r.reason for r in pool.verify(responses)] == ["correct", "no_answer", "no_answer"]
+    with VerifierPool(num_workers=1, answer_format="auto") as pool:
+        assert [r.reason for r in pool.verify(responses)] == ["correct", "correct", "correct"]
+    with pytest.raises(ValueError, match="answer_format"):
+        VerifierPool(num_workers=1, answer_format="last_number")
+
+
+def test_the_paper_config_reads_dapos_answer_line():
+    from pathlib import Path
+
+    from async_vapo.config import load_config
+
+    root = Path(__file__).resolve().parents[2]
+    assert load_config([root / "configs" / "qwen2.5-32b_vapo.toml"]).verifier.answer_format == "answer_line"
+    assert load_config([root / "configs" / "tiny_cpu.toml"]).verifier.answer_format == "boxed"
