@@ -40,7 +40,14 @@ class TaskConfig(_Section):
     eval_path: str | None = None
     """`files` only: held-out problems, same formats."""
     prompt_template: str = "{prompt}"
-    """Python format string wrapped around each prompt before tokenisation (`{prompt}` is the problem)."""
+    """Python format string wrapped around each prompt before tokenisation (`{prompt}` is the problem). With
+    `prompt_format = "chat"` it makes the user message of a problem that has no message list of its own."""
+    prompt_format: Literal["raw", "chat"] = "raw"
+    """"raw": the prompt text as it is (after prompt_template). "chat": the tokenizer's chat template over the
+    problem's messages (a DAPO-Math-17k / verl record keeps its whole list) or over one user message, with
+    system_prompt first when given, and the assistant's turn opened (add_generation_prompt)."""
+    system_prompt: str | None = None
+    """`chat` only: a system message put first, unless the problem's own messages start with one."""
 
     @model_validator(mode="after")
     def _check(self) -> TaskConfig:

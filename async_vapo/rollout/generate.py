@@ -17,21 +17,50 @@ from async_vapo.tasks.base import Problem
 
 
 class PromptEncoder:
-    """Problem -> prompt token ids (``task.prompt_template`` filled with the problem), cached by uid; and
-    response ids -> text for the verifier."""
+    """Problem -> prompt token ids, cached by uid; and response ids -> text for the verifier.
 
-    def __init__(self, tokenizer, template: str = "{prompt}"):
+    ``raw``: ``template`` filled with the problem's prompt, tokenised. ``chat``: the tokenizer's chat template
+    over the problem's own messages (or one user message made from ``template``), a system message first when
+    ``system_prompt`` is given and the problem has none, the assistant's turn opened; the rendered text is
+    tokenised without adding special tokens again (the template writes them)."""
+
+    def __init__(self, tokenizer, template: str = "{prompt}", *, prompt_format: str = "raw",
+                 system_prompt: str | None = None):
+        if prompt_format not in ("raw", "chat"):
+            raise ValueError(f"prompt_format must be 'raw' or 'chat', got {prompt_format!r}")
+        if prompt_format == "chat" and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("task.prompt_format = 'chat', but the tokenizer has no chat template: use 'raw' "
+                             "(with task.prompt_template) or a model directory whose tokenizer_config.json has one")
         self.tokenizer, self.template = tokenizer, template
+        self.prompt_format, self.system_prompt = prompt_format, system_prompt
         self.cache: dict[str, list[int]] = {}
 
     @classmethod
     def from_config(cls, cfg: Config, tokenizer) -> PromptEncoder:
-        return cls(tokenizer, cfg.task.prompt_template)
+        t = cfg.task
+        return cls(tokenizer, t.prompt_template, prompt_format=t.prompt_format, system_prompt=t.system_prompt)
+
+    def messages(self, p: Problem) -> list[dict[str, str]]:
+        """The chat ``p`` is rendered from (``chat`` format)."""
+        msgs = [{"role": r, "content": c} for r, c in p.messages] if p.messages else [
+            {"role": "user", "content": self.template.format(prompt=p.prompt)}]
+        if self.system_prompt is not None and msgs[0]["role"] != "system":
+            msgs.insert(0, {"role": "system", "content": self.system_prompt})
+        return msgs
+
+    def render(self, p: Problem) -> str:
+        """The prompt text the model sees."""
+        if self.prompt_format == "raw":
+            return self.template.format(prompt=p.prompt)
+        return self.tokenizer.apply_chat_template(self.messages(p), add_generation_prompt=True, tokenize=False)
 
     def __call__(self, p: Problem) -> list[int]:
         ids = self.cache.get(p.uid)
         if ids is None:
-            ids = self.tokenizer(self.template.format(prompt=p.prompt)).input_ids
+            if self.prompt_format == "raw":
+                ids = self.tokenizer(self.render(p)).input_ids
+            else:
+                ids = self.tokenizer(self.render(p), add_special_tokens=False).input_ids
             self.cache[p.uid] = ids
         return ids
 
