@@ -232,7 +232,7 @@ class RolloutService:
             with self.ctx.busy("generate"):
                 groups = generate_groups(self.engine, self.encoder, problems, version=version,
                                          n=self.ctx.cfg.algo.group_size, temperature=r.temperature, top_p=r.top_p,
-                                         max_tokens=r.max_response_tokens, stop_token_ids=[self.encoder.eos_id])
+                                         max_tokens=r.max_response_tokens, stop_token_ids=self.encoder.stop_ids)
             self.admission.record(version, len(groups))
             samples = [s for g in groups for s in g.samples]
             self.m.generated_samples_total.inc(len(samples))

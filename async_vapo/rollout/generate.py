@@ -75,6 +75,30 @@ class PromptEncoder:
     def eos_id(self) -> int:
         return self.tokenizer.eos_token_id
 
+    @property
+    def stop_ids(self) -> list[int]:
+        """Where a response ends, stated explicitly to the engine (it runs without a tokenizer): the tokenizer's
+        EOS and every ``eos_token_id`` of the model's ``generation_config.json`` (instruct models end a turn
+        with a token other than their tokenizer's EOS, e.g. ``<|im_end|>``)."""
+        ids = stop_token_ids(self.tokenizer)
+        if not ids:
+            raise ValueError("the tokenizer and generation config name no EOS token: responses would never stop")
+        return ids
+
+
+def stop_token_ids(tokenizer, model_dir: str | None = None) -> list[int]:
+    """The tokenizer's EOS id and the ``eos_token_id`` (an int or a list) of ``generation_config.json`` in
+    ``model_dir`` (default: the directory the tokenizer was loaded from), without duplicates."""
+    import json
+    from pathlib import Path
+
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    path = Path(model_dir or getattr(tokenizer, "name_or_path", "") or ".") / "generation_config.json"
+    if path.is_file():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        ids += [eos] if isinstance(eos, int) else [i for i in (eos or []) if isinstance(i, int)]
+    return list(dict.fromkeys(ids))
+
 
 def generate_groups(engine, encode: Callable[[Problem], list[int]], problems: Sequence[Problem], *, version: int,
                     n: int, temperature: float, top_p: float, max_tokens: int, stop_token_ids: Sequence[int],
@@ -119,7 +143,7 @@ class Rollout:
         t0 = time.perf_counter()
         groups = generate_groups(self.engine, self.encoder, problems, version=self.engine.version, n=n,
                                  temperature=temperature, top_p=top_p, max_tokens=self.cfg.rollout.max_response_tokens,
-                                 stop_token_ids=[self.encoder.eos_id], seed=seed)
+                                 stop_token_ids=self.encoder.stop_ids, seed=seed)
         t1 = time.perf_counter()
         score_groups(groups, self.verifier, self.encoder.decode)
         t2 = time.perf_counter()

@@ -62,3 +62,13 @@ def test_malformed_messages_name_the_record(tmp_path):
                                 "answer": "1"}) + "\n")
     with pytest.raises(ProblemFileError, match="bad.jsonl:1.*message 1"):
         load_problems(path)
+
+
+def test_stop_tokens_come_from_the_tokenizer_and_the_generation_config(tmp_path, tok):
+    from async_vapo.rollout.generate import stop_token_ids
+
+    assert PromptEncoder(tok).stop_ids == [tok.eos_token_id]  # no generation config: the tokenizer's EOS
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, tok.eos_token_id, 9]}))
+    assert stop_token_ids(tok, str(tmp_path)) == [tok.eos_token_id, 7, 9]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
+    assert stop_token_ids(tok, str(tmp_path)) == [tok.eos_token_id, 5]
