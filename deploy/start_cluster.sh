@@ -6,11 +6,18 @@
 #                           [--prometheus] [--prometheus-port P] [--scrape-interval 5s] [--no-pin] [--wait]
 #                           [-- key.sub=value ...]
 #
-# Every service runs as its own session/process group (setsid, nohup), appends its log to RUN_DIR/logs/<name>.log, and its
-# PID (= its process-group id) is recorded in RUN_DIR/pids/<name>.pid; deploy/stop_cluster.sh RUN_DIR stops exactly
-# those groups. RUN_DIR/prometheus/{targets.json,prometheus.yml} list what was started; --prometheus also runs a
-# prometheus server on that config (when the binary exists). If a service is not healthy within
-# cluster.deploy.health_timeout_s (or exits first), its log tail is printed, everything started is stopped, exit 1.
+# Supervision: one supervisord per host (RUN_DIR/supervisor/<tag>.conf, tag "local" or the host's name; its pidfile
+# and socket there too) runs that host's services, each in a process group of its own, and restarts one that dies:
+# after cluster.deploy.restart_backoff_s, doubling per crash, and not again after more than
+# cluster.deploy.crash_loop_max_restarts crashes within cluster.deploy.crash_loop_window_s (async_vapo.cluster.crashloop;
+# it writes RUN_DIR/supervisor/<name>.gave_up). A restarted learner resumes from the newest checkpoint of this run.
+# Each service appends its log to RUN_DIR/logs/<name>.log, and its PID (= its process-group id) is rewritten to
+# RUN_DIR/pids/<name>.pid at every start; deploy/stop_cluster.sh RUN_DIR stops the supervisors, then makes sure none
+# of those groups is left. `python -m async_vapo.cluster.supervise status RUN_DIR` shows states, starts, decisions.
+# RUN_DIR/prometheus/{targets.json,prometheus.yml} list what was started; --prometheus also runs a prometheus server
+# on that config (when the binary exists), supervised too. If a service is not healthy within
+# cluster.deploy.health_timeout_s (or its first process exits first), its log tail is printed, everything started is
+# stopped, exit 1.
 #
 # Placement on one machine without GPUs: the cores are split between rollout engines and learner by the ratio
 # async.rollout_devices : async.learner_devices (taskset; each engine gets its own slice when there are enough
@@ -18,13 +25,14 @@
 #
 # --hostfile FILE: lines "host role" (role: replay, verifier, rollout, learner; several rollout lines spread the
 # engines round-robin). Roles on other hosts (not localhost, 127.0.0.1 or this machine's name) are started over ssh,
-# with the same repository, python ($PYTHON, default REPO/.venv/bin/python) and RUN_DIR paths there: the remote
-# command is `bash -c 'cd REPO; mkdir -p RUN_DIR/{logs,pids}; env ... setsid nohup CMD >> RUN_DIR/logs/NAME.log
-# 2>&1 < /dev/null & echo $!'`, its environment ASYNC_VAPO_T0, PYTHONPATH=REPO[:$PYTHONPATH] and this shell's
-# ASYNC_VAPO_*, VLLM_*, HF_*, TRANSFORMERS_*, TORCH_*, NCCL_*, GLOO_*, OMP_NUM_THREADS, MKL_NUM_THREADS,
-# CUDA_VISIBLE_DEVICES, TOKENIZERS_PARALLELISM. The printed PID (= its process-group id there) goes to
-# RUN_DIR/pids/NAME.pid and the host to NAME.host; health is polled at http(s)://HOST:PORT/health from here while
-# the process is checked over ssh. The services then bind 0.0.0.0 and connect to the hosts named here; roles on
+# with the same repository, python ($PYTHON, default REPO/.venv/bin/python) and RUN_DIR paths there: one ssh call
+# per host writes that host's supervisor config and launchers into RUN_DIR/supervisor/ there and runs
+# `env ... PYTHON -m supervisor.supervisord -c RUN_DIR/supervisor/<tag>.conf`, with the environment ASYNC_VAPO_T0,
+# PYTHONPATH=REPO[:$PYTHONPATH] and this shell's ASYNC_VAPO_*, VLLM_*, HF_*, TRANSFORMERS_*, TORCH_*, NCCL_*, GLOO_*,
+# OMP_NUM_THREADS, MKL_NUM_THREADS, CUDA_VISIBLE_DEVICES, TOKENIZERS_PARALLELISM. Each service's PID there (= its
+# process-group id) is copied to RUN_DIR/pids/NAME.pid here and the host to NAME.host; health is polled at
+# http(s)://HOST:PORT/health from here while the process is checked over ssh. The services then bind 0.0.0.0 and
+# connect to the hosts named here; roles on
 # this machine are announced to the others as ASYNC_VAPO_ADVERTISE_HOST (default: this machine's source address
 # towards the first remote host; 127.0.0.1 when every role is local). The base model must be visible at the same
 # path on every host (shared file system); engines on other hosts than the learner's fetch new weights over ZeroMQ
@@ -133,6 +141,20 @@ for f in "$RUN_DIR"/pids/*.pid; do
     exit 1
   fi
 done
+# ... and a supervisord of an earlier start still running there (it would restart what it supervises)
+if [ -f "$RUN_DIR/supervisor/hosts" ]; then
+  while read -r tag host; do
+    chk="p=\$(cat $(q "$RUN_DIR/supervisor/$tag.pid") 2>/dev/null) && tr '\\0' ' ' < /proc/\$p/cmdline 2>/dev/null \
+| grep -qF $(q "$RUN_DIR/supervisor/$tag.conf")"
+    if [ "$host" = - ]; then rc=0; bash -c "$chk" || rc=$?
+    else rc=0; "${OLD_SSH[@]}" "$host" "bash -c $(q "$chk")" < /dev/null 2>/dev/null || rc=$?; fi
+    if [ "$rc" != 1 ]; then
+      echo "start_cluster: $RUN_DIR still has a supervisord running ($tag${host#-}) or it cannot be checked; stop it:" >&2
+      echo "  deploy/stop_cluster.sh $RUN_DIR" >&2
+      exit 1
+    fi
+  done < "$RUN_DIR/supervisor/hosts"
+fi
 rm -f "$RUN_DIR"/pids/* "$RUN_DIR/DONE"
 ASYNC_VAPO_T0=$(date +%s.%N)
 export ASYNC_VAPO_T0
@@ -195,30 +217,103 @@ fail_start() {  # fail_start MESSAGE: stop what was started, exit 1
   "$REPO/deploy/stop_cluster.sh" "$RUN_DIR" >&2 || true
   exit 1
 }
-start() {  # start NAME HOST CPUS CMD...
-  local name=$1 host=$2 cpus=$3; shift 3
-  local log="$RUN_DIR/logs/$name.log" pin=()
-  [ -n "$cpus" ] && pin=(taskset -c "$cpus")
-  if is_local "$host"; then
-    if [ -n "$cpus" ]; then
-      VLLM_CPU_OMP_THREADS_BIND="$cpus" setsid nohup "${pin[@]}" "$@" >> "$log" 2>&1 < /dev/null &
-    else
-      setsid nohup "$@" >> "$log" 2>&1 < /dev/null &
+# One supervisord per host runs that host's services (async_vapo.cluster.supervise). `start` writes a service's
+# launcher, RUN_DIR/supervisor/NAME.sh, which supervisord runs at every (re)start: it records the PID (= the
+# service's process-group id: supervisord gives each program a group of its own, and the launcher ends in exec) in
+# RUN_DIR/pids/NAME.pid and one line per start in RUN_DIR/supervisor/NAME.starts, and appends to RUN_DIR/logs/NAME.log.
+SUP="$RUN_DIR/supervisor"
+SUP_TAGS=()
+declare -A SUP_PROGS=() SUP_HOST=() SUP_TAG=()  # tag -> names, tag -> host, name -> tag
+sup_tag() { if is_local "$1"; then echo local; else printf '%s' "$1" | tr -c 'A-Za-z0-9_.-' _; fi; }
+rm -rf "$SUP"
+mkdir -p "$SUP"
+launcher() {  # launcher NAME TAG CPUS CMD...: writes RUN_DIR/supervisor/NAME.sh
+  local name=$1 tag=$2 cpus=$3; shift 3
+  local words="" a
+  for a in "$@"; do
+    # a restarted learner resumes from the newest checkpoint of this run (argparse: the last --resume wins)
+    [ "$name" = learner ] && [ "$a" = -- ] && words+=' "${resume[@]}"'
+    words+=" $(q "$a")"
+  done
+  {
+    echo "# $name: what supervisord ($SUP/$tag.conf) runs at every start; written by deploy/start_cluster.sh"
+    echo "echo \$\$ > $(q "$RUN_DIR/pids/$name.pid")"
+    echo "exec >> $(q "$RUN_DIR/logs/$name.log") 2>&1 < /dev/null"
+    echo "echo \$\$ >> $(q "$SUP/$name.starts")"
+    echo "n=\$(wc -l < $(q "$SUP/$name.starts"))"
+    if [ "$name" = learner ]; then
+      echo "resume=()"
+      echo "if [ \"\$n\" -gt 1 ]; then"
+      echo "  step=\$(find $(q "$RUN_DIR/checkpoints") -mindepth 2 -maxdepth 2 -name learner_state.pt -newer $(q "$SUP/$tag.conf") \\"
+      echo "         2>/dev/null | sed -n 's|.*/step_\\([0-9]*\\)/learner_state.pt\$|\\1|p' | sort -n | tail -n 1)"
+      echo "  [ -n \"\$step\" ] && resume=(--resume $(q "$RUN_DIR/checkpoints")/step_\$step)"
+      echo "fi"
     fi
-    echo $! > "$RUN_DIR/pids/$name.pid"
-  else
-    # `;` not `&&` before the `&`: only the service goes to the background, and $! is its PID (setsid needs no
-    # fork there: a background job of a non-interactive shell is no group leader), so PID = its group id.
-    local cmd="" a out rc=0
-    hand_keys "$host" "${name%%-*}"
-    for a in "$@"; do cmd+=" $(q "$a")"; done
-    out=$(remote "$host" "cd $(q "$REPO") || exit 1; mkdir -p $(q "$RUN_DIR/logs") $(q "$RUN_DIR/pids") || exit 1; \
-env $(remote_env) setsid nohup$cmd >> $(q "$log") 2>&1 < /dev/null & echo \$!") || rc=$?
-    [[ $rc = 0 && $out =~ ^[0-9]+$ ]] || fail_start "starting $name on $host over ssh failed (exit $rc, output '$out'; ASYNC_VAPO_SSH='$SSH_CMD')"
-    echo "$out" > "$RUN_DIR/pids/$name.pid"
-    echo "$host" > "$RUN_DIR/pids/$name.host"
-  fi
+    echo "echo \"[supervise] $name: start \$n, pid \$\$, \$(date -u +%Y-%m-%dT%H:%M:%S.%3NZ)\""
+    if [ -n "$cpus" ]; then
+      echo "VLLM_CPU_OMP_THREADS_BIND=$(q "$cpus") exec taskset -c $(q "$cpus")$words"
+    else
+      echo "exec$words"
+    fi
+  } > "$SUP/$name.sh"
+}
+sup_add() {  # sup_add NAME HOST: NAME runs under the supervisord of HOST's tag
+  local tag
+  tag=$(sup_tag "$2")
+  [ -n "${SUP_HOST[$tag]+x}" ] || { SUP_TAGS+=("$tag"); SUP_HOST[$tag]=$2; SUP_PROGS[$tag]=""; }
+  SUP_TAG[$1]=$tag
+}
+start() {  # start NAME HOST CPUS CMD...: NAME will run under HOST's supervisord (launch_supervisors)
+  local name=$1 host=$2 cpus=$3; shift 3
+  sup_add "$name" "$host"
+  SUP_PROGS[${SUP_TAG[$name]}]+=" $name"
+  launcher "$name" "${SUP_TAG[$name]}" "$cpus" "$@"
   STARTED+=("$name")
+}
+launch_supervisors() {  # writes each host's RUN_DIR/supervisor/TAG.conf and starts its supervisord (over ssh)
+  local tag host conf f script out rc name extra
+  for tag in "${SUP_TAGS[@]}"; do
+    host=${SUP_HOST[$tag]} conf="$SUP/$tag.conf" extra=()
+    [ "$tag" = local ] && [ -n "$PROM_LAUNCHED" ] && extra=(--extra prometheus)
+    # shellcheck disable=SC2086  # the names are words
+    "$PY" -m async_vapo.cluster.supervise conf "${CONFIGS[@]}" --run-dir "$RUN_DIR" --tag "$tag" --python "$PY" \
+      --programs ${SUP_PROGS[$tag]} "${extra[@]}" -- "${OVERRIDES[@]}" > /dev/null \
+      || fail_start "writing the supervisor config of $host failed"
+    if [ "$tag" = local ]; then
+      echo "$tag -" >> "$SUP/hosts"
+      "$PY" -m supervisor.supervisord -c "$conf" \
+        || fail_start "supervisord did not start: $(tail -n 20 "$RUN_DIR/logs/supervisord-$tag.log" 2>/dev/null)"
+    else
+      echo "$tag $host" >> "$SUP/hosts"
+      for name in ${SUP_PROGS[$tag]}; do hand_keys "$host" "${name%%-*}"; done  # its roles' CURVE keys
+      script="cd $(q "$REPO") || exit 1; mkdir -p $(q "$RUN_DIR/logs") $(q "$RUN_DIR/pids") $(q "$SUP") || exit 1"
+      for f in "$conf" $(for name in ${SUP_PROGS[$tag]}; do echo "$SUP/$name.sh"; done); do
+        script+="; printf '%s\n' $(q "$(cat "$f")") > $(q "$f") || exit 1"
+      done
+      for name in ${SUP_PROGS[$tag]}; do
+        script+="; rm -f $(q "$SUP/$name.starts") $(q "$SUP/$name.gave_up") $(q "$RUN_DIR/pids/$name.pid")"
+      done
+      script+="; env $(remote_env) $(q "$PY") -m supervisor.supervisord -c $(q "$conf")"
+      rc=0
+      out=$(remote "$host" "$script" 2>&1) || rc=$?
+      [ "$rc" = 0 ] || fail_start "starting supervisord on $host over ssh failed (exit $rc, output '$out'; ASYNC_VAPO_SSH='$SSH_CMD')"
+    fi
+  done
+  # supervisord starts every program right after it daemonized; each launcher writes its PID first thing
+  for name in "${STARTED[@]}" ${PROM_LAUNCHED:+prometheus}; do
+    tag=${SUP_TAG[$name]} f="$RUN_DIR/pids/$name.pid"
+    if [ "$tag" = local ]; then
+      for _ in $(seq 300); do [ -s "$f" ] && break; sleep 0.1; done
+      [ -s "$f" ] || fail_start "supervisord did not start $name ($RUN_DIR/logs/supervisord-local.log)"
+    else
+      rc=0
+      out=$(remote "${SUP_HOST[$tag]}" \
+            "for i in \$(seq 300); do [ -s $(q "$f") ] && exec cat $(q "$f"); sleep 0.1; done; exit 1") || rc=$?
+      [[ $rc = 0 && $out =~ ^[0-9]+$ ]] || fail_start "supervisord did not start $name on ${SUP_HOST[$tag]} (exit $rc)"
+      echo "$out" > "$f"
+      echo "${SUP_HOST[$tag]}" > "$RUN_DIR/pids/$name.host"
+    fi
+  done
 }
 svc_args=("${CONFIGS[@]}" --run-dir "$RUN_DIR")
 start replay "$(host_of replay 0)" "" "$PY" "$REPO/services/replay.py" "${svc_args[@]}" -- "${OVERRIDES[@]}"
@@ -236,17 +331,19 @@ else
   start learner "$(host_of learner 0)" "$LEARNER_CPUS" "$PY" "$REPO/services/learner.py" "${svc_args[@]}" \
     "${learn_extra[@]}" -- "${OVERRIDES[@]}"
 fi
+PROM_LAUNCHED=""
 if [ "$PROM" = 1 ]; then
   if command -v prometheus >/dev/null; then
-    setsid nohup prometheus --config.file="$RUN_DIR/prometheus/prometheus.yml" \
-      --storage.tsdb.path="$RUN_DIR/prometheus/data" --web.listen-address="127.0.0.1:$PROM_PORT" \
-      > "$RUN_DIR/logs/prometheus.log" 2>&1 < /dev/null &
-    echo $! > "$RUN_DIR/pids/prometheus.pid"
+    sup_add prometheus localhost  # outside the services group: supervisord restarts it itself
+    launcher prometheus local "" prometheus --config.file="$RUN_DIR/prometheus/prometheus.yml" \
+      --storage.tsdb.path="$RUN_DIR/prometheus/data" --web.listen-address="127.0.0.1:$PROM_PORT"
+    PROM_LAUNCHED=1
     echo "[start_cluster] prometheus on http://127.0.0.1:$PROM_PORT" >&2
   else
     echo "[start_cluster] --prometheus: no prometheus binary on PATH (.ci/install_prometheus.sh); skipped" >&2
   fi
 fi
+launch_supervisors
 
 # -- health --------------------------------------------------------------------------------------------------------
 health_url() {  # health_url NAME -> the plan's URL (on the role's host)
@@ -260,6 +357,14 @@ alive() {  # alive NAME: its process still runs (a remote one checked over ssh; 
   pid=$(cat "$RUN_DIR/pids/$1.pid")
   [ -e "$RUN_DIR/pids/$1.host" ] || { kill -0 "$pid" 2>/dev/null; return; }
   remote "$(cat "$RUN_DIR/pids/$1.host")" "kill -0 $pid" 2>/dev/null || rc=$?
+  [ "$rc" != 1 ]
+}
+supervised() {  # supervised NAME: runs, or will be restarted (not given up); over ssh, ssh failing counts as yes
+  local tag=${SUP_TAG[$1]} rc=0 chk
+  chk="test ! -e $(q "$SUP/$1.gave_up") && { kill -0 -- -\$(cat $(q "$RUN_DIR/pids/$1.pid")) \
+|| kill -0 \$(cat $(q "$SUP/$tag.pid")); } 2>/dev/null"
+  [ "$tag" = local ] && { bash -c "$chk"; return; }
+  remote "${SUP_HOST[$tag]}" "$chk" 2>/dev/null || rc=$?
   [ "$rc" != 1 ]
 }
 wait_health_remote() {  # wait_health_remote NAME URL TIMEOUT_S: wait-health in short rounds, checking the process
@@ -298,7 +403,7 @@ on_host_of() {  # on_host_of NAME SCRIPT: run SCRIPT where NAME runs (its RUN_DI
 }
 if [ "$WAIT" = 1 ]; then
   done_file=$(q "$RUN_DIR/DONE") metrics=$(q "$RUN_DIR/metrics.jsonl")
-  while ! on_host_of learner "test -e $done_file" && alive learner; do sleep 2; done
+  while ! on_host_of learner "test -e $done_file" && supervised learner; do sleep 2; done
   # rollout 0 evaluates the last version once it has loaded it: give it up to 2 minutes (when it evaluates at all)
   if last=$(on_host_of learner "cat $done_file" 2>/dev/null) \
      && on_host_of rollout-0 "grep -q '\"kind\": \"eval\"' $metrics" 2>/dev/null; then
@@ -308,5 +413,9 @@ if [ "$WAIT" = 1 ]; then
     done
   fi
   "$REPO/deploy/stop_cluster.sh" "$RUN_DIR"
-  on_host_of learner "test -e $done_file" || { echo "[start_cluster] the learner exited before finishing" >&2; exit 1; }
+  if ! on_host_of learner "test -e $done_file"; then
+    why=$(on_host_of learner "cat $(q "$SUP/learner.gave_up")" 2>/dev/null) || why=""
+    echo "[start_cluster] the learner exited before finishing${why:+ (not restarted: $why)}" >&2
+    exit 1
+  fi
 fi

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Stop exactly what deploy/start_cluster.sh started in RUN_DIR: the process groups recorded in RUN_DIR/pids/*.pid
-# (SIGTERM, then SIGKILL after cluster.deploy.stop_grace_s), plus the sandbox workers of the verifier and of rollout 0's
-# evaluation pool (they run in their own sessions; listed in RUN_DIR/pids/*.children). Exits 0 only when nothing of them is left.
-# Services started over ssh (RUN_DIR/pids/NAME.host names the host) are signalled and checked there, their sandbox
+# Stop exactly what deploy/start_cluster.sh started in RUN_DIR. First the supervisors (RUN_DIR/supervisor/hosts lists
+# them, one per host): SIGTERM makes each stop its services (SIGTERM to every process group, SIGKILL after
+# cluster.deploy.stop_grace_s) and exit, so nothing is restarted from then on; one still running after the grace and
+# 15 s more is SIGKILLed. Then the process groups recorded in RUN_DIR/pids/*.pid (a service's launcher rewrites its
+# file at every start), with SIGTERM, then SIGKILL after the grace, plus the sandbox workers of the verifier and of
+# rollout 0's evaluation pool (they run in their own sessions; listed in RUN_DIR/pids/*.children). Exits 0 only when
+# nothing of them is left. Services started over ssh (RUN_DIR/pids/NAME.host names the host) are signalled and
+# checked there (their PID read from that host's RUN_DIR/pids/NAME.pid), their sandbox
 # workers too (from that host's RUN_DIR/pids/NAME.children), with the ssh command start_cluster.sh recorded in
 # RUN_DIR/pids/cluster.env (ASYNC_VAPO_SSH set in the environment wins; default "ssh -o BatchMode=yes"); a host
 # that cannot be reached counts as not stopped.
@@ -21,6 +25,35 @@ read -ra SSH <<< "${SSH_CMD:-ssh -o BatchMode=yes}"
 ABS_PIDS=$(cd "$PIDS" && pwd -P)  # the remote shell starts in its home directory
 q() { local s=$1; printf "'%s'" "${s//\'/\'\\\'\'}"; }  # one word, single-quoted for the remote shell
 
+# -- the supervisors first ---------------------------------------------------------------------------------------
+SUP="$RUN_DIR/supervisor"
+ABS_SUP=$( (cd "$SUP" 2>/dev/null && pwd -P) || echo "$SUP")
+sup_do() {  # sup_do TAG HOST SIG: signal TAG's supervisord on HOST ("-": here); exit 1 when it does not run
+  local script  # only a PID that still runs supervisord on this config (a PID reused by anything else is left alone)
+  script="p=\$(cat $(q "$ABS_SUP/$1.pid") 2>/dev/null) && tr '\\0' ' ' < /proc/\$p/cmdline 2>/dev/null \
+| grep -qF $(q "$ABS_SUP/$1.conf") && kill -$3 \$p"
+  if [ "$2" = - ]; then bash -c "$script"; else "${SSH[@]}" "$2" "bash -c $(q "$script")" < /dev/null 2>/dev/null; fi
+}
+SUPS=()
+[ -f "$SUP/hosts" ] && while read -r tag host; do SUPS+=("$tag $host"); done < "$SUP/hosts"
+sups_left() {  # prints the supervisors still running (or that cannot be checked)
+  local s rc
+  for s in "${SUPS[@]}"; do
+    rc=0; sup_do $s 0 || rc=$?
+    [ "$rc" = 1 ] || echo "supervisord(${s% *}@${s#* })"
+  done
+}
+if [ ${#SUPS[@]} -gt 0 ]; then
+  for s in "${SUPS[@]}"; do sup_do $s TERM; done
+  deadline=$(( $(date +%s) + GRACE + 15 ))
+  while [ -n "$(sups_left)" ] && [ "$(date +%s)" -lt "$deadline" ]; do sleep 0.5; done
+  if [ -n "$(sups_left)" ]; then
+    echo "stop_cluster: supervisor(s) still running, SIGKILL: $(sups_left | tr '\n' ' ')" >&2
+    for s in "${SUPS[@]}"; do sup_do $s KILL; done
+  fi
+fi
+
+# -- then every service's process group and sandbox workers --------------------------------------------------------
 LOCAL=() REMOTE=()
 for f in "$PIDS"/*.pid; do
   [ -e "$f" ] || continue
@@ -39,10 +72,11 @@ done
 
 group_alive() { kill -0 -- "-$1" 2>/dev/null; }
 remote_do() {  # remote_do NAME SIG: signal NAME's group and sandbox workers on its host; SIG 0: print what is alive
-  local pgid cf
-  pgid=$(cat "$PIDS/$1.pid") cf=$(q "$ABS_PIDS/$1.children")
+  local pf cf
+  pf=$(q "$ABS_PIDS/$1.pid") cf=$(q "$ABS_PIDS/$1.children")
   "${SSH[@]}" "$(cat "$PIDS/$1.host")" "bash -c $(q "
-    if [ $2 = 0 ]; then kill -0 -- -$pgid 2>/dev/null && echo 'pgid $pgid'; else kill -$2 -- -$pgid 2>/dev/null; fi
+    pgid=\$(cat $pf) || exit 0
+    if [ $2 = 0 ]; then kill -0 -- -\$pgid 2>/dev/null && echo \"pgid \$pgid\"; else kill -$2 -- -\$pgid 2>/dev/null; fi
     [ -f $cf ] || exit 0
     for p in \$(cat $cf); do
       grep -qa async_vapo.verify.sandbox /proc/\$p/cmdline 2>/dev/null || continue
@@ -87,6 +121,11 @@ if [ -n "$(left)" ]; then
   while [ -n "$(left)" ] && [ "$(date +%s)" -lt "$deadline" ]; do sleep 0.5; done
 fi
 rest=$(left)
+if [ -n "$rest" ]; then
+  echo "stop_cluster: could not stop: $(echo "$rest" | tr '\n' ' ')" >&2
+  exit 1
+fi
+rest=$(sups_left)
 if [ -n "$rest" ]; then
   echo "stop_cluster: could not stop: $(echo "$rest" | tr '\n' ' ')" >&2
   exit 1

@@ -143,11 +143,13 @@ class ServiceContext:
         """Time spent doing ``stage``'s work (generate, verify, learn, ...): added to
         ``busy_seconds_total{stage}`` and appended as ``[stage, start, end]`` (seconds since the cluster
         started) to ``RUN_DIR/stats/<service>-<i>.busy.jsonl``, so overlap between stages can be measured
-        over any window afterwards."""
+        over any window afterwards. Meanwhile ``/health`` says ``"busy": stage`` (fault injection aims by it)."""
         t0 = time.time()
+        self.metrics.set_health(busy=stage)
         try:
             yield
         finally:
+            self.metrics.set_health(busy="")
             t1 = time.time()
             self.metrics.counter("busy_seconds_total", "Wall-clock seconds spent working, by stage.",
                                  labels=("stage",)).labels(stage=stage).inc(t1 - t0)

@@ -3,7 +3,9 @@
 Sockets (rank 0 only)
   * ``batches``: DEALER (IMMEDIATE), connects to the replay's ROUTER (``cluster.hosts.replay_host:replay_batch_port``);
     READY handshake at start, then one BatchRequest(n_groups = prompts_per_step, for_version = v,
-    min_version = v − max_staleness) at a time, each bounded by ``cluster.wire.batch_request_timeout_s``
+    min_version = v − max_staleness, received_cursor = the replay cursor of the last batch received, or of the
+    checkpoint resumed from: the replay stores again what it served after it, so a restarted learner or a lost
+    reply loses no group; -1 before either is known) at a time, each bounded by ``cluster.wire.batch_request_timeout_s``
     (PeerTimeout: counted in ``replay_timeouts_total``, logged, asked again). An empty BatchMsg means
     "not enough admissible groups yet": the learner services acks for ``cluster.wire.batch_poll_s`` and asks again.
   * ``weights`` (XPUB) and ``acks`` (PULL): the weight broadcast, ``async_vapo.weights.sync``.
@@ -107,6 +109,8 @@ class ReplaySource:
         self.req = transport.requester(ctx.endpoint(c.hosts.replay_host, c.ports.replay_batch_port),
                                        decoder=ctx.decoder((BatchMsg,), "batches"), name=ctx.name, peer="replay")
         self.cursor = 0
+        self.cursor_known = False
+        """Whether ``cursor`` says what this learner's weights include (from a reply, or a checkpoint)."""
         m = ctx.metrics
         self.replay_timeouts = m.counter("replay_timeouts_total", "Batch requests the replay did not answer.")
         self.stale_rejected = m.counter("stale_groups_rejected_total",
@@ -134,8 +138,9 @@ class ReplaySource:
             while not self.ctx.stop.is_set():
                 self.sync.heartbeat(v)
                 self.sync.poll(0)
-                env = make_envelope(BatchRequest(n_groups=n, for_version=v, min_version=floor),
-                                    sender=self.ctx.name, policy_version=v)
+                received = self.cursor if self.cursor_known else -1
+                env = make_envelope(BatchRequest(n_groups=n, for_version=v, min_version=floor,
+                                                 received_cursor=received), sender=self.ctx.name, policy_version=v)
                 try:
                     reply = self.req.request(env, c.wire.batch_request_timeout_s)
                 except PeerTimeout as exc:
@@ -146,7 +151,7 @@ class ReplaySource:
                 if batch.cursor < self.cursor:
                     self.ctx.log.warning("learner: replay cursor %d is behind the checkpoint's %d (replay store "
                                          "replaced?)", batch.cursor, self.cursor)
-                self.cursor = batch.cursor
+                self.cursor, self.cursor_known = batch.cursor, True
                 ok = [g for g in batch.groups if floor <= g.version <= v]
                 if len(ok) != len(batch.groups):  # the replay enforces the bound; never use what breaks it
                     self.stale_rejected.inc(len(batch.groups) - len(ok))
@@ -167,6 +172,7 @@ class ReplaySource:
 
     def restore(self, state: dict) -> None:
         self.cursor = state.get("replay_cursor", 0)
+        self.cursor_known = "replay_cursor" in state
 
     def close(self) -> None:
         pass

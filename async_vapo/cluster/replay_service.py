@@ -27,7 +27,10 @@ verifier's pushes hold (``backpressure_total``): backpressure, never a silent dr
 
 Durability: the buffer lives on a :class:`~async_vapo.replay.GroupStore` at ``RUN_DIR/replay/groups.log``;
 a group is stored (``write(2)``) before the next message is read, and a restarted replay serves the
-unconsumed groups and continues the cursor (``BatchMsg.cursor`` = groups served so far).
+unconsumed groups and continues the cursor (``BatchMsg.cursor`` = groups served so far). A batch request's
+``received_cursor`` below that cursor (a learner restarted from a checkpoint, or a reply that was lost) stores the
+groups served after it again (``ReplayBuffer.rewind``, counted in ``requeued_groups_total``), so a group the replay
+acknowledged is trained on by an update that survives, or dropped with a reason.
 
 The loop alternates the two sockets with short polls; one bad group is counted and skipped.
 """
@@ -77,6 +80,10 @@ class ReplayService:
         self.bad_requests = ctx.metrics.counter("rejected_requests_total",
                                                 "Batch requests refused (never acted on), by reason.",
                                                 labels=("reason",))
+        self.requeued = ctx.metrics.counter("requeued_groups_total", "Groups served to a learner that did not keep "
+                                            "them (restarted from a checkpoint, or a lost reply), stored again.")
+        self.requeue_lost = ctx.metrics.counter("requeue_lost_groups_total", "Groups to store again that compaction "
+                                                "had removed from the log (lost).")
         self._stats = self.buffer.stats()
         self._publish_stats()
         ctx.log.info("replay: %d groups restored from %s, cursor %d; in %s, batches %s", len(self.buffer),
@@ -131,6 +138,7 @@ class ReplayService:
             self.ctx.log.warning("replay: refused batch request from %s (%s): %s", env.sender, error, req)
         else:
             try:
+                self._rewind(req.received_cursor, env.sender)
                 batch = self.buffer.make_batch(req.n_groups, req.for_version, req.min_version)
             except Exception:
                 self.ctx.processing_error("make_batch", f"batch request {req}")
@@ -152,6 +160,17 @@ class ReplayService:
         except Exception:
             # The groups were marked consumed: a lost reply loses them (counted), never serves them twice.
             self.ctx.processing_error("reply", f"reply to {env.sender}")
+
+    def _rewind(self, received_cursor: int, sender: str) -> None:
+        """Groups served after what the learner's weights include go back into the buffer (a learner restarted
+        from a checkpoint, or a lost reply): none acknowledged is lost to a learner's crash."""
+        again, missing = self.buffer.rewind(received_cursor)
+        if again or missing:
+            self.requeued.inc(again)
+            self.requeue_lost.inc(missing)
+            self.ctx.log.info("replay: %s has received %d groups of the %d served: %d stored again%s", sender,
+                              received_cursor, self._stats.served_groups_total, again,
+                              f", {missing} no longer in the log (compacted)" if missing else "")
 
     def step(self, poll_s: float = 0.05) -> None:
         if self._held:  # backpressure: the pipe fills up to its HWM and the verifier holds its sends

@@ -37,7 +37,11 @@ started now is consumed at a learner version â‰¥ L, so it is usable only if L âˆ
     batch per version and then waits for the next weights: synchronous on-policy training. Fast problems
     are not favoured: a generate call takes its prompts in sampler order and ships all of them together.
   * a budget that is spent while no new version arrives for ``cluster.rollout.admission_refill_s`` is topped
-    up by one share (groups lost to a crash elsewhere must not starve the learner forever).
+    up by one share (groups lost to a crash elsewhere must not starve the learner forever; logged, counted in
+    ``admission_refills_total``).
+  * an announce below the learner's last version (a learner restarted from an older checkpoint) forgets the
+    budgets of the versions above it: they were spent on weights that no longer exist, and the learner's next
+    versions are new weights that need their groups.
 
 ``max_staleness`` is the learner's: every announce carries its staleness floor (``min_version``), and the
 engine takes the bound from it (its own config's ``async.max_staleness`` only until the first announce).
@@ -113,6 +117,13 @@ class Admission:
     def record(self, version: int, groups: int) -> None:
         self.used[version] = self.used.get(version, 0) + groups
 
+    def rolled_back(self, version: int) -> None:
+        """The learner went back to ``version`` (restarted from a checkpoint): the budgets of the versions above it
+        were spent on weights that no longer exist, and its versions from here on are new weights."""
+        for d in (self.used, self.refills):
+            for v in [v for v in d if v > version]:
+                del d[v]
+
 
 class RolloutService:
     def __init__(self, ctx: ServiceContext, transport: Transport, engine, tokenizer, train_set, eval_set, *,
@@ -158,6 +169,8 @@ class RolloutService:
         if a.min_version >= 0:  # the learner's bound, not this process's copy of the config
             self.admission.max_staleness = a.version - a.min_version
         if a.version != self.learner_version:
+            if a.version < self.learner_version:
+                self.admission.rolled_back(a.version)
             self.learner_version = a.version
             self.admission.versions_changed()
 
@@ -281,8 +294,15 @@ class RolloutService:
             self.poll_weights(0.0)
             self.heartbeat()
             self.maybe_evaluate()
+            refills = sum(self.admission.refills.values())
             reason = "no_learner" if self.latest is None else self.admission.check(self.engine.version,
                                                                                     self.learner_version)
+            if sum(self.admission.refills.values()) > refills:
+                self.ctx.metrics.counter("admission_refills_total", "Budgets topped up after "
+                                         "cluster.rollout.admission_refill_s without a new version.").inc()
+                self.ctx.log.warning("%s: no new version for %.0f s with the budget of version %d spent: one more "
+                                     "share (groups lost downstream are made up)", self.engine_id,
+                                     self.admission.refill_s, self.engine.version)
             if reason is not None:
                 self.m.admission_rejects_total.labels(reason=reason).inc()
                 self.poll_weights(0.2)

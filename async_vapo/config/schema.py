@@ -490,11 +490,34 @@ class MetricsHttpConfig(_Section):
 
 
 class DeployConfig(_Section):
-    """start_cluster.sh / stop_cluster.sh."""
+    """start_cluster.sh / stop_cluster.sh, and the supervision of the services they start (one supervisord per
+    host, ``async_vapo.cluster.supervise``; restarts and the crash-loop limit by ``async_vapo.cluster.crashloop``)."""
     health_timeout_s: float = Field(600.0, gt=0)
     """start_cluster.sh: seconds to wait for each service's /health before giving up."""
     stop_grace_s: float = Field(20.0, gt=0)
     """stop_cluster.sh: seconds between SIGTERM and SIGKILL of each process group."""
+    restart: bool = True
+    """Restart a service that dies (non-zero exit or a signal; a service that exits 0 was stopped on purpose). The
+    learner is restarted with ``--resume auto``. False: a dead service stays dead (and start_cluster.sh --wait ends)."""
+    restart_backoff_s: float = Field(1.0, ge=0, le=600)
+    """Delay before the first restart after a crash; each further crash within ``crash_loop_window_s`` doubles it."""
+    restart_backoff_max_s: float = Field(30.0, ge=0, le=3600)
+    """Upper bound of the restart delay."""
+    crash_loop_max_restarts: int = Field(5, ge=0, le=1000)
+    """A service that crashes more often than this within ``crash_loop_window_s`` is not restarted again (stopped,
+    logged, marked in RUN_DIR/supervisor/NAME.gave_up). 0: never restarted."""
+    crash_loop_window_s: float = Field(600.0, gt=0, le=86400)
+    """The sliding window of the crash-loop limit, in seconds."""
+    start_s: int = Field(3, ge=0, le=600)
+    """supervisord's ``startsecs``: a process that exits sooner after its start failed to start (supervisord retries
+    it, up to ``crash_loop_max_restarts`` times, 1, 2, 3 ... s apart); later it counts as running."""
+
+    @model_validator(mode="after")
+    def _backoff_bounds(self):
+        if self.restart_backoff_max_s < self.restart_backoff_s:
+            raise ValueError(f"restart_backoff_max_s ({self.restart_backoff_max_s}) must be >= restart_backoff_s "
+                             f"({self.restart_backoff_s})")
+        return self
 
 
 LEGACY_CLUSTER_KEYS: dict[str, tuple[str, str]] = {

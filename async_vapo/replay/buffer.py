@@ -40,6 +40,14 @@ Recovery. The buffer holds no state of its own beyond an index: constructing it 
 store restores the unconsumed groups, the cursor (batch ids continue), the drop counters and the
 served-age histogram. Reject counts are per process (rejected groups are never stored).
 
+Rewind (a learner that lost updates). The learner says with every batch request how many groups ever served its
+weights include (``received_cursor``: the cursor of the last batch it received, or of its checkpoint after a
+restart). When the store has served more, those groups never reached an update that survived (the learner died
+after they were served, or the reply was lost): :meth:`ReplayBuffer.rewind` reads them back from the log and stores
+them again (new seqs, same groups), unless the same (uid, version) is live already, so each is live once; the next
+``make_batch`` serves them or drops them with a reason (a version above the resumed learner's is "future_version",
+one below its floor "stale"). Groups served before a compaction cannot be read back: counted, logged, lost.
+
 Thread-safe: every public method holds one lock.
 """
 
@@ -290,6 +298,25 @@ class ReplayBuffer:
                 ages=[learner_version - ver for ver in versions],
                 assembly_seconds=time.perf_counter() - start,
             )
+
+    def rewind(self, received_cursor: int) -> tuple[int, int]:
+        """Store again the groups served after the first ``received_cursor`` (see the module docstring); returns
+        (groups stored again, groups no longer in the log). A cursor at or beyond the store's is a no-op."""
+        with self._lock:
+            if received_cursor < 0 or received_cursor >= self.store.cursor.consumed_total:
+                return 0, 0
+            groups, missing = self.store.served_after(received_cursor)
+            again = 0
+            for g in groups:
+                if (g.uid, g.version) in self._live:  # stored again by an earlier rewind and not served since
+                    continue
+                seq = self.store.append(g)
+                self._index_add(seq, g.version, g.uid)
+                again += 1
+            self._enforce_capacity()
+            logger.info("rewind to cursor %d: %d groups stored again, %d no longer in the log", received_cursor,
+                        again, missing)
+            return again, missing
 
     def admission_floor(self, learner_version: int, lookahead: int = 0) -> int:
         """Lowest version a group started now may carry and still be usable.

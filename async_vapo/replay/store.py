@@ -66,7 +66,7 @@ import logging
 import os
 import struct
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -275,6 +275,31 @@ class GroupStore:
     @property
     def size_bytes(self) -> int:
         return self._size
+
+    def served_after(self, consumed_total: int) -> tuple[list[Group], int]:
+        """The groups served after the first ``consumed_total`` groups ever served, in the order they were served,
+        read back from the log (memory keeps live groups only), and how many of them compaction has removed from
+        it (only a log's own history can be read back). In memory (``path=None``) nothing is kept: ``([], n)``."""
+        self._check_open()
+        behind = max(0, self._cursor.consumed_total - consumed_total)
+        if self.path is None or behind == 0:
+            return [], behind
+        groups: dict[int, Group] = {}
+        served: list[int] = []
+        total = 0
+        for rec in read_log(self.path):
+            if isinstance(rec, AppendRecord):
+                groups[rec.seq] = rec.group
+            elif isinstance(rec, SnapshotRecord):
+                total = rec.consumed_total
+            elif isinstance(rec, ConsumeRecord):
+                if total >= consumed_total:
+                    served += rec.seqs
+                elif total + len(rec.seqs) > consumed_total:  # a batch that straddles the cursor: its tail
+                    served += rec.seqs[consumed_total - total:]
+                total += len(rec.seqs)
+        found = [groups[s] for s in served if s in groups]
+        return found, behind - len(found)
 
     def sync(self) -> None:
         """fsync whatever is pending (no-op in memory or with nothing pending)."""
@@ -539,6 +564,23 @@ class GroupStore:
             n += 1
             off = end
         return n, off
+
+
+def read_log(path: str | os.PathLike[str]) -> Iterator[Record]:
+    """Every whole record of the log at ``path``, in order, up to the first one that is not whole (a torn tail,
+    or damage: ``fsck`` tells them apart). Read-only; the log may be open in a ``GroupStore`` meanwhile."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data.startswith(FILE_MAGIC):
+        raise CorruptLogError(str(path), 0, "not a replay log (bad file magic)")
+    decoder = msgspec.msgpack.Decoder(Record)
+    off = len(FILE_MAGIC)
+    while off < len(data):
+        end = _valid_record_end(data, off)
+        if end is None:
+            return
+        yield decoder.decode(memoryview(data)[off + _HEADER.size : end])
+        off = end
 
 
 def _valid_record_end(data: bytes, off: int) -> int | None:

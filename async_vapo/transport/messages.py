@@ -65,14 +65,15 @@ class ProtocolError(TransportError):
         self.reason = reason
         self.detail = detail
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Version of the envelope and every body below; a peer speaking another version is rejected.
 
 2: token ids and log-probs in groups are packed bytes (int32 / float32 LE) instead of msgpack arrays.
 3: weights travel as flat shared-memory slots (transfer "shm", layout in the announce), fetched in
    chunks over ZeroMQ by engines on other hosts (``WeightsFetch.index``).
 4: unknown fields are rejected (nesting bounded by the schema); ``WeightsAnnounce.min_version`` (the
-   learner's staleness floor)."""
+   learner's staleness floor).
+5: ``BatchRequest.received_cursor`` (groups served after it are stored again: a restarted learner loses none)."""
 
 DEFAULT_MAX_BYTES = 256 * 2**20
 """Default size limit of one frame (a socket carrying batches of long responses may need more)."""
@@ -95,6 +96,9 @@ class BatchRequest(_Body, tag="batch_request"):
     n_groups: int
     for_version: int
     min_version: int
+    received_cursor: int = -1
+    """Groups ever served that the learner's weights include (the cursor of its last batch, or its checkpoint's
+    after a restart); the replay stores again what it served after that (``ReplayBuffer.rewind``). -1: unknown."""
 
 
 # replay -> learner (reply to BatchRequest)

@@ -50,7 +50,9 @@ class Rotation:
         """Record an ack; returns (versions that now count with their broadcast seconds, engine rejoined)."""
         rejoined = False
         if ok:
-            self.acked[engine] = max(version, self.acked.get(engine, -1))
+            # One engine's acks and heartbeats arrive in order on one socket: its last word is what it serves (lower
+            # than before only when it followed a learner restarted from an older checkpoint down to new weights)
+            self.acked[engine] = version
             if engine not in self.members and self.acked[engine] >= self.latest:
                 self.members.add(engine)
                 rejoined = True

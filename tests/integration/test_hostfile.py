@@ -172,15 +172,22 @@ def test_hostfile_roles_start_and_stop_over_ssh(sshd, tiny_cfg, tiny_base, tmp_p
         assert f"ASYNC_VAPO_SSH={sshd.ssh_cmd}" in env_file and "STOP_GRACE=15" in env_file
         assert _sessions(sshd.log) - sessions_before >= len(remote_names)  # one start each (plus liveness checks)
 
-        # The recorded PIDs are the services themselves, each leading its own session; the remote ones were
-        # started by our sshd (its session variables name 127.0.0.2 and the test's port), the local ones not.
+        # The recorded PIDs are the services themselves, each leading its own process group, children of its host's
+        # supervisord (a daemon: a session of its own, not this test's); the remote ones were started by our sshd
+        # (its session variables name 127.0.0.2 and the test's port), the local ones not.
+        import psutil
+
         sshd_tag = f" {REMOTE} {sshd.port}"
         t0_env = {}
         for name, pid in pids.items():
             role = name.split("-")[0]
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             assert str(REPO / "services" / f"{role}.py").encode() in cmdline, (name, cmdline)
-            assert os.getpgid(pid) == pid and os.getsid(pid) == pid, name
+            assert os.getpgid(pid) == pid and os.getsid(pid) != os.getsid(0), name
+            conf = run_dir / "supervisor" / f"{REMOTE if name in remote_names else 'local'}.conf"
+            supervisor = psutil.Process(pid).parent()
+            assert "supervisor.supervisord" in supervisor.cmdline() and str(conf) in supervisor.cmdline(), name
+            assert os.getsid(supervisor.pid) == supervisor.pid, name
             environ = _environ(pid)
             from_sshd = environ.get("SSH_CONNECTION", "").endswith(sshd_tag)
             assert from_sshd == (name in remote_names), (name, environ.get("SSH_CONNECTION"))
@@ -198,8 +205,6 @@ def test_hostfile_roles_start_and_stop_over_ssh(sshd, tiny_cfg, tiny_base, tmp_p
         # The learner trains; the rollout on 127.0.0.2 (scraped there) serves each new version, over connections to
         # the hosts of the hostfile: rollout -> verifier at 127.0.0.2 and learner at 127.0.0.1 (weights, acks),
         # verifier -> replay at 127.0.0.1 (looked at while the loop runs, once a first update came back).
-        import psutil
-
         def peers(pid: int) -> set[tuple[str, int]]:
             return {(c.raddr.ip, c.raddr.port) for c in psutil.Process(pid).net_connections(kind="tcp")
                     if c.raddr and c.status == psutil.CONN_ESTABLISHED}

@@ -32,6 +32,18 @@ def test_admission_budgets_value_pretraining_and_staleness():
     assert adm.budget(1) == 2 * 4
 
 
+def test_admission_forgets_the_budgets_of_a_lineage_the_learner_left():
+    # the learner published 5 and 6, the engine spent both budgets, then the learner restarted from checkpoint 4:
+    # its versions 5 and 6 are new weights, which need their groups (without waiting for a refill)
+    adm = Admission(max_staleness=1, prompts_per_step=4, num_engines=1, refill_s=1e9)
+    for v in (4, 5, 6):
+        adm.record(v, adm.budget(v))
+    assert adm.check(served=6, learner=6) == "version_budget"
+    adm.rolled_back(4)
+    assert adm.check(served=4, learner=4) == "version_budget"  # version 4 is the same weights: its groups count
+    assert adm.check(served=5, learner=5) is None and adm.check(served=6, learner=6) is None
+
+
 def test_admission_refills_a_spent_budget_after_a_quiet_period():
     adm = Admission(max_staleness=0, prompts_per_step=4, num_engines=1, refill_s=10.0)
     adm.versions_changed(now=100.0)
@@ -43,6 +55,17 @@ def test_admission_refills_a_spent_budget_after_a_quiet_period():
 
 
 # -- rotation ------------------------------------------------------------------------------------------------------
+
+def test_rotation_after_a_learner_restarted_from_an_older_checkpoint():
+    # a restarted learner at version 20; the engine still serves 22 of the lineage that died, then follows it down
+    rot = Rotation(ack_timeout_s=60.0)
+    rot.published(20, now=0.0)
+    assert rot.on_ack("rollout-0", 22, True, now=0.1) == ([(20, 0.1)], True)  # it serves, and is in
+    assert rot.on_ack("rollout-0", 20, True, now=0.2) == ([], False)  # loaded the restarted learner's 20
+    rot.published(21, now=1.0)
+    assert rot.on_ack("rollout-0", 20, True, now=1.1) == ([], False)  # its 22 was other weights: 21 waits
+    assert rot.on_ack("rollout-0", 21, True, now=1.5) == ([(21, 0.5)], False)
+
 
 def test_rotation_counts_a_version_when_every_member_acked():
     rot = Rotation(ack_timeout_s=10.0)

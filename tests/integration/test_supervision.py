@@ -1,0 +1,104 @@
+"""A real supervisord with the config start_cluster.sh gets (async_vapo.cluster.supervise) and the crash-loop listener
+(async_vapo.cluster.crashloop), on three small programs instead of the services: one that keeps crashing after it
+counts as running (restarted with doubling backoff until the limit trips, then left stopped with the reason written
+down), one SIGKILLed by the test while a child runs in its process group (the child is killed, the program
+restarted, its PID file rewritten), and one that exits 0 (stopped on purpose: not restarted). Then a shutdown:
+nothing is restarted, nothing is left. About 20 s."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import group_alive
+
+from async_vapo.cluster.supervise import status, write_conf
+from async_vapo.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _launcher(run: Path, name: str, body: str) -> None:
+    """A launcher like start_cluster.sh's: PID file, log, one line per start, then the program."""
+    (run / "supervisor" / f"{name}.sh").write_text(
+        f"echo $$ > {run}/pids/{name}.pid\nexec >> {run}/logs/{name}.log 2>&1 < /dev/null\n"
+        f"echo $$ >> {run}/supervisor/{name}.starts\n{body}\n")
+
+
+def _events(run: Path) -> list[dict]:
+    path = run / "supervisor" / "events-local.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait(what: str, cond, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_restarts_backoff_crash_loop_limit_and_shutdown(tmp_path):
+    run = tmp_path / "run"
+    for d in ("supervisor", "pids", "logs"):
+        (run / d).mkdir(parents=True)
+    deploy = load_config([], ["cluster.deploy.start_s=1", "cluster.deploy.crash_loop_max_restarts=2",
+                              "cluster.deploy.crash_loop_window_s=60", "cluster.deploy.restart_backoff_s=0.5",
+                              "cluster.deploy.stop_grace_s=5"]).cluster.deploy
+    _launcher(run, "crashy", "sleep 1.5; exit 3")  # dies after startsecs: supervisord alone would restart it forever
+    _launcher(run, "worker", f"sleep 300 & echo $! > {run}/worker.child\nwait")
+    _launcher(run, "quitter", "sleep 1.5; exit 0")
+    conf = write_conf(run, "local", ["crashy", "worker", "quitter"], deploy, sys.executable, REPO)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-m", "supervisor.supervisord", "-c", str(conf)], check=True, env=env)
+    sup_pid = None
+    try:
+        _wait("supervisord's pidfile", lambda: (run / "supervisor" / "local.pid").exists(), 10)
+        sup_pid = int((run / "supervisor" / "local.pid").read_text())
+
+        # worker: SIGKILL its main process while its child runs in the same process group
+        _wait("the worker's child", lambda: (run / "worker.child").exists(), 10)
+        first, child = int((run / "pids" / "worker.pid").read_text()), int((run / "worker.child").read_text())
+        assert os.getpgid(first) == first and os.getpgid(child) == first  # a process group of its own
+        os.kill(first, signal.SIGKILL)
+        _wait("the worker restarted", lambda: int((run / "pids" / "worker.pid").read_text()) != first, 10)
+        assert not Path(f"/proc/{child}").exists() or b"sleep" not in Path(f"/proc/{child}/cmdline").read_bytes()
+        assert not group_alive(first)
+
+        # crashy: restarted after 0.5 s, then 1 s; the third crash within 60 s exceeds the limit of 2
+        gave_up = run / "supervisor" / "crashy.gave_up"
+        _wait("crashy given up", gave_up.exists, 30)
+        assert "crash loop: 3 crashes within 60 s" in gave_up.read_text()
+        assert len((run / "supervisor" / "crashy.starts").read_text().split()) == 3
+        crashy = [e for e in _events(run) if e["name"] == "crashy"]
+        assert [e["delay_s"] for e in crashy if e["event"] == "restart_scheduled"] == [0.5, 1.0]
+        assert [e["event"] for e in crashy].count("restarted") == 2 and crashy[-1]["event"] == "gave_up"
+        starts = [e["t"] for e in crashy if e["event"] in ("exited", "restarted")]
+        assert starts[1] - starts[0] >= 0.5 and starts[3] - starts[2] >= 1.0  # the backoff was waited
+
+        # quitter: exit 0 is a deliberate stop
+        _wait("quitter recorded", (run / "supervisor" / "quitter.gave_up").exists, 10)
+        assert "status 0" in (run / "supervisor" / "quitter.gave_up").read_text()
+        time.sleep(2.0)  # nothing starts crashy or quitter again
+        assert len((run / "supervisor" / "crashy.starts").read_text().split()) == 3
+        assert len((run / "supervisor" / "quitter.starts").read_text().split()) == 1
+        text = status(run)
+        assert "services:crashy" in text and "GAVE UP: crash loop" in text and "services:worker" in text
+
+        # shutdown: the worker is stopped as a group and not restarted; supervisord exits
+        worker = int((run / "pids" / "worker.pid").read_text())
+        os.kill(sup_pid, signal.SIGTERM)
+        _wait("supervisord gone", lambda: not Path(f"/proc/{sup_pid}").exists(), 15)
+        assert not group_alive(worker)
+        assert int((run / "pids" / "worker.pid").read_text()) == worker
+    finally:
+        if sup_pid and Path(f"/proc/{sup_pid}").exists():
+            os.kill(sup_pid, signal.SIGKILL)
+        for name in ("crashy", "worker", "quitter"):
+            f = run / "pids" / f"{name}.pid"
+            if f.exists() and group_alive(int(f.read_text())):
+                os.killpg(int(f.read_text()), signal.SIGKILL)
