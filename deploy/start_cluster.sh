@@ -9,8 +9,9 @@
 # Supervision: one supervisord per host (RUN_DIR/supervisor/<tag>.conf, tag "local" or the host's name; its pidfile
 # and socket there too) runs that host's services, each in a process group of its own, and restarts one that dies:
 # after cluster.deploy.restart_backoff_s, doubling per crash, and not again after more than
-# cluster.deploy.crash_loop_max_restarts crashes within cluster.deploy.crash_loop_window_s (async_vapo.cluster.crashloop;
-# it writes RUN_DIR/supervisor/<name>.gave_up). A restarted learner resumes from the newest checkpoint of this run.
+# cluster.deploy.crash_loop_max_restarts crashes within cluster.deploy.crash_loop_window_s
+# (async_vapo.cluster.crashloop; it writes RUN_DIR/supervisor/<name>.gave_up). A restarted learner resumes from the
+# newest checkpoint of this run.
 # Each service appends its log to RUN_DIR/logs/<name>.log, and its PID (= its process-group id) is rewritten to
 # RUN_DIR/pids/<name>.pid at every start; deploy/stop_cluster.sh RUN_DIR stops the supervisors, then makes sure none
 # of those groups is left. `python -m async_vapo.cluster.supervise status RUN_DIR` shows states, starts, decisions.
@@ -32,11 +33,10 @@
 # OMP_NUM_THREADS, MKL_NUM_THREADS, CUDA_VISIBLE_DEVICES, TOKENIZERS_PARALLELISM. Each service's PID there (= its
 # process-group id) is copied to RUN_DIR/pids/NAME.pid here and the host to NAME.host; health is polled at
 # http(s)://HOST:PORT/health from here while the process is checked over ssh. The services then bind 0.0.0.0 and
-# connect to the hosts named here; roles on
-# this machine are announced to the others as ASYNC_VAPO_ADVERTISE_HOST (default: this machine's source address
-# towards the first remote host; 127.0.0.1 when every role is local). The base model must be visible at the same
-# path on every host (shared file system); engines on other hosts than the learner's fetch new weights over ZeroMQ
-# (cluster.weights.transfer "auto").
+# connect to the hosts named here; roles on this machine are announced to the others as ASYNC_VAPO_ADVERTISE_HOST
+# (default: this machine's source address towards the first remote host; 127.0.0.1 when every role is local). The
+# base model must be visible at the same path on every host (shared file system); engines on other hosts than the
+# learner's fetch new weights over ZeroMQ (cluster.weights.transfer "auto").
 #   ASYNC_VAPO_SSH: the ssh command of every remote call (start, liveness checks, log tails, stop), split on
 #   whitespace; default "ssh -o BatchMode=yes". E.g. ASYNC_VAPO_SSH="ssh -o BatchMode=yes -p 2222 -i KEY" or
 #   "ssh -F my_ssh_config". It is recorded in RUN_DIR/pids/cluster.env, so deploy/stop_cluster.sh uses the same one.
@@ -149,7 +149,7 @@ if [ -f "$RUN_DIR/supervisor/hosts" ]; then
     if [ "$host" = - ]; then rc=0; bash -c "$chk" || rc=$?
     else rc=0; "${OLD_SSH[@]}" "$host" "bash -c $(q "$chk")" < /dev/null 2>/dev/null || rc=$?; fi
     if [ "$rc" != 1 ]; then
-      echo "start_cluster: $RUN_DIR still has a supervisord running ($tag${host#-}) or it cannot be checked; stop it:" >&2
+      echo "start_cluster: $RUN_DIR has a supervisord still running ($tag) or unchecked; stop it first:" >&2
       echo "  deploy/stop_cluster.sh $RUN_DIR" >&2
       exit 1
     fi
@@ -244,8 +244,9 @@ launcher() {  # launcher NAME TAG CPUS CMD...: writes RUN_DIR/supervisor/NAME.sh
     if [ "$name" = learner ]; then
       echo "resume=()"
       echo "if [ \"\$n\" -gt 1 ]; then"
-      echo "  step=\$(find $(q "$RUN_DIR/checkpoints") -mindepth 2 -maxdepth 2 -name learner_state.pt -newer $(q "$SUP/$tag.conf") \\"
-      echo "         2>/dev/null | sed -n 's|.*/step_\\([0-9]*\\)/learner_state.pt\$|\\1|p' | sort -n | tail -n 1)"
+      echo "  step=\$(find $(q "$RUN_DIR/checkpoints") -mindepth 2 -maxdepth 2 -name learner_state.pt \\"
+      echo "         -newer $(q "$SUP/$tag.conf") 2>/dev/null \\"
+      echo "         | sed -n 's|.*/step_\\([0-9]*\\)/learner_state.pt\$|\\1|p' | sort -n | tail -n 1)"
       echo "  [ -n \"\$step\" ] && resume=(--resume $(q "$RUN_DIR/checkpoints")/step_\$step)"
       echo "fi"
     fi
@@ -293,10 +294,12 @@ launch_supervisors() {  # writes each host's RUN_DIR/supervisor/TAG.conf and sta
       for name in ${SUP_PROGS[$tag]}; do
         script+="; rm -f $(q "$SUP/$name.starts") $(q "$SUP/$name.gave_up") $(q "$RUN_DIR/pids/$name.pid")"
       done
+      script+="; rm -f $(q "$SUP/events-$tag.jsonl")"
       script+="; env $(remote_env) $(q "$PY") -m supervisor.supervisord -c $(q "$conf")"
       rc=0
       out=$(remote "$host" "$script" 2>&1) || rc=$?
-      [ "$rc" = 0 ] || fail_start "starting supervisord on $host over ssh failed (exit $rc, output '$out'; ASYNC_VAPO_SSH='$SSH_CMD')"
+      [ "$rc" = 0 ] \
+        || fail_start "starting supervisord on $host over ssh failed (exit $rc, output '$out'; ASYNC_VAPO_SSH='$SSH_CMD')"
     fi
   done
   # supervisord starts every program right after it daemonized; each launcher writes its PID first thing
