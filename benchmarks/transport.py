@@ -13,6 +13,8 @@ One run measures, side by side and interleaved round by round (so a busy machine
   transport layer alone costs).
 * ``raw``: the same two processes send and receive a ready-made frame of exactly the byte size of
   our encoded message over a PUSH/PULL pair made with the same socket options, with no codec.
+* ``curve``: ``ours`` with CURVE on both sockets (the receiver admits only the rollout role's key, the
+  sender trusts only the verifier's: ``async_vapo.transport.security``), as the services run by default.
 
 Throughput is taken at the receiver over ``--messages`` messages after ``--warmup``; the ratio is
 ours / raw messages per second (median over rounds). Encode-only and decode-only cost per message
@@ -80,7 +82,14 @@ def make_env(groups):
 # ---- receiver process ----------------------------------------------------------------------------
 
 
-def receiver_main(conn, n_groups: int) -> None:
+def _curve_transport(ctx, keys_dir: str, role: str):
+    from async_vapo.transport import ZmqTransport
+    from async_vapo.transport.security import CurveKeys, Security
+
+    return ZmqTransport(ctx, security=Security(CurveKeys.load(keys_dir, role), ctx))
+
+
+def receiver_main(conn, n_groups: int, keys_dir: str = "") -> None:
     """Serves trials from the parent: ("ours" | "raw", warmup, n) -> binds, reports endpoint, receives."""
     import zmq
 
@@ -94,11 +103,11 @@ def receiver_main(conn, n_groups: int) -> None:
         if cmd is None:
             break
         kind, warmup, n = cmd
-        if kind in ("ours", "frames"):
-            transport = ZmqTransport(ctx)
-            rx = transport.receiver("tcp://127.0.0.1:*", decoder=Decoder((GroupsMsg,)))
+        if kind in ("ours", "frames", "curve"):
+            transport = _curve_transport(ctx, keys_dir, "verifier") if kind == "curve" else ZmqTransport(ctx)
+            rx = transport.receiver("tcp://127.0.0.1:*", decoder=Decoder((GroupsMsg,)), peer="rollout")
             conn.send(rx.endpoint)
-            get = rx.recv if kind == "ours" else rx.recv_frame
+            get = rx.recv if kind in ("ours", "curve") else rx.recv_frame
 
             def recv_one(get=get):
                 got = get(RECV_TIMEOUT_S)
@@ -126,7 +135,7 @@ def receiver_main(conn, n_groups: int) -> None:
         last = recv_one()
         dt = time.perf_counter() - t0
         check = None
-        if kind == "ours":  # the last message really is the groups that were sent
+        if kind in ("ours", "curve"):  # the last message really is the groups that were sent
             groups = last.body.groups
             check = [len(groups), sum(len(s.response_ids) for g in groups for s in g.samples),
                      float(sum(sum(s.behavior_logprobs) for g in groups for s in g.samples))]
@@ -137,7 +146,8 @@ def receiver_main(conn, n_groups: int) -> None:
 # ---- sender side (this process) ------------------------------------------------------------------
 
 
-def run_trial(conn, kind: str, warmup: int, n: int, groups, frame_size: int) -> tuple[float, list | None]:
+def run_trial(conn, kind: str, warmup: int, n: int, groups, frame_size: int, keys_dir: str = ""
+              ) -> tuple[float, list | None]:
     import zmq
 
     from async_vapo.transport import ZmqTransport
@@ -147,10 +157,10 @@ def run_trial(conn, kind: str, warmup: int, n: int, groups, frame_size: int) -> 
     conn.send((kind, warmup, n))
     endpoint = conn.recv()
     ctx = shared_context()
-    if kind in ("ours", "frames"):
-        transport = ZmqTransport(ctx)
-        tx = transport.sender(endpoint)
-        if kind == "ours":
+    if kind in ("ours", "frames", "curve"):
+        transport = _curve_transport(ctx, keys_dir, "rollout") if kind == "curve" else ZmqTransport(ctx)
+        tx = transport.sender(endpoint, peer="verifier")
+        if kind in ("ours", "curve"):
             for _ in range(warmup + n):
                 tx.send(make_env(groups), RECV_TIMEOUT_S)
         else:
@@ -222,17 +232,22 @@ def main() -> None:
     encode_us = per_call_us(lambda: encode(make_env(groups)), repeats=7, inner=200)
     decode_us = per_call_us(lambda: decoder.decode(frame), repeats=7, inner=200)
 
+    import tempfile
+
+    from async_vapo.transport.security import create_keys
+
+    keys_dir = str(create_keys(Path(tempfile.mkdtemp(prefix="transport-bench-")) / "keys"))
     mpctx = mp.get_context("spawn")
     parent, child = mpctx.Pipe()
-    proc = mpctx.Process(target=receiver_main, args=(child, args.groups), daemon=True)
+    proc = mpctx.Process(target=receiver_main, args=(child, args.groups, keys_dir), daemon=True)
     proc.start()
-    kinds = ("ours", "frames", "raw")
+    kinds = ("ours", "frames", "raw", "curve")
     rounds = []
     try:
         for r in range(args.rounds):
             row = {}
-            for kind in kinds[r % 3:] + kinds[:r % 3]:  # rotate the order so none always runs first
-                dt, check = run_trial(parent, kind, args.warmup, args.messages, groups, len(frame))
+            for kind in kinds[r % 4:] + kinds[:r % 4]:  # rotate the order so none always runs first
+                dt, check = run_trial(parent, kind, args.warmup, args.messages, groups, len(frame), keys_dir)
                 row[kind] = args.messages / dt
                 if check is not None:
                     want = [len(groups), n_tokens,
@@ -240,9 +255,11 @@ def main() -> None:
                     assert check[:2] == want[:2] and abs(check[2] - want[2]) <= 1e-6 * abs(want[2]), (check, want)
             row["ratio"] = row["ours"] / row["raw"]
             row["frames_ratio"] = row["frames"] / row["raw"]
+            row["curve_ratio"] = row["curve"] / row["ours"]
             rounds.append(row)
             print(f"round {r}: ours {row['ours']:7.0f}  transport only {row['frames']:7.0f}  raw {row['raw']:7.0f} "
-                  f"msg/s  ratio {row['ratio']:.3f}", flush=True)
+                  f"curve {row['curve']:7.0f} msg/s  ratio {row['ratio']:.3f}  curve/ours {row['curve_ratio']:.3f}",
+                  flush=True)
     finally:
         parent.send(None)
         proc.join(10)
@@ -263,6 +280,8 @@ def main() -> None:
         "transport_only_msgs_per_s": med["frames"], "transport_only_mb_per_s": med["frames"] * mb,
         "raw_msgs_per_s": med["raw"], "raw_mb_per_s": med["raw"] * mb,
         "ratio": med["ours"] / med["raw"],
+        "curve_msgs_per_s": med["curve"], "curve_mb_per_s": med["curve"] * mb,
+        "curve_over_ours": med["curve"] / med["ours"],
         "transport_only_ratio": med["frames"] / med["raw"],
         "ratio_per_round": [r["ratio"] for r in rounds],
         "encode_us": encode_us, "decode_us": decode_us, "build_groups_us": build_us,
@@ -275,10 +294,12 @@ def main() -> None:
     print(f"{'path':<44} {'msg/s':>8} {'MB/s':>8} {'/ raw':>6}")
     for kind, what in (("ours", "ours: encode -> ZmqSender -> ZmqReceiver -> decode"),
                        ("frames", "our transport, pre-encoded frame, no codec"),
-                       ("raw", "raw PUSH/PULL frames of the same size")):
+                       ("raw", "raw PUSH/PULL frames of the same size"),
+                       ("curve", "ours with CURVE (authenticated, encrypted)")):
         print(f"{what:<44} {med[kind]:>8.0f} {med[kind] * mb:>8.1f} {med[kind] / med['raw']:>6.3f}")
     per_round = ", ".join(f"{r['ratio']:.2f}" for r in rounds)
     print(f"ratio ours/raw per round: {per_round}")
+    print(f"CURVE costs: curve/ours = {med['curve'] / med['ours']:.3f}")
     print(f"encode {encode_us:.1f} us/msg   decode {decode_us:.1f} us/msg   "
           f"(building the groups from lists: {build_us:.1f} us/msg)")
 

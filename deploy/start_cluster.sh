@@ -32,7 +32,7 @@
 # PYTHONPATH=REPO[:$PYTHONPATH] and this shell's ASYNC_VAPO_*, VLLM_*, HF_*, TRANSFORMERS_*, TORCH_*, NCCL_*, GLOO_*,
 # OMP_NUM_THREADS, MKL_NUM_THREADS, CUDA_VISIBLE_DEVICES, TOKENIZERS_PARALLELISM. Each service's PID there (= its
 # process-group id) is copied to RUN_DIR/pids/NAME.pid here and the host to NAME.host; health is polled at
-# http://HOST:PORT/health from here while the process is checked over ssh. The services then bind 0.0.0.0 and
+# http(s)://HOST:PORT/health from here while the process is checked over ssh. The services then bind 0.0.0.0 and
 # connect to the hosts named here; roles on this machine are announced to the others as ASYNC_VAPO_ADVERTISE_HOST
 # (default: this machine's source address towards the first remote host; 127.0.0.1 when every role is local). The
 # base model must be visible at the same path on every host (shared file system); engines on other hosts than the
@@ -167,6 +167,20 @@ if [ -z "$POLICY_PATH" ]; then
     || { echo "start_cluster: building the base model failed:" >&2; tail -n 30 "$RUN_DIR/logs/make-base.log" >&2; exit 1; }
 fi
 
+# -- keys: one CURVE key pair per role (cluster.security), made here; remote hosts get theirs when started --------
+if [ "$CURVE" = 1 ]; then
+  "$PY" -m async_vapo.transport.security create "$KEYS_DIR" > /dev/null \
+    || { echo "start_cluster: creating the cluster's keys in $KEYS_DIR failed" >&2; exit 1; }
+fi
+hand_keys() {  # hand_keys HOST ROLE: the role's secret key and every public key, over the same ssh (0700 / 0600)
+  [ "$CURVE" = 1 ] || return 0
+  local files=("$2.key_secret") r
+  for r in replay verifier rollout learner; do files+=("$r.key" "public/$r/$r.key"); done
+  tar -C "$KEYS_DIR" -cf - "${files[@]}" | "${SSH[@]}" "$1" "bash -c $(q "umask 077; mkdir -p $(q "$KEYS_DIR") \
+&& chmod 700 $(q "$KEYS_DIR") && tar -C $(q "$KEYS_DIR") -xf - && chmod 600 $(q "$KEYS_DIR/$2.key_secret")")" \
+    || fail_start "handing the keys of $2 to $1 over ssh failed (ASYNC_VAPO_SSH='$SSH_CMD')"
+}
+
 # -- placement -----------------------------------------------------------------------------------------------------
 ROLLOUT_CPUS=() LEARNER_CPUS=""
 ncpu=$(nproc)
@@ -272,6 +286,7 @@ launch_supervisors() {  # writes each host's RUN_DIR/supervisor/TAG.conf and sta
         || fail_start "supervisord did not start: $(tail -n 20 "$RUN_DIR/logs/supervisord-$tag.log" 2>/dev/null)"
     else
       echo "$tag $host" >> "$SUP/hosts"
+      for name in ${SUP_PROGS[$tag]}; do hand_keys "$host" "${name%%-*}"; done  # its roles' CURVE keys
       script="cd $(q "$REPO") || exit 1; mkdir -p $(q "$RUN_DIR/logs") $(q "$RUN_DIR/pids") $(q "$SUP") || exit 1"
       for f in "$conf" $(for name in ${SUP_PROGS[$tag]}; do echo "$SUP/$name.sh"; done); do
         script+="; printf '%s\n' $(q "$(cat "$f")") > $(q "$f") || exit 1"
@@ -358,7 +373,7 @@ supervised() {  # supervised NAME: runs, or will be restarted (not given up); ov
 wait_health_remote() {  # wait_health_remote NAME URL TIMEOUT_S: wait-health in short rounds, checking the process
   local deadline=$(( SECONDS + $3 ))
   while :; do
-    "$PY" -m async_vapo.cluster.common wait-health "$2" 5 2>/dev/null && return 0
+    "$PY" -m async_vapo.cluster.common wait-health "${HEALTH_OPTS[@]}" "$2" 5 2>/dev/null && return 0
     alive "$1" || { echo "$1 ($(cat "$RUN_DIR/pids/$1.host")) exited before $2 became healthy" >&2; return 1; }
     [ "$SECONDS" -lt "$deadline" ] || { echo "$2 not healthy after $3 s" >&2; return 1; }
   done
@@ -367,7 +382,7 @@ for name in "${STARTED[@]}"; do
   if [ -e "$RUN_DIR/pids/$name.host" ]; then
     wait_health_remote "$name" "$(health_url "$name")" "$HEALTH_TIMEOUT" && ok=1 || ok=0
   else
-    "$PY" -m async_vapo.cluster.common wait-health "$(health_url "$name")" "$HEALTH_TIMEOUT" \
+    "$PY" -m async_vapo.cluster.common wait-health "${HEALTH_OPTS[@]}" "$(health_url "$name")" "$HEALTH_TIMEOUT" \
       "$(cat "$RUN_DIR/pids/$name.pid")" && ok=1 || ok=0
   fi
   if [ "$ok" = 0 ]; then

@@ -197,6 +197,34 @@ class ServiceContext:
             self.server.stop()
 
 
+def keys_dir(cfg: Config, run_dir: Path) -> Path:
+    """Where the cluster's CURVE keys are: ``cluster.security.keys_dir``, or RUN_DIR/keys."""
+    d = cfg.cluster.security.keys_dir
+    return Path(d).expanduser() if d else Path(run_dir) / "keys"
+
+
+def make_transport(ctx: ServiceContext):
+    """The service's ZeroMQ transport: CURVE with this service's role key and ZAP role checks
+    (``transport.security``) unless ``cluster.security.curve`` is off. Refused handshakes count in
+    ``auth_failures_total``."""
+    from async_vapo.transport import ZmqTransport, shared_context
+
+    if not ctx.cfg.cluster.security.curve:
+        ctx.log.warning("%s: CURVE is off: every socket is unauthenticated plaintext", ctx.name)
+        return ZmqTransport()
+    from async_vapo.transport.security import CurveKeys, Security
+
+    keys = CurveKeys.load(keys_dir(ctx.cfg, ctx.run_dir), ctx.service)
+    refused = ctx.metrics.counter("auth_failures_total", "Connections refused by CURVE/ZAP: an unknown key, or a "
+                                  "key of a role that socket does not admit.")
+
+    def on_refused(reason: str) -> None:
+        refused.inc()
+        ctx.log.warning("%s: refused a connection: %s", ctx.name, reason)
+
+    return ZmqTransport(security=Security(keys, shared_context(), on_refused=on_refused))
+
+
 def make_context(service: str, args: argparse.Namespace | None = None, *, cfg: Config | None = None,
                  run_dir: str | Path | None = None, instance: int = 0, serve_metrics: bool = True,
                  install_signals: bool = True) -> ServiceContext:
@@ -221,7 +249,7 @@ def make_context(service: str, args: argparse.Namespace | None = None, *, cfg: C
     if serve_metrics:
         port = args.metrics_port if args is not None and args.metrics_port is not None else metrics_port(
             cfg, service, instance)
-        ctx.server = MetricsServer(metrics, host=cfg.cluster.hosts.bind_host, port=port)
+        ctx.server = MetricsServer.from_config(metrics, cfg.cluster.metrics_http, cfg.cluster.hosts.bind_host, port)
         ctx.server.start()
         ctx.log.info("%s: /metrics and /health on %s", ctx.name, ctx.server.url)
     metrics.set_health(status="starting", pid=os.getpid())
@@ -278,18 +306,30 @@ def _plan(argv: Sequence[str]) -> int:
     timeout = f"{max(500, int(float(interval[:-1]) * 800))}ms" if interval[-1:] == "s" and interval[-2:] != "ms" \
         else interval
     tmpl = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "prometheus.yml.tmpl"
+    http = c.metrics_http
+    ca_file, password_file = (_absolute(x) for x in (http.tls_ca_file, http.basic_auth_password_file))
     render_prometheus_config(tmpl, prom / "prometheus.yml", scrape_interval=interval, scrape_timeout=timeout,
-                             run_name=cfg.train.name)
+                             run_name=cfg.train.name, tls=http.tls_cert is not None, tls_ca_file=ca_file,
+                             basic_auth_user=http.basic_auth_user, basic_auth_password_file=password_file)
     out = {"RUN_DIR": str(rd), "N_ROLLOUT": n_roll, "N_LEARNER": cfg.async_.learner_devices,
            "HEALTH_TIMEOUT": int(math.ceil(c.deploy.health_timeout_s)),
            "STOP_GRACE": int(math.ceil(c.deploy.stop_grace_s)),
-           "POLICY_PATH": cfg.model.path or ""}
+           "POLICY_PATH": cfg.model.path or "", "CURVE": int(c.security.curve), "KEYS_DIR": str(keys_dir(cfg, rd))}
+    scheme = "https" if http.tls_cert is not None else "http"
     for s in SERVICES:
         for i, t in enumerate(targets[s]):
-            out[f"HEALTH_{s.upper()}_{i}"] = f"http://{t}/health"
+            out[f"HEALTH_{s.upper()}_{i}"] = f"{scheme}://{t}/health"
     for k, v in out.items():
         print(f"{k}={_shell_quote(str(v))}")
+    # wait-health's options for these services (a bash array: paths may hold spaces)
+    opts = (["--ca-file", ca_file] if ca_file else ["--insecure"] if http.tls_cert is not None else []) + (
+        ["--user", http.basic_auth_user, "--password-file", password_file] if password_file else [])
+    print(f"HEALTH_OPTS=({' '.join(_shell_quote(str(o)) for o in opts)})")
     return 0
+
+
+def _absolute(path: str | None) -> str | None:
+    return None if path is None else str(Path(path).expanduser().resolve())
 
 
 def _shell_quote(s: str) -> str:
@@ -297,16 +337,38 @@ def _shell_quote(s: str) -> str:
 
 
 def _wait_health(argv: Sequence[str]) -> int:
-    """``wait-health URL TIMEOUT_S [PID]``: 0 once URL answers 200; 1 on timeout or when PID has exited."""
+    """``wait-health [--ca-file F | --insecure] [--user U --password-file F] URL TIMEOUT_S [PID]``: 0 once URL
+    answers 200; 1 on timeout or when PID has exited. The options are the plan's ``HEALTH_OPTS``: how to verify
+    an https server, and the basic auth credentials."""
+    import base64
+    import ssl
     import urllib.error
     import urllib.request
 
-    url, timeout_s = argv[0], float(argv[1])
-    pid = int(argv[2]) if len(argv) > 2 else None
+    p = argparse.ArgumentParser(prog="wait-health")
+    p.add_argument("url")
+    p.add_argument("timeout_s", type=float)
+    p.add_argument("pid", type=int, nargs="?")
+    p.add_argument("--ca-file", help="verify an https server against this CA (or self-signed certificate)")
+    p.add_argument("--insecure", action="store_true", help="https without verifying the server")
+    p.add_argument("--user", help="basic auth user (with --password-file)")
+    p.add_argument("--password-file", help="file holding the basic auth password (surrounding whitespace ignored)")
+    args = p.parse_args(argv)
+    context = None
+    if args.url.startswith("https:"):
+        context = ssl.create_default_context(cafile=args.ca_file)
+        if args.insecure:
+            context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    headers = {}
+    if args.user is not None:
+        password = Path(args.password_file).read_text().strip()
+        headers["Authorization"] = "Basic " + base64.b64encode(f"{args.user}:{password}".encode()).decode()
+    url, timeout_s, pid = args.url, args.timeout_s, args.pid
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(url, timeout=2) as r:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=2,
+                                        context=context) as r:
                 if r.status == 200:
                     return 0
         except (urllib.error.URLError, OSError):
@@ -328,7 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in ("plan", "wait-health"):
         print("usage: python -m async_vapo.cluster.common {plan [--config F] [--run-dir D] [overrides]"
-              " | wait-health URL TIMEOUT_S [PID]}", file=sys.stderr)
+              " | wait-health [--ca-file F | --insecure] [--user U --password-file F] URL TIMEOUT_S [PID]}",
+              file=sys.stderr)
         return 2
     return _plan(argv[1:]) if argv[0] == "plan" else _wait_health(argv[1:])
 

@@ -39,7 +39,7 @@ import math
 import time
 from pathlib import Path
 
-from async_vapo.cluster.common import ServiceContext
+from async_vapo.cluster.common import ServiceContext, make_transport
 from async_vapo.learner.dist import destroy_process_group, init_process_group
 from async_vapo.metrics.jsonl import JsonlWriter
 from async_vapo.metrics.prom import ServiceMetrics
@@ -107,7 +107,7 @@ class ReplaySource:
         c = ctx.cfg.cluster
         self.ctx, self.sync, self.learner, self.floor = ctx, sync, learner, floor
         self.req = transport.requester(ctx.endpoint(c.hosts.replay_host, c.ports.replay_batch_port),
-                                       decoder=ctx.decoder((BatchMsg,), "batches"), name=ctx.name)
+                                       decoder=ctx.decoder((BatchMsg,), "batches"), name=ctx.name, peer="replay")
         self.cursor = 0
         self.cursor_known = False
         """Whether ``cursor`` says what this learner's weights include (from a reply, or a checkpoint)."""
@@ -273,9 +273,7 @@ class LearnerService:
 
 
 def run_learner(ctx: ServiceContext, resume: str | None = None) -> None:
-    from async_vapo.transport import ZmqTransport
-
-    with ZmqTransport() as transport:
+    with make_transport(ctx) as transport:
         svc = LearnerService(ctx, transport, resume)
         try:
             svc.run()

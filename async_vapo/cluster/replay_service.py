@@ -40,7 +40,7 @@ from __future__ import annotations
 import errno
 import time
 
-from async_vapo.cluster.common import ServiceContext
+from async_vapo.cluster.common import ServiceContext, make_transport
 from async_vapo.replay import GroupStore, ReplayBuffer
 from async_vapo.replay.buffer import GroupLimits
 from async_vapo.transport import BatchMsg, BatchRequest, GroupsMsg, Heartbeat, Transport, make_envelope
@@ -62,10 +62,12 @@ class ReplayService:
                                    limits=GroupLimits.from_config(cfg, vocab_size=vocab_size))
         self.transport = transport
         self.pull = self.transport.receiver(in_endpoint or ctx.endpoint(c.hosts.bind_host, c.ports.replay_port),
-                                            decoder=ctx.decoder((GroupsMsg, Heartbeat), "in"), bind=True)
+                                            decoder=ctx.decoder((GroupsMsg, Heartbeat), "in"), bind=True,
+                                            peer="verifier")
         self.router = self.transport.replier(batch_endpoint or ctx.endpoint(c.hosts.bind_host,
                                                                             c.ports.replay_batch_port),
-                                             decoder=ctx.decoder((BatchRequest,), "batches"), name=ctx.name)
+                                             decoder=ctx.decoder((BatchRequest,), "batches"), name=ctx.name,
+                                             peer="learner")
         self.m = ctx.metrics.replay
         self.rejected = ctx.metrics.counter("rejected_groups_total", "Groups refused by validation, by reason.",
                                             labels=("reason",))
@@ -215,9 +217,7 @@ def model_vocab_size(ctx: ServiceContext) -> int:
 
 
 def run_replay(ctx: ServiceContext) -> None:
-    from async_vapo.transport import ZmqTransport
-
-    with ZmqTransport() as transport:
+    with make_transport(ctx) as transport:
         svc = ReplayService(ctx, transport, vocab_size=model_vocab_size(ctx))
         try:
             svc.run()

@@ -59,7 +59,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from async_vapo.cluster.common import ServiceContext
+from async_vapo.cluster.common import ServiceContext, make_transport
 from async_vapo.metrics.jsonl import JsonlWriter
 from async_vapo.rollout.generate import PromptEncoder, Rollout, evaluate, generate_groups
 from async_vapo.rollout.types import Group
@@ -142,10 +142,12 @@ class RolloutService:
                                    rounds_per_batch=1 + (a.max_resample_rounds if a.dynamic_sampling else 0),
                                    refill_s=c.rollout.admission_refill_s)
         self.transport = transport
-        self.groups_out = self.transport.sender(ctx.endpoint(c.hosts.verifier_host, c.ports.verifier_port))
-        self.acks = self.transport.sender(ctx.endpoint(c.hosts.learner_host, c.ports.acks_port))
+        self.groups_out = self.transport.sender(ctx.endpoint(c.hosts.verifier_host, c.ports.verifier_port),
+                                                peer="verifier")
+        self.acks = self.transport.sender(ctx.endpoint(c.hosts.learner_host, c.ports.acks_port), peer="learner")
         self.sub = self.transport.subscriber(ctx.endpoint(c.hosts.learner_host, c.ports.weights_port),
-                                             decoder=ctx.decoder((WeightsAnnounce, Heartbeat, Shutdown), "weights"))
+                                             decoder=ctx.decoder((WeightsAnnounce, Heartbeat, Shutdown), "weights"),
+                                             peer="learner")
         self.m = ctx.metrics.rollout
         self.latest: WeightsAnnounce | None = None
         self.learner_version = 0
@@ -216,7 +218,8 @@ class RolloutService:
         return load_announced(self.engine, a, mode=c.weights.transfer,
                               fetch_endpoint=self.ctx.endpoint(c.hosts.learner_host, c.ports.weights_fetch_port),
                               chunk_bytes=c.weights.chunk_bytes, timeout_s=c.wire.batch_request_timeout_s,
-                              engine_id=self.engine_id, max_bytes=c.wire.max_message_bytes)
+                              engine_id=self.engine_id, max_bytes=c.wire.max_message_bytes,
+                              security=getattr(self.transport, "security", None))
 
     def ack(self, version: int, ok: bool, seconds: float, error: str = "") -> None:
         self.ctx.send(self.acks, make_envelope(WeightsAck(engine_id=self.engine_id, version=version, ok=ok,
@@ -242,7 +245,7 @@ class RolloutService:
             with self.ctx.busy("generate"):
                 groups = generate_groups(self.engine, self.encoder, problems, version=version,
                                          n=self.ctx.cfg.algo.group_size, temperature=r.temperature, top_p=r.top_p,
-                                         max_tokens=r.max_response_tokens, stop_token_ids=[self.encoder.eos_id])
+                                         max_tokens=r.max_response_tokens, stop_token_ids=self.encoder.stop_ids)
             self.admission.record(version, len(groups))
             samples = [s for g in groups for s in g.samples]
             self.m.generated_samples_total.inc(len(samples))
@@ -343,9 +346,7 @@ def run_rollout(ctx: ServiceContext) -> None:
     ctx.log.info("%s: engine up in %.1f s", ctx.name, engine.start_seconds)
     a = cfg.algo
     pretrain = a.value_pretrain_steps if a.uses_critic else 0
-    from async_vapo.transport import ZmqTransport
-
-    transport = ZmqTransport()
+    transport = make_transport(ctx)
     svc = RolloutService(ctx, transport, engine, tokenizer, train_set, eval_set, pretrain_batches=pretrain)
     try:
         svc.run()

@@ -12,13 +12,19 @@ is the ZeroMQ pipes' HWM. ``queue_depth`` reports the responses of the message b
 
 A group whose verification fails (the pool raises, e.g. workers cannot start) is counted in
 ``processing_errors_total{stage="verify"}`` and dropped; the pool replaces crashed workers itself.
+
+Each received message is verified within ``verifier.message_budget_s`` of wall-clock time: responses not
+graded by then get the verdict "over_budget" (``checks_total{reason="over_budget"}``) and the message goes
+on, so a message full of hanging responses holds the pipeline for at most its budget. ``/health`` carries
+``sandbox``: the isolation the pool's workers have (``VerifierPool.isolation``).
 """
 
 from __future__ import annotations
 
+import math
 import time
 
-from async_vapo.cluster.common import ServiceContext
+from async_vapo.cluster.common import ServiceContext, make_transport
 from async_vapo.rollout.generate import score_groups
 from async_vapo.rollout.types import Group
 from async_vapo.transport import GroupsMsg, Heartbeat, Transport, make_envelope
@@ -34,9 +40,13 @@ class VerifierService:
         self.pool = pool or VerifierPool.from_config(v)
         self.transport = transport
         self.pull = self.transport.receiver(in_endpoint or ctx.endpoint(c.hosts.bind_host, c.ports.verifier_port),
-                                            decoder=ctx.decoder((GroupsMsg, Heartbeat), "in"), bind=True)
-        self.push = self.transport.sender(out_endpoint or ctx.endpoint(c.hosts.replay_host, c.ports.replay_port))
+                                            decoder=ctx.decoder((GroupsMsg, Heartbeat), "in"), bind=True,
+                                            peer="rollout")
+        self.push = self.transport.sender(out_endpoint or ctx.endpoint(c.hosts.replay_host, c.ports.replay_port),
+                                          peer="replay")
         self.m = ctx.metrics.verifier
+        budget = v.message_budget_s
+        self.budget_s = math.inf if budget is None else budget  # the config's, also for a pool passed in
         self._write_worker_pids()
 
     def _write_worker_pids(self) -> None:
@@ -49,7 +59,7 @@ class VerifierService:
         self.m.queue_depth.set(sum(len(g.samples) for g in groups))
         try:
             with self.ctx.busy("verify"):
-                results = score_groups(groups, self.pool, decode)
+                results = score_groups(groups, self.pool, decode, budget_s=self.budget_s)
         finally:
             self.m.queue_depth.set(0)
         for r in results:
@@ -60,7 +70,7 @@ class VerifierService:
         return groups
 
     def run(self, decode) -> None:
-        self.ctx.ready()
+        self.ctx.ready(sandbox=self.pool.isolation)
         last_beat = time.monotonic()
         while not self.ctx.stop.is_set():
             env = self.pull.recv(0.2)
@@ -75,7 +85,7 @@ class VerifierService:
                 self._write_worker_pids()
             if time.monotonic() - last_beat > self.ctx.cfg.cluster.wire.heartbeat_s:
                 last_beat = time.monotonic()
-                self.ctx.metrics.set_health(worker_pids=self.pool.worker_pids)
+                self.ctx.metrics.set_health(worker_pids=self.pool.worker_pids, sandbox=self.pool.isolation)
 
     def close(self) -> None:
         self.ctx.write_stats()  # while the sandbox workers are still up
@@ -96,10 +106,8 @@ def make_decoder(ctx: ServiceContext):
 
 
 def run_verifier(ctx: ServiceContext) -> None:
-    from async_vapo.transport import ZmqTransport
-
     decode = make_decoder(ctx)
-    with ZmqTransport() as transport:
+    with make_transport(ctx) as transport:
         svc = VerifierService(ctx, transport)
         try:
             svc.run(decode)

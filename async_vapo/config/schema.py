@@ -11,6 +11,7 @@ ablation table, and the PPO / GRPO / DAPO baselines, are one override away.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -39,7 +40,14 @@ class TaskConfig(_Section):
     eval_path: str | None = None
     """`files` only: held-out problems, same formats."""
     prompt_template: str = "{prompt}"
-    """Python format string wrapped around each prompt before tokenisation (`{prompt}` is the problem)."""
+    """Python format string wrapped around each prompt before tokenisation (`{prompt}` is the problem). With
+    `prompt_format = "chat"` it makes the user message of a problem that has no message list of its own."""
+    prompt_format: Literal["raw", "chat"] = "raw"
+    """"raw": the prompt text as it is (after prompt_template). "chat": the tokenizer's chat template over the
+    problem's messages (a DAPO-Math-17k / verl record keeps its whole list) or over one user message, with
+    system_prompt first when given, and the assistant's turn opened (add_generation_prompt)."""
+    system_prompt: str | None = None
+    """`chat` only: a system message put first, unless the problem's own messages start with one."""
 
     @model_validator(mode="after")
     def _check(self) -> TaskConfig:
@@ -118,6 +126,10 @@ class BaseModelConfig(_Section):
 
 
 class VerifierConfig(_Section):
+    answer_format: Literal["boxed", "answer_line", "auto"] = "boxed"
+    """Which part of a response is its answer: the last ``\\boxed{}`` ("boxed"), the last ``Answer:`` line in
+    its last 300 characters as DAPO's reward reads it ("answer_line": DAPO-Math-17k's prompt asks for it), or
+    a box, else an Answer line, else math-verify's extraction from the whole response ("auto")."""
     num_workers: int = Field(2, ge=1, le=256)
     """Sandboxed checker processes."""
     timeout_s: float = Field(2.0, gt=0, le=600)
@@ -129,12 +141,28 @@ class VerifierConfig(_Section):
     reward_correct: float = 1.0
     """Reward of a verified-correct answer (DAPO/VC-PPO: +1)."""
     reward_incorrect: float = -1.0
-    """Reward of every other outcome (wrong, no answer, timeout, crash...; DAPO/VC-PPO: -1)."""
+    """Reward of every other outcome (wrong, no answer, timeout, crash, over_budget...; DAPO/VC-PPO: -1)."""
+    message_budget_s: float | None = Field(120.0, gt=0, le=86400)
+    """Wall-clock budget of one verification call: one received message in the verifier service, one step's
+    batch in the one-process trainer. Responses not graded when it is spent get the verdict 'over_budget'
+    (reward_incorrect) and the call returns, so hostile or slow responses cannot stall the pipeline for longer.
+    At least timeout_s. None: no budget (a call may take len(responses) * timeout_s / num_workers)."""
+    max_processes: int = Field(4, ge=1, le=4096)
+    """RLIMIT_NPROC of each checker process: tasks (processes and threads), the checker itself included. Counted
+    per checker when the verifier runs as root (a uid of its own) or can make user namespaces; else over every
+    task of the verifier's user. A check needs 1; a fork bomb stops here."""
+    sandbox_uid_base: int = Field(1_900_000_000, ge=1000, le=2**31 - 1 - 4096)
+    """When the verifier runs as root, each checker runs as a uid (and gid) of its own, leased from
+    [sandbox_uid_base, sandbox_uid_base + 4096): no account and no other program on the machine may use that
+    range. The default lies in the range systemd leaves unused; in a rootless container pick a mapped range."""
 
     @model_validator(mode="after")
     def _check(self) -> VerifierConfig:
         if self.reward_correct <= self.reward_incorrect:
             raise ValueError("reward_correct must be greater than reward_incorrect")
+        if self.message_budget_s is not None and self.message_budget_s < self.timeout_s:
+            raise ValueError(f"message_budget_s ({self.message_budget_s}) is below timeout_s ({self.timeout_s}): "
+                             "no check could use its own time limit")
         return self
 
 
@@ -403,6 +431,64 @@ class ClusterReplayConfig(_Section):
     """Replay store's fsync policy (see async_vapo.replay.store)."""
 
 
+class SecurityConfig(_Section):
+    """Authentication and encryption of every ZeroMQ socket (``async_vapo.transport.security``)."""
+
+    curve: bool = True
+    """CURVE on every socket, each admitting only its peer role's keys (start_cluster.sh makes the keys)."""
+    keys_dir: str | None = None
+    """Where the cluster's keys are (None: RUN_DIR/keys, where start_cluster.sh creates them)."""
+    allow_plaintext: bool = False
+    """Permit ``curve = false`` while binding beyond loopback (anyone who reaches the ports can then feed the
+    replay, steal batches and download the weights)."""
+
+
+class MetricsHttpConfig(_Section):
+    """Every service's /metrics and /health server (``async_vapo.metrics.prom.MetricsServer``), and how Prometheus
+    and start_cluster.sh's health checks reach it (the rendered scrape config, ``wait-health``)."""
+    request_timeout_s: float = Field(5.0, gt=0, le=300)
+    """A client must send its whole request (TLS handshake included) within this long of connecting, and take the
+    answer within as long again; else it is disconnected (``http_rejects_total{reason="timeout"}``)."""
+    max_connections: int = Field(64, ge=1, le=10000)
+    """Connections served at once; one more is reset as soon as it is accepted (``reason="capacity"``), so stalled
+    clients hold at most this many descriptors, and no thread, for at most request_timeout_s."""
+    tls_cert: str | None = None
+    """PEM certificate (chain) to serve HTTPS with, on every host (with tls_key); None: plain HTTP. Its
+    subjectAltName must name the hosts as Prometheus and the health checks reach them (cluster.hosts)."""
+    tls_key: str | None = None
+    """PEM private key of tls_cert."""
+    tls_ca_file: str | None = None
+    """With TLS: the CA (for a self-signed certificate, the certificate itself) that Prometheus and the health
+    checks verify the services' certificate with. None: the connection is encrypted but the server unverified
+    (Prometheus' insecure_skip_verify)."""
+    basic_auth_user: str | None = None
+    """HTTP basic auth on every path, /health included (with basic_auth_password_sha256); None: no authentication.
+    Without TLS the password crosses the network in clear."""
+    basic_auth_password_sha256: str | None = None
+    """Hex SHA-256 of the password (``tr -d '\\n' < FILE | sha256sum``): all the services hold. Use a long random
+    password (``openssl rand -hex 32 > FILE``): an unsalted hash only keeps it out of the config file."""
+    basic_auth_password_file: str | None = None
+    """File holding the password itself (surrounding whitespace ignored) on the host that runs start_cluster.sh and
+    Prometheus: the rendered scrape config's password_file and the health checks read it. Required with basic auth."""
+
+    @model_validator(mode="after")
+    def _check(self) -> MetricsHttpConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        if self.tls_ca_file is not None and self.tls_cert is None:
+            raise ValueError("tls_ca_file without tls_cert: the servers speak plain HTTP")
+        auth = (self.basic_auth_user, self.basic_auth_password_sha256, self.basic_auth_password_file)
+        if any(x is not None for x in auth) and any(x is None for x in auth):
+            raise ValueError("basic auth needs basic_auth_user, basic_auth_password_sha256 and "
+                             "basic_auth_password_file")
+        if self.basic_auth_user is not None and (not self.basic_auth_user or ":" in self.basic_auth_user):
+            raise ValueError("basic_auth_user must be non-empty and hold no ':'")
+        digest = self.basic_auth_password_sha256
+        if digest is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", digest):
+            raise ValueError("basic_auth_password_sha256 must be 64 hex digits (a SHA-256)")
+        return self
+
+
 class DeployConfig(_Section):
     """start_cluster.sh / stop_cluster.sh, and the supervision of the services they start (one supervisord per
     host, ``async_vapo.cluster.supervise``; restarts and the crash-loop limit by ``async_vapo.cluster.crashloop``)."""
@@ -483,13 +569,16 @@ class ClusterConfig(_Section):
     wire: WireConfig = WireConfig()
     rollout: ClusterRolloutConfig = ClusterRolloutConfig()
     replay: ClusterReplayConfig = ClusterReplayConfig()
+    metrics_http: MetricsHttpConfig = MetricsHttpConfig()
     deploy: DeployConfig = DeployConfig()
+    security: SecurityConfig = SecurityConfig()
 
     @model_validator(mode="before")
     @classmethod
     def _legacy_flat_keys(cls, data):
         if not isinstance(data, dict):
             return data
+
         data = dict(data)
         for key in [k for k in data if k in LEGACY_CLUSTER_KEYS]:
             section, name = LEGACY_CLUSTER_KEYS[key]
@@ -500,6 +589,16 @@ class ClusterConfig(_Section):
             sub[name] = data.pop(key)
             data[section] = sub
         return data
+
+    @model_validator(mode="after")
+    def _no_silent_plaintext(self) -> ClusterConfig:
+        host = self.hosts.bind_host
+        loopback = host == "localhost" or host.startswith("127.") or host == "::1"
+        if not self.security.curve and not loopback and not self.security.allow_plaintext:
+            raise ValueError(f"cluster.security.curve = false while binding {host}: anyone who reaches these ports "
+                             "could feed the replay, request batches and download the weights; keep curve on, or "
+                             "set cluster.security.allow_plaintext = true to accept that")
+        return self
 
 
 class TrainConfig(_Section):

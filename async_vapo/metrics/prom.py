@@ -16,26 +16,38 @@ metric. The per-service sets (:class:`RolloutMetrics`, :class:`VerifierMetrics`,
 
 Always present on every service: process CPU seconds / resident memory (prometheus_client's
 ``ProcessCollector`` under the service prefix), ``process_cpu_ratio``, ``up``, ``info`` and
-``wire_rejects_total{reason}``. GPU utilisation and memory per device come from NVML (``nvidia-ml-py``)
+``wire_rejects_total{reason}``; with a :class:`MetricsServer`, also ``http_connections`` and
+``http_rejects_total{reason}``. GPU utilisation and memory per device come from NVML (``nvidia-ml-py``)
 and are only registered when a GPU is visible; on a CPU machine they are absent, not zero.
 
-:class:`MetricsServer` serves the registry on a daemon ``ThreadingHTTPServer``: ``/metrics`` in the
-Prometheus text format, ``/health`` as JSON (HTTP 200 when the status is ``ok``, 503 otherwise).
+:class:`MetricsServer` serves the registry: ``/metrics`` in the Prometheus text format, ``/health`` as JSON
+(HTTP 200 when the status is ``ok``, 503 otherwise), from an asyncio loop on one daemon thread. What a client
+can cost it is bounded (see the class): no thread per connection, at most ``max_connections`` descriptors, each
+for at most twice ``request_timeout_s``; optional TLS and HTTP basic auth.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import binascii
+import hashlib
+import hmac
 import json
 import logging
 import os
 import platform
+import queue
 import re
+import socket
+import ssl
 import string
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -156,7 +168,7 @@ class RolloutMetrics:
 class VerifierMetrics:
     """Sandboxed answer checker."""
 
-    checks_total: Counter  # labels: reason (the verdict: correct, incorrect, no_answer, timeout, error, ...)
+    checks_total: Counter  # labels: reason (the verdict: one of async_vapo.verify.REASONS)
     timeouts_total: Counter
     rejects_total: Counter  # labels: reason (requests refused before checking: oversize, bad message, ...)
     queue_depth: Gauge
@@ -473,76 +485,154 @@ class ServiceMetrics:
         return generate_latest(_WithoutCreated(self.registry))
 
 
+HTTP_REJECT_REASONS = ("capacity", "timeout", "malformed", "unauthorized", "tls")
+"""``http_rejects_total{reason}``: connection over ``max_connections`` (closed at accept), no complete request
+(or response taken) within ``request_timeout_s``, not a well-formed GET/HEAD, wrong or missing credentials,
+failed TLS handshake."""
+
+_MAX_HEAD_BYTES = 8192  # request line and headers
+_MAX_HEADERS = 64
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class _Request:
+    method: str
+    path: str
+    headers: dict[str, str]
+
+
+class _BadRequest(Exception):
+    def __init__(self, status: HTTPStatus):
+        self.status = status
+
+
+def _parse_head(head: bytes) -> _Request:
+    """The request line and headers of an HTTP/1.x request (``head`` ends with the blank line)."""
+    try:
+        lines = head[:-4].decode("ascii").split("\r\n")
+    except UnicodeDecodeError:
+        raise _BadRequest(HTTPStatus.BAD_REQUEST) from None
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not re.fullmatch(r"HTTP/1\.[01]", parts[2]) or not parts[0].isalpha():
+        raise _BadRequest(HTTPStatus.BAD_REQUEST)
+    if len(lines) - 1 > _MAX_HEADERS:
+        raise _BadRequest(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE)
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if not sep or not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", name) or name.lower() in headers:
+            raise _BadRequest(HTTPStatus.BAD_REQUEST)  # repeated headers too: no guessing which one counts
+        headers[name.lower()] = value.strip(" \t")
+    if headers.get("content-length", "0") != "0" or "transfer-encoding" in headers:
+        raise _BadRequest(HTTPStatus.BAD_REQUEST)  # GET and HEAD carry no body
+    return _Request(parts[0], urlsplit(parts[1]).path, headers)
+
+
 class MetricsServer:
-    """``/metrics`` and ``/health`` of one :class:`ServiceMetrics` on a background daemon thread.
+    """``/metrics`` and ``/health`` of one :class:`ServiceMetrics`, served by an asyncio loop on one daemon thread.
 
-    ``port=0`` binds a free port; :meth:`start` returns the bound one."""
+    ``port=0`` binds a free port; :meth:`start` returns the bound one. It binds ``host`` only. Per connection,
+    whatever the client does:
 
-    def __init__(self, metrics: ServiceMetrics, host: str = "127.0.0.1", port: int = 0):
+    * one request (answered with ``Connection: close``): GET or HEAD, no body, request line and headers at
+      most 8 KiB, arriving complete (TLS handshake included) within ``request_timeout_s`` of the connection;
+      the response must be taken within ``request_timeout_s`` as well. Past either, the connection is closed
+      and counted (``http_rejects_total{reason="timeout"}``), so a client that connects and sends nothing
+      holds one descriptor for ``request_timeout_s`` and no thread;
+    * at most ``max_connections`` are open at once: one more is closed as soon as it is accepted, before any
+      TLS or HTTP (``reason="capacity"``). Stalled clients therefore hold at most ``max_connections``
+      descriptors, far below the process's limit, and once they time out ``/health`` answers again;
+    * TLS (``tls_cert`` + ``tls_key``, TLS 1.2 or newer) and HTTP basic auth (``basic_auth_user`` +
+      ``basic_auth_password_sha256``, the hex SHA-256 of the password; user and digest compared in constant
+      time) are optional. With auth, every path, ``/health`` included, answers 401 without the right
+      credentials (``reason="unauthorized"``). Without TLS the password crosses the network in clear.
+
+    ``/metrics`` is rendered on a separate thread, so a collector that blocks (NVML on a lost GPU) delays
+    only ``/metrics`` (503 after ``request_timeout_s``), never ``/health``.
+    """
+
+    def __init__(self, metrics: ServiceMetrics, host: str = "127.0.0.1", port: int = 0, *,
+                 request_timeout_s: float = 5.0, max_connections: int = 64, tls_cert: str | Path | None = None,
+                 tls_key: str | Path | None = None, basic_auth_user: str | None = None,
+                 basic_auth_password_sha256: str | None = None):
+        if not request_timeout_s > 0 or max_connections < 1:
+            raise ValueError("request_timeout_s must be > 0 and max_connections >= 1")
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("TLS needs both tls_cert and tls_key")
+        if (basic_auth_user is None) != (basic_auth_password_sha256 is None):
+            raise ValueError("basic auth needs both basic_auth_user and basic_auth_password_sha256")
         self.metrics, self.host, self.port = metrics, host, port
-        self._httpd: ThreadingHTTPServer | None = None
+        self.request_timeout_s, self.max_connections = float(request_timeout_s), max_connections
+        self.tls_cert, self.tls_key = tls_cert, tls_key
+        self._auth: tuple[bytes, bytes] | None = None
+        if basic_auth_user is not None and basic_auth_password_sha256 is not None:
+            digest = basic_auth_password_sha256.lower()
+            if not basic_auth_user or ":" in basic_auth_user or not _SHA256_HEX.match(digest):
+                raise ValueError("basic_auth_user must be non-empty without ':' and basic_auth_password_sha256 "
+                                 "64 hex digits")
+            self._auth = (basic_auth_user.encode(), digest.encode())
+        self.rejects = metrics.counter("http_rejects_total", "Connections to /metrics and /health closed without "
+                                       "an answer or answered 4xx, by reason.", labels=("reason",))
+        for reason in HTTP_REJECT_REASONS:  # every series from the start: an absent one would read as "never"
+            self.rejects.labels(reason=reason)
+        self.connections = metrics.gauge("http_connections", "Connections to /metrics and /health open now.")
+        self._open = 0  # touched on the loop's thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._sock: socket.socket | None = None
+        self._tls: ssl.SSLContext | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._render_queue: queue.SimpleQueue[asyncio.Future | None] = queue.SimpleQueue()
+        self._rendering: asyncio.Future | None = None
+
+    @classmethod
+    def from_config(cls, metrics: ServiceMetrics, http, host: str, port: int) -> MetricsServer:
+        """The server of a ``cluster.metrics_http`` section (``MetricsHttpConfig``) on ``host:port``."""
+        return cls(metrics, host, port, request_timeout_s=http.request_timeout_s,
+                   max_connections=http.max_connections, tls_cert=http.tls_cert, tls_key=http.tls_key,
+                   basic_auth_user=http.basic_auth_user, basic_auth_password_sha256=http.basic_auth_password_sha256)
 
     def set_health(self, **fields: Any) -> None:
         self.metrics.set_health(**fields)
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{'https' if self.tls_cert else 'http'}://{host}:{self.port}"
 
     def start(self) -> int:
-        if self._httpd is not None:
+        """Bind and serve; raises here (not on the thread) for an address in use or unusable TLS files."""
+        if self._thread is not None:
             raise RuntimeError("MetricsServer already started")
-        metrics = self.metrics
-
-        class Handler(BaseHTTPRequestHandler):
-            def _send(self, code: int, body: bytes, content_type: str, head: bool = False) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                if not head:
-                    try:
-                        self.wfile.write(body)
-                    except (BrokenPipeError, ConnectionResetError):  # the scraper gave up (its timeout): not ours
-                        pass
-
-            def _route(self, head: bool) -> None:
-                path = urlsplit(self.path).path
-                if path == "/metrics":
-                    self._send(200, metrics.exposition(), CONTENT_TYPE_LATEST, head)
-                elif path == "/health":
-                    doc = metrics.health()
-                    self._send(200 if doc["status"] == "ok" else 503, json.dumps(doc).encode(),
-                               "application/json", head)
-                else:
-                    self._send(404, b"not found: try /metrics or /health\n", "text/plain; charset=utf-8", head)
-
-            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-                self._route(head=False)
-
-            def do_HEAD(self) -> None:  # noqa: N802
-                self._route(head=True)
-
-            def log_message(self, format: str, *args: Any) -> None:  # scrapes every few seconds: keep stderr quiet
-                log.debug("%s %s", self.address_string(), format % args)
-
-        self._httpd = ThreadingHTTPServer((self.host, self.port), Handler)
-        self._httpd.daemon_threads = True
-        self.port = self._httpd.server_address[1]
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1},
-                                        name=f"metrics-{metrics.service}-{metrics.instance}", daemon=True)
+        tls = None
+        if self.tls_cert is not None:
+            tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            tls.minimum_version = ssl.TLSVersion.TLSv1_2
+            tls.load_cert_chain(str(self.tls_cert), str(self.tls_key))
+        sock = socket.create_server((self.host, self.port), family=socket.AF_INET6 if ":" in self.host
+                                    else socket.AF_INET, backlog=128)
+        sock.setblocking(False)
+        self.port = sock.getsockname()[1]
+        self._sock, self._tls = sock, tls
+        self._loop = loop = asyncio.new_event_loop()
+        loop.add_reader(sock.fileno(), self._accept)
+        name = f"metrics-{self.metrics.service}-{self.metrics.instance}"
+        self._render_queue = queue.SimpleQueue()
+        # Daemon threads: neither a stuck collector nor the loop may keep the process from exiting.
+        threading.Thread(target=self._render_forever, args=(loop, self._render_queue), daemon=True,
+                         name=f"{name}-render").start()
+        self._thread = threading.Thread(target=self._run, args=(loop,), daemon=True, name=name)
         self._thread.start()
         return self.port
 
     def stop(self) -> None:
-        if self._httpd is None:
+        if self._thread is None or self._loop is None:
             return
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        self._httpd, self._thread = None, None
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
+        self._thread.join(timeout=5)
+        self._render_queue.put(None)
+        self._thread, self._loop = None, None
 
     def __enter__(self) -> MetricsServer:
         self.start()
@@ -550,6 +640,193 @@ class MetricsServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def _render_forever(self, loop: asyncio.AbstractEventLoop, jobs: queue.SimpleQueue) -> None:
+        """Render the exposition for each future queued by the loop, and settle it on the loop."""
+        while (future := jobs.get()) is not None:
+            try:
+                body, error = self.metrics.exposition(), None
+            except Exception as e:
+                body, error = b"", e
+            try:
+                loop.call_soon_threadsafe(_settle, future, body, error)
+            except RuntimeError:  # the loop is closed: the server stopped
+                return
+
+    # -- on the loop's thread ------------------------------------------------------------------------------
+
+    def _run(self, loop: asyncio.AbstractEventLoop) -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+            loop.run_until_complete(asyncio.sleep(0))  # the aborted transports' close callbacks
+        finally:
+            loop.close()
+
+    async def _exposition(self) -> bytes:
+        """The registry's exposition from the render thread; requests arriving while one is rendered share it, so
+        a collector that hangs holds one render, not one per scrape."""
+        if self._rendering is None or self._rendering.done():
+            self._rendering = asyncio.get_running_loop().create_future()
+            self._render_queue.put(self._rendering)
+        return await asyncio.shield(self._rendering)
+
+    def _accept(self) -> None:
+        """Accept what is pending. Over the cap a connection is reset right here: its descriptor never outlives
+        this call, however many arrive at once."""
+        assert self._loop is not None and self._sock is not None
+        for _ in range(128):
+            try:
+                conn, _addr = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # out of descriptors or memory: the socket stays readable; pause, do not spin
+                log.warning("metrics server: accept failed (%s); pausing 0.1 s", e)
+                self._loop.remove_reader(self._sock.fileno())
+                self._loop.call_later(0.1, self._loop.add_reader, self._sock.fileno(), self._accept)
+                return
+            if self._open >= self.max_connections:
+                self.rejects.labels(reason="capacity").inc()
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST, no TIME_WAIT
+                conn.close()
+                continue
+            self._open += 1
+            self.connections.set(self._open)
+            task = self._loop.create_task(self._connection(conn))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _shutdown(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._sock is not None:
+            loop.remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        loop.stop()
+
+    async def _connection(self, conn: socket.socket) -> None:
+        streams: list[asyncio.StreamWriter] = []  # the writer, once the connection (and TLS) is up
+        try:
+            try:  # TLS handshake and request head, under one deadline
+                head = await asyncio.wait_for(self._read_request(conn, streams), self.request_timeout_s)
+            except (ssl.SSLError, ConnectionError) as e:
+                if not streams:
+                    self.rejects.labels(reason="tls").inc()
+                    log.debug("metrics client: TLS handshake failed: %s", e)
+                return
+            except asyncio.TimeoutError:
+                self.rejects.labels(reason="timeout").inc()
+                return
+            except asyncio.IncompleteReadError:
+                return  # closed before a whole request: nobody to answer
+            except asyncio.LimitOverrunError:
+                self.rejects.labels(reason="malformed").inc()
+                await self._respond(streams[0], HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE)
+                return
+            await self._answer(head, streams[0])
+        except (ConnectionError, OSError) as e:  # the client went away mid-answer: its business
+            log.debug("metrics client: %s", e)
+        finally:
+            self._open -= 1
+            self.connections.set(self._open)
+            if streams:
+                await self._close(streams[0])
+            else:
+                conn.close()
+
+    async def _read_request(self, conn: socket.socket, streams: list[asyncio.StreamWriter]) -> bytes:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=_MAX_HEAD_BYTES, loop=loop)
+        protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
+        # The handshake's own timeout is a backstop: the caller's deadline comes first.
+        transport, _ = await loop.connect_accepted_socket(
+            lambda: protocol, conn, ssl=self._tls,
+            ssl_handshake_timeout=self.request_timeout_s + 1 if self._tls is not None else None)
+        streams.append(asyncio.StreamWriter(transport, protocol, reader, loop))
+        return await reader.readuntil(b"\r\n\r\n")
+
+    async def _answer(self, head: bytes, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = _parse_head(head)
+        except _BadRequest as e:
+            self.rejects.labels(reason="malformed").inc()
+            await self._respond(writer, e.status)
+            return
+        if request.method not in ("GET", "HEAD"):
+            self.rejects.labels(reason="malformed").inc()
+            await self._respond(writer, HTTPStatus.METHOD_NOT_ALLOWED, extra={"Allow": "GET, HEAD"})
+            return
+        head_only = request.method == "HEAD"
+        if not self._authorized(request.headers.get("authorization")):
+            self.rejects.labels(reason="unauthorized").inc()
+            await self._respond(writer, HTTPStatus.UNAUTHORIZED, head_only=head_only,
+                                extra={"WWW-Authenticate": 'Basic realm="async-vapo", charset="UTF-8"'})
+            return
+        if request.path == "/metrics":
+            try:
+                body = await asyncio.wait_for(self._exposition(), self.request_timeout_s)
+            except asyncio.TimeoutError:
+                await self._respond(writer, HTTPStatus.SERVICE_UNAVAILABLE, b"metrics collection timed out\n",
+                                    head_only=head_only)
+                return
+            await self._respond(writer, HTTPStatus.OK, body, CONTENT_TYPE_LATEST, head_only)
+        elif request.path == "/health":
+            doc = self.metrics.health()
+            status = HTTPStatus.OK if doc["status"] == "ok" else HTTPStatus.SERVICE_UNAVAILABLE
+            await self._respond(writer, status, json.dumps(doc).encode(), "application/json", head_only)
+        else:
+            await self._respond(writer, HTTPStatus.NOT_FOUND, b"not found: try /metrics or /health\n",
+                                head_only=head_only)
+
+    def _authorized(self, header: str | None) -> bool:
+        if self._auth is None:
+            return True
+        scheme, _, token = (header or "").partition(" ")
+        try:
+            decoded = base64.b64decode(token.strip(), validate=True)
+        except (binascii.Error, ValueError):
+            decoded = b""
+        user, sep, password = decoded.partition(b":")
+        # Both comparisons always run, each in constant time for its length (the digest's is fixed).
+        user_ok = hmac.compare_digest(user, self._auth[0])
+        password_ok = hmac.compare_digest(hashlib.sha256(password).hexdigest().encode(), self._auth[1])
+        return bool(user_ok & password_ok) and sep == b":" and scheme.lower() == "basic"
+
+    async def _respond(self, writer: asyncio.StreamWriter, status: HTTPStatus, body: bytes | None = None,
+                       content_type: str = "text/plain; charset=utf-8", head_only: bool = False,
+                       extra: Mapping[str, str] | None = None) -> None:
+        if body is None:
+            body = f"{status.value} {status.phrase}\n".encode()
+        lines = [f"HTTP/1.1 {status.value} {status.phrase}", f"Content-Type: {content_type}",
+                 f"Content-Length: {len(body)}", "Connection: close", *(f"{k}: {v}" for k, v in (extra or {}).items())]
+        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (b"" if head_only else body))
+        try:
+            await asyncio.wait_for(writer.drain(), self.request_timeout_s)
+        except asyncio.TimeoutError:
+            self.rejects.labels(reason="timeout").inc()
+
+    async def _close(self, writer: asyncio.StreamWriter) -> None:
+        """Close gracefully (what was written is sent, a TLS close_notify too) within a second, else reset."""
+        try:
+            writer.close()
+            await asyncio.wait_for(writer.wait_closed(), 1.0)
+        except (asyncio.TimeoutError, ConnectionError, OSError, ssl.SSLError):
+            writer.transport.abort()
+        except asyncio.CancelledError:
+            writer.transport.abort()
+            raise
+
+
+def _settle(future: asyncio.Future, body: bytes, error: Exception | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(body)
+    else:
+        future.set_exception(error)
 
 
 # -- Prometheus scrape configuration (deploy/prometheus/prometheus.yml.tmpl) ---------------------------
@@ -575,12 +852,30 @@ def write_file_sd_targets(path: str | Path, targets: Mapping[str, Sequence[str]]
 
 
 def render_prometheus_config(template: str | Path, out: str | Path, *, targets_file: str = "targets.json",
-                             scrape_interval: str = "5s", scrape_timeout: str = "4s", run_name: str = "async-vapo"
-                             ) -> Path:
+                             scrape_interval: str = "5s", scrape_timeout: str = "4s", run_name: str = "async-vapo",
+                             tls: bool = False, tls_ca_file: str | None = None, basic_auth_user: str | None = None,
+                             basic_auth_password_file: str | None = None) -> Path:
     """Fill the ``string.Template`` placeholders of ``prometheus.yml.tmpl`` and write ``out``.
-    A relative ``targets_file`` is resolved by Prometheus against the directory of ``out``."""
+    A relative ``targets_file`` (or CA / password file) is resolved by Prometheus against the directory of ``out``.
+
+    ``tls``: the services serve HTTPS (scheme https; verified against ``tls_ca_file``, or not verified at all
+    without one); ``basic_auth_user`` with ``basic_auth_password_file`` (the password itself, which Prometheus
+    reads at each scrape): the credentials the services require."""
+    if (basic_auth_user is None) != (basic_auth_password_file is None):
+        raise ValueError("basic auth needs both basic_auth_user and basic_auth_password_file")
+    if tls_ca_file is not None and not tls:
+        raise ValueError("tls_ca_file without tls")
+    client: list[str] = []
+    if tls:
+        client.append("tls_config:")
+        client.append(f"  ca_file: {json.dumps(tls_ca_file)}" if tls_ca_file is not None
+                      else "  insecure_skip_verify: true  # no CA configured: encrypted, the server unverified")
+    if basic_auth_user is not None:
+        client += ["basic_auth:", f"  username: {json.dumps(basic_auth_user)}",
+                   f"  password_file: {json.dumps(basic_auth_password_file)}"]  # JSON strings are YAML scalars
     text = string.Template(Path(template).read_text()).substitute(
-        targets_file=targets_file, scrape_interval=scrape_interval, scrape_timeout=scrape_timeout, run_name=run_name)
+        targets_file=targets_file, scrape_interval=scrape_interval, scrape_timeout=scrape_timeout, run_name=run_name,
+        scheme="https" if tls else "http", http_client="".join(f"    {line}\n" for line in client))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)

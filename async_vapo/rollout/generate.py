@@ -17,21 +17,50 @@ from async_vapo.tasks.base import Problem
 
 
 class PromptEncoder:
-    """Problem -> prompt token ids (``task.prompt_template`` filled with the problem), cached by uid; and
-    response ids -> text for the verifier."""
+    """Problem -> prompt token ids, cached by uid; and response ids -> text for the verifier.
 
-    def __init__(self, tokenizer, template: str = "{prompt}"):
+    ``raw``: ``template`` filled with the problem's prompt, tokenised. ``chat``: the tokenizer's chat template
+    over the problem's own messages (or one user message made from ``template``), a system message first when
+    ``system_prompt`` is given and the problem has none, the assistant's turn opened; the rendered text is
+    tokenised without adding special tokens again (the template writes them)."""
+
+    def __init__(self, tokenizer, template: str = "{prompt}", *, prompt_format: str = "raw",
+                 system_prompt: str | None = None):
+        if prompt_format not in ("raw", "chat"):
+            raise ValueError(f"prompt_format must be 'raw' or 'chat', got {prompt_format!r}")
+        if prompt_format == "chat" and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("task.prompt_format = 'chat', but the tokenizer has no chat template: use 'raw' "
+                             "(with task.prompt_template) or a model directory whose tokenizer_config.json has one")
         self.tokenizer, self.template = tokenizer, template
+        self.prompt_format, self.system_prompt = prompt_format, system_prompt
         self.cache: dict[str, list[int]] = {}
 
     @classmethod
     def from_config(cls, cfg: Config, tokenizer) -> PromptEncoder:
-        return cls(tokenizer, cfg.task.prompt_template)
+        t = cfg.task
+        return cls(tokenizer, t.prompt_template, prompt_format=t.prompt_format, system_prompt=t.system_prompt)
+
+    def messages(self, p: Problem) -> list[dict[str, str]]:
+        """The chat ``p`` is rendered from (``chat`` format)."""
+        msgs = [{"role": r, "content": c} for r, c in p.messages] if p.messages else [
+            {"role": "user", "content": self.template.format(prompt=p.prompt)}]
+        if self.system_prompt is not None and msgs[0]["role"] != "system":
+            msgs.insert(0, {"role": "system", "content": self.system_prompt})
+        return msgs
+
+    def render(self, p: Problem) -> str:
+        """The prompt text the model sees."""
+        if self.prompt_format == "raw":
+            return self.template.format(prompt=p.prompt)
+        return self.tokenizer.apply_chat_template(self.messages(p), add_generation_prompt=True, tokenize=False)
 
     def __call__(self, p: Problem) -> list[int]:
         ids = self.cache.get(p.uid)
         if ids is None:
-            ids = self.tokenizer(self.template.format(prompt=p.prompt)).input_ids
+            if self.prompt_format == "raw":
+                ids = self.tokenizer(self.render(p)).input_ids
+            else:
+                ids = self.tokenizer(self.render(p), add_special_tokens=False).input_ids
             self.cache[p.uid] = ids
         return ids
 
@@ -45,6 +74,30 @@ class PromptEncoder:
     @property
     def eos_id(self) -> int:
         return self.tokenizer.eos_token_id
+
+    @property
+    def stop_ids(self) -> list[int]:
+        """Where a response ends, stated explicitly to the engine (it runs without a tokenizer): the tokenizer's
+        EOS and every ``eos_token_id`` of the model's ``generation_config.json`` (instruct models end a turn
+        with a token other than their tokenizer's EOS, e.g. ``<|im_end|>``)."""
+        ids = stop_token_ids(self.tokenizer)
+        if not ids:
+            raise ValueError("the tokenizer and generation config name no EOS token: responses would never stop")
+        return ids
+
+
+def stop_token_ids(tokenizer, model_dir: str | None = None) -> list[int]:
+    """The tokenizer's EOS id and the ``eos_token_id`` (an int or a list) of ``generation_config.json`` in
+    ``model_dir`` (default: the directory the tokenizer was loaded from), without duplicates."""
+    import json
+    from pathlib import Path
+
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    path = Path(model_dir or getattr(tokenizer, "name_or_path", "") or ".") / "generation_config.json"
+    if path.is_file():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        ids += [eos] if isinstance(eos, int) else [i for i in (eos or []) if isinstance(i, int)]
+    return list(dict.fromkeys(ids))
 
 
 def generate_groups(engine, encode: Callable[[Problem], list[int]], problems: Sequence[Problem], *, version: int,
@@ -61,11 +114,13 @@ def generate_groups(engine, encode: Callable[[Problem], list[int]], problems: Se
             for p, ids, samples in zip(problems, prompts, outs, strict=True)]
 
 
-def score_groups(groups: Sequence[Group], verifier, decode: Callable[[Sequence[int]], str]) -> list:
+def score_groups(groups: Sequence[Group], verifier, decode: Callable[[Sequence[int]], str], *,
+                 budget_s: float | None = None) -> list:
     """Grade every sample with ``verifier`` (a VerifierPool), filling reward, correct and verdict in place;
-    returns the pool's results in sample order."""
+    returns the pool's results in sample order. ``budget_s``: wall-clock budget of the whole call (None: the
+    pool's default)."""
     items = [(decode(s.response_ids), g.answer) for g in groups for s in g.samples]
-    results = verifier.verify(items)
+    results = verifier.verify(items, budget_s=budget_s)
     it = iter(results)
     for g in groups:
         for s in g.samples:
@@ -88,7 +143,7 @@ class Rollout:
         t0 = time.perf_counter()
         groups = generate_groups(self.engine, self.encoder, problems, version=self.engine.version, n=n,
                                  temperature=temperature, top_p=top_p, max_tokens=self.cfg.rollout.max_response_tokens,
-                                 stop_token_ids=[self.encoder.eos_id], seed=seed)
+                                 stop_token_ids=self.encoder.stop_ids, seed=seed)
         t1 = time.perf_counter()
         score_groups(groups, self.verifier, self.encoder.decode)
         t2 = time.perf_counter()

@@ -34,6 +34,9 @@ class Problem:
     prompt: str
     answer: str
     meta: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    messages: tuple[tuple[str, str], ...] | None = None
+    """The record's whole chat, as ``(role, content)`` pairs, when it came as a message list (DAPO-Math-17k,
+    verl); ``prompt`` is then its last user message. ``task.prompt_format = "chat"`` renders all of it."""
 
     def __post_init__(self) -> None:
         for name in ("uid", "prompt", "answer"):

@@ -4,7 +4,8 @@ Layouts recognised when no keys are given (decided from the first record, then r
 
 * flat: ``{"prompt": str, "answer": str}``;
 * DAPO-Math-17k / verl: ``prompt`` is a list of chat messages (the last ``user`` message's content
-  is the prompt) and the answer is ``reward_model.ground_truth``;
+  is the prompt, and the whole list is kept in ``Problem.messages`` for the chat template) and the answer
+  is ``reward_model.ground_truth``;
 * AIME: ``{"Problem" | "problem": str, "Answer" | "answer": str | int}``.
 
 Explicit ``prompt_key`` / ``answer_key`` may be dotted paths into nested objects
@@ -64,6 +65,22 @@ def _detect(record: Mapping[str, Any], candidates: tuple[str, ...], what: str, w
         f"{where}: no {what} field found (looked for {', '.join(map(repr, candidates))}; "
         f"record keys: {sorted(record)}); pass {what}_key= to name it"
     )
+
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def _messages(value: Any, key: str, where: str) -> tuple[tuple[str, str], ...] | None:
+    """A message list as ``(role, content)`` pairs (None for a plain prompt); every message checked."""
+    if not isinstance(value, list):
+        return None
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, Mapping) or m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), str):
+            raise ProblemFileError(f"{where}: field {key!r}: message {i} must be {{'role': one of {CHAT_ROLES}, "
+                                   f"'content': str}}, got {m!r}"[:300])
+        out.append((m["role"], m["content"]))
+    return tuple(out)
 
 
 def _prompt_text(value: Any, key: str, where: str) -> str:
@@ -170,7 +187,8 @@ def load_problems(
             (str(v) for v in (_get(record, k) for k in ID_KEYS) if v is not _MISSING and v is not None),
             prompt_uid(prompt),
         )
-        problems.append(Problem(uid=uid, prompt=prompt, answer=answer, meta={"path": str(path), "row": row}))
+        problems.append(Problem(uid=uid, prompt=prompt, answer=answer, meta={"path": str(path), "row": row},
+                                messages=_messages(values[prompt_key], prompt_key, where)))
         if limit is not None and len(problems) >= limit:
             break
     if not problems:

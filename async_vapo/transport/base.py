@@ -247,27 +247,50 @@ class Replier(_Endpoint):
 class Transport(ABC):
     """Factory of the endpoints of one transport; ``close`` closes every endpoint it made.
 
+    ``peer``: the role at the other end of the socket (replay, verifier, rollout, learner): for a socket that
+    binds, the only role allowed to connect; for one that connects, the role of the server it trusts. A
+    transport that authenticates (ZeroMQ with CURVE, ``transport.security``) enforces it; one that does not
+    (in-process) ignores it.
+
     ``endpoint`` strings are transport addresses ("tcp://127.0.0.1:5555", "ipc:///tmp/x"); a trailing
     ``*`` asks for a free one (random port), and the bound object's ``endpoint`` reports it.
     """
 
     @abstractmethod
-    def sender(self, endpoint: str, *, bind: bool = False, hwm: int = DEFAULT_HWM) -> Sender: ...
+    def sender(
+        self, endpoint: str, *, bind: bool = False, hwm: int = DEFAULT_HWM,
+        peer: str | None = None,
+    ) -> Sender: ...
 
     @abstractmethod
-    def receiver(self, endpoint: str, *, decoder: Decoder, bind: bool = True, hwm: int = DEFAULT_HWM) -> Receiver: ...
+    def receiver(
+        self, endpoint: str, *, decoder: Decoder, bind: bool = True, hwm: int = DEFAULT_HWM,
+        peer: str | None = None,
+    ) -> Receiver: ...
 
     @abstractmethod
-    def requester(self, endpoint: str, *, decoder: Decoder, name: str, hwm: int = DEFAULT_HWM) -> Requester: ...
+    def requester(
+        self, endpoint: str, *, decoder: Decoder, name: str, hwm: int = DEFAULT_HWM,
+        peer: str | None = None,
+    ) -> Requester: ...
 
     @abstractmethod
-    def replier(self, endpoint: str, *, decoder: Decoder, name: str, hwm: int = DEFAULT_HWM) -> Replier: ...
+    def replier(
+        self, endpoint: str, *, decoder: Decoder, name: str, hwm: int = DEFAULT_HWM,
+        peer: str | None = None,
+    ) -> Replier: ...
 
     @abstractmethod
-    def publisher(self, endpoint: str, *, hwm: int = DEFAULT_HWM) -> Publisher: ...
+    def publisher(
+        self, endpoint: str, *, hwm: int = DEFAULT_HWM,
+        peer: str | None = None,
+    ) -> Publisher: ...
 
     @abstractmethod
-    def subscriber(self, endpoint: str, *, decoder: Decoder, hwm: int = DEFAULT_HWM) -> Subscriber: ...
+    def subscriber(
+        self, endpoint: str, *, decoder: Decoder, hwm: int = DEFAULT_HWM,
+        peer: str | None = None,
+    ) -> Subscriber: ...
 
     @abstractmethod
     def close(self) -> None: ...

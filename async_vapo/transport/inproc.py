@@ -285,26 +285,40 @@ class InprocTransport(Transport):
         return obj
 
     # the Transport interface
-    def sender(self, endpoint: str, *, bind: bool = False, hwm: int = DEFAULT_HWM) -> InprocSender:
+    def sender(
+        self, endpoint: str, *, bind: bool = False, hwm: int = DEFAULT_HWM,
+        peer: str | None = None,
+    ) -> InprocSender:
         return self._keep(InprocSender(self, endpoint, bind, hwm))
 
     def receiver(
-        self, endpoint: str, *, decoder: Decoder, bind: bool = True, hwm: int = DEFAULT_HWM
+        self, endpoint: str, *, decoder: Decoder, bind: bool = True, hwm: int = DEFAULT_HWM,
+        peer: str | None = None,
     ) -> InprocReceiver:
         return self._keep(InprocReceiver(self, endpoint, decoder, bind, hwm))
 
     def requester(
-        self, endpoint: str, *, decoder: Decoder, name: str, hwm: int = DEFAULT_HWM
+        self, endpoint: str, *, decoder: Decoder, name: str, hwm: int = DEFAULT_HWM,
+        peer: str | None = None,
     ) -> InprocRequester:
         return self._keep(InprocRequester(self, endpoint, decoder, name, hwm))
 
-    def replier(self, endpoint: str, *, decoder: Decoder, name: str, hwm: int = DEFAULT_HWM) -> InprocReplier:
+    def replier(
+        self, endpoint: str, *, decoder: Decoder, name: str, hwm: int = DEFAULT_HWM,
+        peer: str | None = None,
+    ) -> InprocReplier:
         return self._keep(InprocReplier(self, endpoint, decoder, name, hwm))
 
-    def publisher(self, endpoint: str, *, hwm: int = DEFAULT_HWM) -> InprocPublisher:
+    def publisher(
+        self, endpoint: str, *, hwm: int = DEFAULT_HWM,
+        peer: str | None = None,
+    ) -> InprocPublisher:
         return self._keep(InprocPublisher(self, endpoint, hwm))
 
-    def subscriber(self, endpoint: str, *, decoder: Decoder, hwm: int = DEFAULT_HWM) -> InprocSubscriber:
+    def subscriber(
+        self, endpoint: str, *, decoder: Decoder, hwm: int = DEFAULT_HWM,
+        peer: str | None = None,
+    ) -> InprocSubscriber:
         return self._keep(InprocSubscriber(self, endpoint, decoder, hwm))
 
     def close(self) -> None:

@@ -76,6 +76,7 @@ from async_vapo.transport.messages import (
     WeightsAnnounce,
     encode,
 )
+from async_vapo.transport.security import Security
 
 ZMTP_HEARTBEAT_IVL_MS = 1000
 ZMTP_HEARTBEAT_TIMEOUT_MS = 3000
@@ -92,8 +93,9 @@ limit still reaches the decoder and is counted ("oversized"); a larger one never
 disconnects its sender, which reconnects)."""
 
 
-XPUB_MAX_SUBSCRIPTION_BYTES = 256
-"""Largest subscription message a publisher accepts (its subscribers subscribe to everything: 1 byte)."""
+XPUB_MAX_SUBSCRIPTION_BYTES = 4096
+"""Largest message a publisher accepts from a subscriber: its subscribers subscribe to everything (1 byte), and
+the CURVE handshake's INITIATE command (a few hundred bytes) is bounded by the same limit."""
 
 
 def frame_cap(decoder: Decoder) -> int:
@@ -145,8 +147,13 @@ def _ms(seconds: float) -> int:
     return max(0, math.ceil(seconds * 1000))
 
 
-def _attach(sock: zmq.Socket, endpoint: str, do_bind: bool) -> str:
+def _attach(sock: zmq.Socket, endpoint: str, do_bind: bool, security: Security | None = None,
+            peer: str | None = None) -> str:
+    """Bind or connect ``sock``; under CURVE (``security``) first make it a server admitting only role ``peer``
+    (bind) or a client trusting only role ``peer``'s key (connect)."""
     try:
+        if security is not None:
+            (security.server if do_bind else security.client)(sock, peer)
         return bind(sock, endpoint) if do_bind else connect(sock, endpoint)
     except BaseException:
         sock.close(linger=0)
@@ -191,9 +198,10 @@ def _recv_single(sock: zmq.Socket, decoder: Decoder, timeout_s: float, nparts: i
 
 
 class ZmqSender(Sender):
-    def __init__(self, ctx: zmq.Context, endpoint: str, *, bind: bool = False, hwm: int = DEFAULT_HWM) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, *, bind: bool = False, hwm: int = DEFAULT_HWM,
+                 security: Security | None = None, peer: str | None = None) -> None:
         self._sock = make_socket(ctx, zmq.PUSH, hwm=hwm)
-        self.endpoint = _attach(self._sock, endpoint, bind)
+        self.endpoint = _attach(self._sock, endpoint, bind, security, peer)
 
     def send_frame(self, frame: bytes, timeout_s: float) -> None:
         deadline = time.monotonic() + check_timeout(timeout_s)
@@ -206,11 +214,12 @@ class ZmqSender(Sender):
 
 class ZmqReceiver(Receiver):
     def __init__(
-        self, ctx: zmq.Context, endpoint: str, *, decoder: Decoder, bind: bool = True, hwm: int = DEFAULT_HWM
+        self, ctx: zmq.Context, endpoint: str, *, decoder: Decoder, bind: bool = True, hwm: int = DEFAULT_HWM,
+        security: Security | None = None, peer: str | None = None,
     ) -> None:
         self.decoder = decoder
         self._sock = make_socket(ctx, zmq.PULL, hwm=hwm, max_msg_bytes=frame_cap(decoder))
-        self.endpoint = _attach(self._sock, endpoint, bind)
+        self.endpoint = _attach(self._sock, endpoint, bind, security, peer)
 
     def recv_frame(self, timeout_s: float) -> Frame | None:
         parts = _recv_single(self._sock, self.decoder, timeout_s)
@@ -224,13 +233,14 @@ class ZmqRequester(Requester):
     """DEALER (not REQ): a request that times out leaves no send/recv state machine to wedge."""
 
     def __init__(
-        self, ctx: zmq.Context, endpoint: str, *, decoder: Decoder, name: str, hwm: int = DEFAULT_HWM
+        self, ctx: zmq.Context, endpoint: str, *, decoder: Decoder, name: str, hwm: int = DEFAULT_HWM,
+        security: Security | None = None, peer: str | None = None,
     ) -> None:
         self.name = name
         self.decoder = decoder.with_allowed(Ready)
         self._sock = make_socket(ctx, zmq.DEALER, hwm=hwm, max_msg_bytes=frame_cap(decoder))
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
-        self.endpoint = _attach(self._sock, endpoint, False)
+        self.endpoint = _attach(self._sock, endpoint, False, security, peer)
 
     def _send_request(self, frame: bytes, timeout_s: float) -> bool:
         return send_until(self._sock, [frame], time.monotonic() + timeout_s) is not None
@@ -245,14 +255,15 @@ class ZmqRequester(Requester):
 
 class ZmqReplier(Replier):
     def __init__(
-        self, ctx: zmq.Context, endpoint: str, *, decoder: Decoder, name: str, hwm: int = DEFAULT_HWM
+        self, ctx: zmq.Context, endpoint: str, *, decoder: Decoder, name: str, hwm: int = DEFAULT_HWM,
+        security: Security | None = None, peer: str | None = None,
     ) -> None:
         super().__init__()
         self.name = name
         self.decoder = decoder.with_allowed(Ready)
         self._sock = make_socket(ctx, zmq.ROUTER, hwm=hwm, max_msg_bytes=frame_cap(decoder))
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.endpoint = _attach(self._sock, endpoint, True)
+        self.endpoint = _attach(self._sock, endpoint, True, security, peer)
 
     def _recv_request(self, timeout_s: float) -> tuple[bytes, Frame] | None:
         parts = _recv_single(self._sock, self.decoder, timeout_s, nparts=2)
@@ -280,7 +291,8 @@ class ZmqReplier(Replier):
 class ZmqPublisher(Publisher):
     """XPUB, so subscriptions are visible: they drive the READY handshake and the re-send of the latest."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, *, hwm: int = DEFAULT_HWM) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, *, hwm: int = DEFAULT_HWM,
+                 security: Security | None = None, peer: str | None = None) -> None:
         self.subscribers_seen = 0
         self._latest: bytes | None = None
         # It receives only subscriptions, and ours are to everything (one byte). libzmq keeps subscriptions in a
@@ -288,7 +300,7 @@ class ZmqPublisher(Publisher):
         # process (stack overflow in libzmq's reaper thread) when it disconnected.
         self._sock = make_socket(ctx, zmq.XPUB, hwm=hwm, max_msg_bytes=XPUB_MAX_SUBSCRIPTION_BYTES)
         self._sock.setsockopt(zmq.XPUB_VERBOSE, 1)
-        self.endpoint = _attach(self._sock, endpoint, True)
+        self.endpoint = _attach(self._sock, endpoint, True, security, peer)
 
     def _send(self, frame: bytes) -> None:
         try:
@@ -329,11 +341,12 @@ class ZmqPublisher(Publisher):
 
 
 class ZmqSubscriber(Subscriber):
-    def __init__(self, ctx: zmq.Context, endpoint: str, *, decoder: Decoder, hwm: int = DEFAULT_HWM) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, *, decoder: Decoder, hwm: int = DEFAULT_HWM,
+                 security: Security | None = None, peer: str | None = None) -> None:
         self.decoder = decoder
         self._sock = make_socket(ctx, zmq.SUB, hwm=hwm, max_msg_bytes=frame_cap(decoder))
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self.endpoint = _attach(self._sock, endpoint, False)
+        self.endpoint = _attach(self._sock, endpoint, False, security, peer)
 
     def recv_frame(self, timeout_s: float) -> Frame | None:
         parts = _recv_single(self._sock, self.decoder, timeout_s)
@@ -344,35 +357,46 @@ class ZmqSubscriber(Subscriber):
 
 
 class ZmqTransport(Transport):
-    """Makes ZeroMQ endpoints on one context (default: the process's shared one)."""
+    """Makes ZeroMQ endpoints on one context (default: the process's shared one). With ``security`` every
+    socket is CURVE-authenticated and encrypted, and each one names the role at its other end (``peer``):
+    the role allowed to connect to a bound socket, or the role of the server a socket connects to
+    (``transport.security``). Without it ``peer`` is ignored."""
 
-    def __init__(self, ctx: zmq.Context | None = None) -> None:
+    def __init__(self, ctx: zmq.Context | None = None, *, security: Security | None = None) -> None:
         self.ctx = ctx if ctx is not None else shared_context()
+        self.security = security
         self._made: list = []
 
     def _keep(self, obj):
         self._made.append(obj)
         return obj
 
-    def sender(self, endpoint: str, *, bind: bool = False, hwm: int = DEFAULT_HWM) -> ZmqSender:
-        return self._keep(ZmqSender(self.ctx, endpoint, bind=bind, hwm=hwm))
+    def _sec(self, peer: str | None) -> dict:
+        return {"security": self.security, "peer": peer}
+
+    def sender(self, endpoint: str, *, bind: bool = False, hwm: int = DEFAULT_HWM, peer: str | None = None
+               ) -> ZmqSender:
+        return self._keep(ZmqSender(self.ctx, endpoint, bind=bind, hwm=hwm, **self._sec(peer)))
 
     def receiver(
-        self, endpoint: str, *, decoder: Decoder, bind: bool = True, hwm: int = DEFAULT_HWM
+        self, endpoint: str, *, decoder: Decoder, bind: bool = True, hwm: int = DEFAULT_HWM, peer: str | None = None
     ) -> ZmqReceiver:
-        return self._keep(ZmqReceiver(self.ctx, endpoint, decoder=decoder, bind=bind, hwm=hwm))
+        return self._keep(ZmqReceiver(self.ctx, endpoint, decoder=decoder, bind=bind, hwm=hwm, **self._sec(peer)))
 
-    def requester(self, endpoint: str, *, decoder: Decoder, name: str, hwm: int = DEFAULT_HWM) -> ZmqRequester:
-        return self._keep(ZmqRequester(self.ctx, endpoint, decoder=decoder, name=name, hwm=hwm))
+    def requester(self, endpoint: str, *, decoder: Decoder, name: str, hwm: int = DEFAULT_HWM,
+                  peer: str | None = None) -> ZmqRequester:
+        return self._keep(ZmqRequester(self.ctx, endpoint, decoder=decoder, name=name, hwm=hwm, **self._sec(peer)))
 
-    def replier(self, endpoint: str, *, decoder: Decoder, name: str, hwm: int = DEFAULT_HWM) -> ZmqReplier:
-        return self._keep(ZmqReplier(self.ctx, endpoint, decoder=decoder, name=name, hwm=hwm))
+    def replier(self, endpoint: str, *, decoder: Decoder, name: str, hwm: int = DEFAULT_HWM,
+                peer: str | None = None) -> ZmqReplier:
+        return self._keep(ZmqReplier(self.ctx, endpoint, decoder=decoder, name=name, hwm=hwm, **self._sec(peer)))
 
-    def publisher(self, endpoint: str, *, hwm: int = DEFAULT_HWM) -> ZmqPublisher:
-        return self._keep(ZmqPublisher(self.ctx, endpoint, hwm=hwm))
+    def publisher(self, endpoint: str, *, hwm: int = DEFAULT_HWM, peer: str | None = None) -> ZmqPublisher:
+        return self._keep(ZmqPublisher(self.ctx, endpoint, hwm=hwm, **self._sec(peer)))
 
-    def subscriber(self, endpoint: str, *, decoder: Decoder, hwm: int = DEFAULT_HWM) -> ZmqSubscriber:
-        return self._keep(ZmqSubscriber(self.ctx, endpoint, decoder=decoder, hwm=hwm))
+    def subscriber(self, endpoint: str, *, decoder: Decoder, hwm: int = DEFAULT_HWM, peer: str | None = None
+                   ) -> ZmqSubscriber:
+        return self._keep(ZmqSubscriber(self.ctx, endpoint, decoder=decoder, hwm=hwm, **self._sec(peer)))
 
     def close(self) -> None:
         made, self._made = self._made, []

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["extract_boxed"]
+__all__ = ["ANSWER_LINE_WINDOW", "extract_answer_line", "extract_boxed"]
 
 # Alternation of fixed tokens; the only quantifier is \s* right before a literal "{", so a failed
 # match costs one pass over that whitespace run and the scan stays linear.
@@ -56,3 +56,16 @@ def extract_boxed(text: str, max_chars: int = 10_000) -> str | None:
     if best is None:
         return None
     return window[best[0] : best[1]]
+
+
+ANSWER_LINE_WINDOW = 300
+"""Characters at the end of a response that DAPO's reward reads for its ``Answer:`` line."""
+_ANSWER_LINE = re.compile(r"(?i)answer\s*:\s*([^\n]+)")
+
+
+def extract_answer_line(text: str, window: int = ANSWER_LINE_WINDOW) -> str | None:
+    """The rest of the line after the last ``Answer:`` (any case) in the last ``window`` characters, as DAPO's
+    reward function reads it (its prompt asks for "Answer: $Answer" as the last line); None when there is
+    none. The regex has one bounded quantifier per match, so the scan is linear in the window."""
+    matches = _ANSWER_LINE.findall(text[-window:]) if window > 0 else []
+    return matches[-1] if matches else None

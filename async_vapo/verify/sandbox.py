@@ -1,4 +1,4 @@
-"""Sandboxed answer verification: a pool of persistent, resource-limited worker processes.
+"""Sandboxed answer verification: a pool of persistent, resource-limited, isolated worker processes.
 
 Model responses are untrusted input to sympy, which can hang (``9^{9^{9^{9}}}``), exhaust memory or
 crash the interpreter. Every check therefore runs in a worker process, never in the caller's.
@@ -13,14 +13,48 @@ Process model
   RLIMIT_CORE = 0, RLIMIT_NOFILE = 64, RLIMIT_FSIZE = 16 MiB; before each check RLIMIT_CPU is set
   to the CPU already used plus a per-check budget (``cpu_limit_s``, or ``2 * timeout_s + 1`` as a
   backstop that also ends an orphan spinning after its parent died).
-- It imports math-verify and grades a few warm-up answers, then sends READY. The pool waits for
-  READY at most ``start_timeout_s``; a worker that does not make it raises ``WorkerStartError``.
+- It isolates itself (below), imports math-verify and grades a few warm-up answers, drops its
+  privileges, grades one answer again under them, then sends READY with a report of the isolation
+  that holds. The pool waits for READY at most ``start_timeout_s``; a worker that does not make it
+  raises ``WorkerStartError``.
+
+Isolation (``VerifierPool.isolation`` says what holds; it is logged once per pool, as a warning when
+something below does not hold)
+- Pool started as root (euid 0, with the uid range mapped in its user namespace): every worker gets
+  a uid of its own, ``uid == gid`` from ``[sandbox_uid_base, sandbox_uid_base + 4096)``, leased
+  with an exclusive ``flock`` on ``/run/async-vapo/sandbox-uids/<uid>.lock`` (or the same under the
+  temp dir) so pools in other processes never share one, and skipping uids that name an account.
+  The worker enters a new network namespace (``unshare(CLONE_NEWNET)``: only a loopback device
+  that is down, so no socket reaches anything outside it), imports as root, then sets
+  ``PR_SET_NO_NEW_PRIVS``, ``setgroups([])``, ``setgid``, ``setuid``, clears its capabilities and
+  sets RLIMIT_NPROC = ``max_processes``. RLIMIT_NPROC counts the tasks (threads too) of a real
+  uid; as the uid is the worker's alone, a fork bomb inside sympy stops at ``max_processes``
+  tasks, the worker included. Its temp dir is mode 0700 and owned by its uid, so neither other
+  workers nor other users can read it. Import paths the uid cannot reach (an interpreter under a
+  0700 ``/root``) stay importable through directory descriptors opened before the drop.
+  Each time a worker goes (replacement or ``close``), after its process group, every process of
+  its uid is SIGKILLed (``kill(-1)`` from a shell running as that uid), so a child that left the
+  group with ``setsid`` goes too; the next lease of the uid starts the same way. Nothing else on
+  the machine may run under that uid range.
+- Pool not started as root: no uid drop is possible. Workers run as the pool's user and can do to
+  that user's other processes and files what it can (signal them, read its files). The worker
+  tries ``unshare(CLONE_NEWUSER | CLONE_NEWNET)`` (unprivileged user namespaces, mapping its own
+  uid and gid to themselves), then ``CLONE_NEWUSER`` alone; in a user namespace of its own,
+  RLIMIT_NPROC counts only that namespace's tasks, so ``max_processes`` is still per worker, and
+  the namespace's capabilities are cleared before any check. Where no user namespace can be made
+  (``kernel.unprivileged_userns_clone=0``, a seccomp profile), RLIMIT_NPROC = ``max_processes``
+  counts every task of the user: the worker cannot fork once the user holds that many, which
+  still bounds a fork bomb (``nproc_scope`` "user"). A child that left the process group
+  survives its worker here (no uid to kill by).
+- Not covered: filesystem reads (a worker reads what its uid may read), and system calls
+  (no seccomp filter). Orphans of a killed worker are reaped by PID 1; where PID 1 does not reap
+  (a container without an init), they stay zombies and count against their uid's RLIMIT_NPROC.
 
 Wire protocol (private to this module; both ends live here)
 - Two anonymous pipes per worker (``pass_fds``), each message a 4-byte big-endian length then
   ASCII JSON (``ensure_ascii`` keeps lone surrogates intact). The parent drops a worker whose
   message header announces more than ``_MAX_REPLY_BYTES`` before reading the body.
-- worker -> pool ``{"kind": "ready", "v": PROTOCOL_VERSION, "pid", "startup_s"}``, once.
+- worker -> pool ``{"kind": "ready", "v": PROTOCOL_VERSION, "pid", "startup_s", "isolation"}``, once.
 - pool -> worker ``{"items": [[index, response, answer], ...]}``: a chunk, graded in order.
 - worker -> pool ``{"kind": "result", "i", "reason", "seconds", "detail"}``, one per item, sent as
   soon as that item is done.
@@ -39,6 +73,11 @@ Deadlines and failure policy
   started no item, so nothing is blamed and the whole chunk is requeued. An item requeued that way
   ``_MAX_UNREAD_REQUEUES`` times is settled as "crash", so a pool whose workers die on receipt
   still finishes the batch.
+- A whole ``verify`` call has a wall-clock budget (``budget_s``, default ``message_budget_s``):
+  when it is spent, every item not graded yet gets "over_budget" (the item in progress too, as its
+  own ``timeout_s`` had not passed: the batch, not the response, ran out of time), busy workers are
+  killed and replaced in the background, and ``verify`` returns. So one call never takes much more
+  than its budget, whatever the responses hold.
 - Before any IPC, non-``str`` inputs give "bad_input" and a response or answer longer than
   ``max_response_chars`` gives "too_long". ``verify`` raises only for a closed pool or a worker that
   cannot start (then the pool closes itself); never because of what a response contains.
@@ -47,14 +86,19 @@ Deadlines and failure policy
 from __future__ import annotations
 
 import argparse
+import ctypes
+import fcntl
+import importlib
 import json
 import logging
 import math
 import os
+import pwd
 import resource
 import selectors
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -69,8 +113,12 @@ from typing import Any
 
 __all__ = ["REASONS", "VerifierPool", "VerifyResult", "WorkerStartError", "main"]
 
-REASONS = ("correct", "incorrect", "no_answer", "parse_error", "timeout", "crash", "too_long", "bad_input")
-PROTOCOL_VERSION = 1
+REASONS = (
+    "correct", "incorrect", "no_answer", "parse_error", "timeout", "crash", "too_long", "bad_input", "over_budget",
+)  # fmt: skip
+PROTOCOL_VERSION = 2
+
+log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct(">I")
 _MAX_REPLY_BYTES = 1 << 20
@@ -79,6 +127,15 @@ _EXIT_MEMORY_ERROR = 3
 _READ_SIZE = 1 << 16
 _ENV_WHITELIST = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ")
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+
+DEFAULT_UID_BASE = 1_900_000_000
+"""First sandbox uid: systemd's UIDS-GIDS.md leaves 1879048192-2147483647 unused by any allocator."""
+UID_SLOTS = 4096
+_UID_LOCK_DIRS = ("/run/async-vapo/sandbox-uids", "async-vapo-sandbox-uids")  # the second under the temp dir
+_CLONE_NEWUSER = 0x10000000
+_CLONE_NEWNET = 0x40000000
+_PR_SET_NO_NEW_PRIVS = 38
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
 # Warm-up covers the lazily initialised paths of latex2sympy/sympy (first parse ~1 s, first
 # symbolic and set comparisons ~0.1-0.3 s each) so the first real check costs milliseconds.
@@ -116,6 +173,15 @@ class _ProtocolError(Exception):
     """A worker sent a message the pool did not expect; the worker is treated as crashed."""
 
 
+_WORKER_REASONS = frozenset({"correct", "incorrect", "no_answer", "parse_error", "timeout"})
+_ISOLATION_KEYS = frozenset({"uid", "netns", "userns", "nproc", "nproc_scope", "no_new_privs", "capabilities"})
+
+
+def _check_budget(budget_s: float | None) -> None:
+    if budget_s is not None and not budget_s > 0:
+        raise ValueError(f"a verification budget must be > 0 seconds (math.inf: none) or None, got {budget_s}")
+
+
 def _encode(obj: Any) -> bytes:
     body = json.dumps(obj, separators=(",", ":")).encode("ascii")
     return _HEADER.pack(len(body)) + body
@@ -134,16 +200,98 @@ def _signal_name(returncode: int | None) -> str:
     return f"exit code {returncode}"
 
 
+def _uid_range_mapped(base: int) -> bool:
+    """Whether uids and gids ``[base, base + UID_SLOTS)`` exist in this process's user namespace (all of them in
+    the initial one; only a few in a rootless container, where root cannot become them)."""
+    for table in ("/proc/self/uid_map", "/proc/self/gid_map"):
+        try:
+            with open(table) as f:
+                extents = [tuple(map(int, line.split())) for line in f if line.strip()]
+        except OSError:
+            return False
+        if not any(inside <= base and base + UID_SLOTS <= inside + count for inside, _outside, count in extents):
+            return False
+    return True
+
+
+def _uid_lock_dir() -> str:
+    """A directory only root can write, for the uid leases; raises when none can be had."""
+    errors = []
+    for path in (_UID_LOCK_DIRS[0], os.path.join(tempfile.gettempdir(), _UID_LOCK_DIRS[1])):
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            st = os.lstat(path)
+            if not os.path.isdir(path) or os.path.islink(path) or st.st_uid != 0 or st.st_mode & 0o022:
+                raise PermissionError(f"{path} is not a directory owned and only writable by root")
+            return path
+        except OSError as e:
+            errors.append(str(e))
+    raise RuntimeError(f"no directory for the verifier's uid leases: {'; '.join(errors)}")
+
+
+def _lease_uids(base: int, n: int) -> dict[int, int]:
+    """Lease ``n`` sandbox uids: {uid: descriptor holding its lock}. A uid is taken when its lock file can be
+    locked (the lock goes with the descriptor, so with the process that holds it) and no account has it."""
+    lock_dir = _uid_lock_dir()
+    leases: dict[int, int] = {}
+    try:
+        for uid in range(base, base + UID_SLOTS):
+            if len(leases) == n:
+                break
+            try:
+                pwd.getpwuid(uid)
+                continue  # an account: never run workers as someone
+            except KeyError:
+                pass
+            fd = os.open(os.path.join(lock_dir, f"{uid}.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            leases[uid] = fd
+            _kill_uid(uid)  # whatever a crashed earlier holder left behind
+        if len(leases) < n:
+            raise RuntimeError(f"only {len(leases)} of {n} sandbox uids free in [{base}, {base + UID_SLOTS})")
+    except BaseException:
+        _release_uids(leases)
+        raise
+    return leases
+
+
+def _release_uids(leases: dict[int, int]) -> None:
+    for fd in leases.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    leases.clear()
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process of ``uid``: ``kill(-1)`` as that uid reaches all of them and nothing else (Linux
+    spares the caller). The kernel walks the task list under the lock that fork takes, so none escapes."""
+    try:
+        subprocess.run(["/bin/sh", "-c", "kill -s KILL -- -1 2>/dev/null; exit 0"], user=uid, group=uid,
+                       extra_groups=[], env={}, cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("could not kill the processes of sandbox uid %d: %s", uid, e)
+
+
 @dataclass(eq=False)
 class _Worker:
     proc: subprocess.Popen[bytes]
     req_fd: int  # pool writes, non-blocking
     resp_fd: int  # pool reads, non-blocking
     tmpdir: str
+    uid: int | None  # its own uid when the pool runs as root, else None (the pool's)
     spawned_at: float
     deadline: float  # start deadline until READY, then the current item's deadline
     ready: bool = False
     startup_s: float = math.nan
+    isolation: dict[str, Any] = field(default_factory=dict)  # what the worker reported in READY
+    killed: bool = False
     inbuf: bytearray = field(default_factory=bytearray)
     outbuf: bytearray = field(default_factory=bytearray)
     writing: bool = False
@@ -153,9 +301,12 @@ class _Worker:
 class VerifierPool:
     """Grade model responses in sandboxed worker processes; see the module docstring.
 
-    ``verify`` is thread-safe (calls are serialized). ``_test_hooks`` makes workers honour magic
-    responses (``__hang__``, ``__hang_hard__``, ``__spin_hard__``, ``__crash__``, ``__oom__``,
-    ``__probe__``; see ``_test_hook``) for the test suite only; never enable it for real traffic.
+    ``verify`` is thread-safe (calls are serialized). ``message_budget_s`` is the default wall-clock budget
+    of one ``verify`` call (None: none). ``max_processes`` is each worker's RLIMIT_NPROC (itself included)
+    and ``sandbox_uid_base`` the first of the uids leased to workers when the pool runs as root.
+    ``_test_hooks`` makes workers honour magic responses (``__hang__``, ``__crash__``, ``__probe__``,
+    ``__net__:PORT``, ``__forkbomb__``, ...; see ``_test_hook``) for the test suite only; never enable it
+    for real traffic.
     """
 
     def __init__(
@@ -172,6 +323,10 @@ class VerifierPool:
         chunk_size: int = 16,
         start_timeout_s: float = 60.0,
         soft_timeout_s: float | None = None,
+        message_budget_s: float | None = None,
+        max_processes: int = 4,
+        sandbox_uid_base: int = DEFAULT_UID_BASE,
+        answer_format: str = "boxed",
         _test_hooks: bool = False,
     ) -> None:
         if num_workers < 1:
@@ -188,6 +343,11 @@ class VerifierPool:
             soft_timeout_s = timeout_s * 0.75
         if not 0 < soft_timeout_s <= timeout_s:
             raise ValueError(f"soft_timeout_s must be in (0, timeout_s], got {soft_timeout_s}")
+        _check_budget(message_budget_s)
+        if max_processes < 1:
+            raise ValueError(f"max_processes must be >= 1 (the worker itself), got {max_processes}")
+        if not 1000 <= sandbox_uid_base <= 2**31 - 1 - UID_SLOTS:
+            raise ValueError(f"sandbox_uid_base must be in [1000, {2**31 - 1 - UID_SLOTS}], got {sandbox_uid_base}")
         unknown = set(reason_rewards or ()) - set(REASONS)
         if unknown:
             raise ValueError(f"reason_rewards has unknown reasons {sorted(unknown)}; known: {REASONS}")
@@ -200,6 +360,13 @@ class VerifierPool:
         self.chunk_size = chunk_size
         self.start_timeout_s = float(start_timeout_s)
         self.soft_timeout_s = float(soft_timeout_s)
+        self.message_budget_s = message_budget_s
+        self.max_processes = max_processes
+        from async_vapo.verify.check import ANSWER_FORMATS
+
+        if answer_format not in ANSWER_FORMATS:
+            raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")
+        self.answer_format = answer_format
         self._test_hooks = _test_hooks
         self._rewards = {r: (reward_correct if r == "correct" else reward_incorrect) for r in REASONS}
         self._rewards.update(reason_rewards or {})
@@ -214,13 +381,26 @@ class VerifierPool:
         self._items_redispatched = 0
         self._unread_requeues: Counter[int] = Counter()  # per verify() call, by item index
         self._last_start_s = math.nan
+        self._uid_leases: dict[int, int] = {}
+        self._isolation_seen: dict[str, Any] = {}
+        self._drop_uid = os.geteuid() == 0
         try:
-            for _ in range(num_workers):
-                self._workers.append(self._spawn())
+            if self._drop_uid and not _uid_range_mapped(sandbox_uid_base):
+                raise RuntimeError(
+                    f"the pool runs as root but uids [{sandbox_uid_base}, {sandbox_uid_base + UID_SLOTS}) are not "
+                    "mapped in its user namespace (a rootless container?): set sandbox_uid_base to a mapped range "
+                    "(/proc/self/uid_map)"
+                )
+            if self._drop_uid:
+                self._uid_leases = _lease_uids(sandbox_uid_base, num_workers)
+            uids: list[int | None] = list(self._uid_leases) if self._drop_uid else [None] * num_workers
+            for uid in uids:
+                self._workers.append(self._spawn(uid))
             self._wait_ready()
         except BaseException:
             self._close_unlocked()
             raise
+        self._log_isolation()
 
     # ----------------------------------------------------------------------------------- public
 
@@ -229,15 +409,22 @@ class VerifierPool:
         """The pool of a ``VerifierConfig`` (``num_workers`` overrides its worker count)."""
         return cls(num_workers=num_workers or v.num_workers, timeout_s=v.timeout_s, memory_limit_mb=v.memory_limit_mb,
                    max_response_chars=v.max_response_chars, reward_correct=v.reward_correct,
-                   reward_incorrect=v.reward_incorrect)
+                   reward_incorrect=v.reward_incorrect, message_budget_s=v.message_budget_s,
+                   max_processes=v.max_processes, sandbox_uid_base=v.sandbox_uid_base, answer_format=v.answer_format)
 
-    def verify(self, items: Sequence[tuple[str, str]]) -> list[VerifyResult]:
-        """Grade ``(response, answer)`` pairs; results come back in input order."""
+    def verify(self, items: Sequence[tuple[str, str]], budget_s: float | None = None) -> list[VerifyResult]:
+        """Grade ``(response, answer)`` pairs; results come back in input order.
+
+        ``budget_s``: wall-clock seconds the whole call may take (None: ``message_budget_s``; ``math.inf``:
+        no budget); items not graded when it is spent get "over_budget"."""
+        _check_budget(budget_s)
+        if budget_s is None:
+            budget_s = self.message_budget_s
         with self._lock:
             if self._closed:
                 raise RuntimeError("VerifierPool is closed")
             try:
-                return self._verify_unlocked(items)
+                return self._verify_unlocked(items, budget_s)
             except WorkerStartError:
                 self._close_unlocked()
                 raise
@@ -273,6 +460,30 @@ class VerifierPool:
     def worker_pids(self) -> list[int]:
         return [w.proc.pid for w in self._workers]
 
+    @property
+    def isolation(self) -> dict[str, Any]:
+        """What the ready workers reported holds (see the module docstring), e.g. ``{"uid_drop": True,
+        "uids": [1900000000, 1900000001], "netns": True, "userns": False, "nproc": 4, "nproc_scope": "worker",
+        "no_new_privs": True, "capabilities": False}``: ``uid_drop`` each worker runs under a uid other than
+        the pool's, its own; ``netns`` each is in a network namespace of its own; ``nproc`` the least
+        RLIMIT_NPROC, counting the worker's own tasks (``nproc_scope`` "worker") or every task of the pool's
+        user ("user"); ``capabilities`` whether any worker holds a capability. While no worker is ready (all being
+        replaced), the last report."""
+        reports = [w.isolation for w in self._workers if w.ready]
+        if not reports:
+            return dict(self._isolation_seen)
+        self._isolation_seen = {
+            "uid_drop": all(r["uid"] != os.geteuid() for r in reports) and self._drop_uid,
+            "uids": sorted({r["uid"] for r in reports}),
+            "netns": all(r["netns"] for r in reports),
+            "userns": all(r["userns"] for r in reports),
+            "nproc": min(r["nproc"] for r in reports),
+            "nproc_scope": "worker" if all(r["nproc_scope"] == "worker" for r in reports) else "user",
+            "no_new_privs": all(r["no_new_privs"] for r in reports),
+            "capabilities": any(r["capabilities"] for r in reports),
+        }
+        return dict(self._isolation_seen)
+
     def close(self) -> None:
         """Kill every worker and its process group; idempotent."""
         with self._lock:
@@ -296,7 +507,21 @@ class VerifierPool:
         self._counts[reason] += 1
         return VerifyResult(self._rewards[reason], reason == "correct", reason, seconds, detail)
 
-    def _verify_unlocked(self, items: Sequence[tuple[str, str]]) -> list[VerifyResult]:
+    def _log_isolation(self) -> None:
+        iso = self.isolation
+        missing = [what for what, holds in (
+            ("no uid drop (the pool does not run as root)", iso["uid_drop"]),
+            ("no network namespace", iso["netns"]),
+            ("RLIMIT_NPROC counts every task of the user, not the worker's", iso["nproc_scope"] == "worker"),
+            ("workers hold capabilities", not iso["capabilities"]),
+        ) if not holds]  # fmt: skip
+        if missing:
+            log.warning("verifier sandbox isolation is partial: %s; %s", "; ".join(missing), iso)
+        else:
+            log.info("verifier sandbox isolation: %s", iso)
+
+    def _verify_unlocked(self, items: Sequence[tuple[str, str]], budget_s: float | None) -> list[VerifyResult]:
+        batch_deadline = math.inf if budget_s is None else time.monotonic() + budget_s
         for w in list(self._workers):
             if w.inflight or w.outbuf:  # left over from a call interrupted mid-flight (KeyboardInterrupt)
                 self._replace(w, [], deque(), None, "")
@@ -322,6 +547,9 @@ class VerifierPool:
 
         while pending or any(w.inflight for w in self._workers):
             now = time.monotonic()
+            if now >= batch_deadline:
+                self._settle_over_budget(results, pending, f"budget of {budget_s:g}s for the batch spent")
+                break
             idle = [w for w in self._workers if w.ready and not w.inflight]
             for w in idle:
                 if not pending:
@@ -343,7 +571,7 @@ class VerifierPool:
             waits = [w.deadline for w in self._workers if w.inflight or not w.ready]
             if not waits:
                 continue  # every item just dispatched was settled without a worker
-            for key, events in self._selector.select(max(0.0, min(waits) - time.monotonic())):
+            for key, events in self._selector.select(max(0.0, min(*waits, batch_deadline) - time.monotonic())):
                 w = key.data
                 if w not in self._workers:
                     continue  # replaced earlier in this round
@@ -366,6 +594,20 @@ class VerifierPool:
 
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
+
+    def _settle_over_budget(self, results: list[VerifyResult | None], pending: deque[int], detail: str) -> None:
+        """Settle every ungraded item as "over_budget" and replace the workers still busy with one."""
+        now = time.monotonic()
+        for w in list(self._workers):
+            if not w.inflight:
+                continue
+            running = w.inflight.popleft()
+            results[running] = self._result("over_budget", max(0.0, now - (w.deadline - self.timeout_s)), detail)
+            pending.extend(w.inflight)
+            w.inflight.clear()
+            self._respawn(w)
+        while pending:
+            results[pending.popleft()] = self._result("over_budget", 0.0, detail)
 
     def _flush(self, w: _Worker, results: list[VerifyResult | None], pending: deque[int]) -> None:
         try:
@@ -431,13 +673,17 @@ class VerifierPool:
             if kind == "ready" and not w.ready:
                 if msg.get("v") != PROTOCOL_VERSION:
                     raise WorkerStartError(f"worker speaks protocol {msg.get('v')}, pool {PROTOCOL_VERSION}")
+                isolation = msg.get("isolation")
+                if not isinstance(isolation, dict) or not _ISOLATION_KEYS <= isolation.keys():
+                    raise _ProtocolError(f"READY without an isolation report: {isolation!r}")
+                w.isolation = isolation
                 w.ready = True
                 w.deadline = math.inf
                 w.startup_s = time.monotonic() - w.spawned_at
                 self._last_start_s = w.startup_s
             elif kind == "result" and w.inflight and msg.get("i") == w.inflight[0]:
                 reason = msg.get("reason")
-                if reason not in ("correct", "incorrect", "no_answer", "parse_error", "timeout"):
+                if reason not in _WORKER_REASONS:
                     raise _ProtocolError(f"unknown reason {reason!r}")
                 i = w.inflight.popleft()
                 results[i] = self._result(reason, float(msg.get("seconds", 0.0)), str(msg.get("detail", "")))
@@ -472,11 +718,18 @@ class VerifierPool:
         self._items_redispatched += len(w.inflight)
         pending.extendleft(reversed(w.inflight))
         w.inflight.clear()
-        self._workers[self._workers.index(w)] = self._spawn()
+        self._respawn(w)
+
+    def _respawn(self, w: _Worker) -> None:
+        """Kill ``w`` (every process of its uid too) and start a new worker, under the same uid, in its place."""
+        self._kill(w)
+        self._workers[self._workers.index(w)] = self._spawn(w.uid)
         self._workers_replaced += 1
 
-    def _spawn(self) -> _Worker:
-        tmpdir = tempfile.mkdtemp(prefix="async-vapo-verify-")
+    def _spawn(self, uid: int | None) -> _Worker:
+        tmpdir = tempfile.mkdtemp(prefix="async-vapo-verify-")  # mode 0700
+        if uid is not None:
+            os.chown(tmpdir, uid, uid)
         env = {k: os.environ[k] for k in _ENV_WHITELIST if k in os.environ}
         inherited = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_ROOT, *inherited])
@@ -489,7 +742,11 @@ class VerifierPool:
             "--memory-limit-mb", str(self.memory_limit_mb),
             "--soft-timeout-s", repr(self.soft_timeout_s),
             "--cpu-limit-s", repr(self.cpu_limit_s if self.cpu_limit_s else 2 * self.timeout_s + 1),
+            "--max-processes", str(self.max_processes),
+            "--answer-format", self.answer_format,
         ]  # fmt: skip
+        if uid is not None:
+            cmd += ["--uid", str(uid), "--gid", str(uid)]
         if self._test_hooks:
             cmd.append("--test-hooks")
         try:
@@ -515,7 +772,7 @@ class VerifierPool:
         os.set_blocking(req_w, False)
         os.set_blocking(resp_r, False)
         now = time.monotonic()
-        w = _Worker(proc, req_w, resp_r, tmpdir, spawned_at=now, deadline=now + self.start_timeout_s)
+        w = _Worker(proc, req_w, resp_r, tmpdir, uid, spawned_at=now, deadline=now + self.start_timeout_s)
         self._selector.register(resp_r, selectors.EVENT_READ, w)
         return w
 
@@ -544,6 +801,9 @@ class VerifierPool:
         return f"; worker stderr:\n{tail}" if tail else ""
 
     def _kill(self, w: _Worker) -> None:
+        if w.killed:  # its descriptors may already be someone else's
+            return
+        w.killed = True
         # A forked child must not kill its parent's workers. Once reaped, the pid may be reused, so
         # signal the group only while this Popen has not collected the exit status.
         if os.getpid() == self._owner_pid:
@@ -566,6 +826,8 @@ class VerifierPool:
             except OSError:
                 pass
         w.writing = False
+        if w.uid is not None and os.getpid() == self._owner_pid:
+            _kill_uid(w.uid)  # children that left the process group (setsid)
         shutil.rmtree(w.tmpdir, ignore_errors=True)
 
     def _close_unlocked(self) -> None:
@@ -576,6 +838,7 @@ class VerifierPool:
             self._kill(w)
         self._workers = []
         self._selector.close()
+        _release_uids(self._uid_leases)
 
 
 # --------------------------------------------------------------------------------- worker side
@@ -608,6 +871,113 @@ def _apply_limits(memory_limit_mb: int) -> None:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a full log file fails the write, not the worker
 
 
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _enter_namespaces() -> tuple[bool, bool]:
+    """Enter a network namespace of the worker's own; returns (netns, userns) as they hold. As root
+    ``unshare(CLONE_NEWNET)``; otherwise with a user namespace (which needs no privilege where unprivileged
+    user namespaces are allowed), or a user namespace alone (RLIMIT_NPROC then still counts per worker)."""
+    libc = _libc()
+    if os.geteuid() == 0:
+        return libc.unshare(_CLONE_NEWNET) == 0, False
+    uid, gid = os.getuid(), os.getgid()
+    for flags in (_CLONE_NEWUSER | _CLONE_NEWNET, _CLONE_NEWUSER):
+        if libc.unshare(flags) == 0:
+            _map_own_ids(uid, gid)
+            return bool(flags & _CLONE_NEWNET), True
+    return False, False
+
+
+def _map_own_ids(uid: int, gid: int) -> None:
+    """Map uid and gid to themselves in the new user namespace: unmapped, the worker is "nobody" there and
+    cannot create files. Where that is refused (restricted user namespaces), checks still run without."""
+    for path, text in (("/proc/self/setgroups", "deny"), ("/proc/self/gid_map", f"{gid} {gid} 1"),
+                       ("/proc/self/uid_map", f"{uid} {uid} 1")):
+        try:
+            with open(path, "w") as f:
+                f.write(text)
+        except OSError:
+            return
+
+
+def _hold_import_paths() -> list[tuple[int, str, int]]:
+    """A descriptor on each directory of ``sys.path`` (opened while privileged): see _release_import_paths."""
+    held = []
+    for i, path in enumerate(sys.path):
+        if path and os.path.isdir(path):
+            try:
+                held.append((i, path, os.open(path, os.O_RDONLY | os.O_DIRECTORY)))
+            except OSError:
+                pass
+    return held
+
+
+def _release_import_paths(held: list[tuple[int, str, int]]) -> None:
+    """After the drop, an import path the worker can no longer search (an interpreter under a 0700 /root) is
+    replaced by ``/proc/self/fd/N`` of the descriptor opened before, in ``sys.path`` and in the ``__path__`` of
+    packages already imported from it: a process may always follow its own descriptor links, so modules that
+    the warm-up did not import still import. The other descriptors are closed."""
+    moved: dict[str, str] = {}
+    for i, path, fd in held:
+        if os.access(path, os.R_OK | os.X_OK):
+            os.close(fd)
+        else:
+            sys.path[i] = moved[path] = f"/proc/self/fd/{fd}"
+    if not moved:
+        return
+    for module in list(sys.modules.values()):
+        search = getattr(module, "__path__", None)
+        if isinstance(search, list):  # a regular package (namespace packages recompute theirs from sys.path)
+            search[:] = [_moved(entry, moved) for entry in search]
+    importlib.invalidate_caches()
+
+
+def _moved(entry: str, moved: dict[str, str]) -> str:
+    for old, new in moved.items():
+        if entry == old or entry.startswith(old + os.sep):
+            return new + entry[len(old) :]
+    return entry
+
+
+def _capabilities() -> int:
+    """The worker's permitted capability set, from /proc/self/status (0: none)."""
+    with open("/proc/self/status") as f:
+        return next((int(line.split()[1], 16) for line in f if line.startswith("CapPrm:")), 0)
+
+
+def _drop_privileges(uid: int | None, gid: int | None, max_processes: int) -> dict[str, Any]:
+    """No new privileges, the sandbox uid/gid (``uid`` None: the pool's own), no supplementary groups, no
+    capabilities, RLIMIT_NPROC = ``max_processes``; returns what holds. Raises (the worker then fails to
+    start) when the drop did not take."""
+    held = _hold_import_paths()
+    libc = _libc()
+    no_new_privs = libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0
+    if uid is not None and gid is not None:
+        os.setgroups([])
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+        if os.getresuid() != (uid, uid, uid) or os.getresgid() != (gid, gid, gid) or os.getgroups():
+            raise RuntimeError(f"privilege drop to {uid}:{gid} did not take")
+    header, data = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0), (_CapData * 2)()
+    if libc.capset(ctypes.byref(header), data) != 0:  # zero sets: effective, permitted, inheritable, ambient
+        raise OSError(ctypes.get_errno(), "capset")
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+    nproc = max_processes if hard == resource.RLIM_INFINITY else min(max_processes, hard)
+    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+    _release_import_paths(held)
+    return {"uid": os.getuid(), "nproc": nproc, "no_new_privs": no_new_privs, "capabilities": _capabilities() != 0}
+
+
 def _arm_cpu_limit(cpu_budget_s: float) -> None:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     soft = math.ceil(usage.ru_utime + usage.ru_stime + cpu_budget_s)
@@ -630,8 +1000,104 @@ def _read_exact(fd: int, n: int) -> bytes | None:
     return bytes(buf)
 
 
+def _probe() -> dict[str, Any]:
+    with open("/proc/self/status") as f:
+        status = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+    cwd = os.stat(".")
+    return {
+        "env": sorted(os.environ),
+        "cwd": os.getcwd(),
+        "pid": os.getpid(),
+        "pgid": os.getpgid(0),
+        "uid": os.getresuid(),
+        "gid": os.getresgid(),
+        "groups": os.getgroups(),
+        "cap_eff": int(status["CapEff"], 16),
+        "cap_prm": int(status["CapPrm"], 16),
+        "no_new_privs": status.get("NoNewPrivs", "").strip() == "1",
+        "cwd_mode": cwd.st_mode & 0o7777,
+        "cwd_uid": cwd.st_uid,
+        "interfaces": [name for _index, name in socket.if_nameindex()],
+        "rlimit_as": resource.getrlimit(resource.RLIMIT_AS)[0],
+        "rlimit_core": resource.getrlimit(resource.RLIMIT_CORE)[0],
+        "rlimit_nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+        "rlimit_nproc": resource.getrlimit(resource.RLIMIT_NPROC)[0],
+    }
+
+
+def _outcome(action: Any) -> str:
+    try:
+        action()
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    except ImportError as e:
+        return f"{type(e).__name__}: {e}"
+    return "ok"
+
+
+def _fork_bomb(attempts: int = 200, sleep_s: float = 0.5) -> dict[str, Any]:
+    """Fork up to ``attempts`` children that each sleep ``sleep_s`` (so they are all alive while the rest are
+    forked), then reap them."""
+    children, error = [], ""
+    for _ in range(attempts):
+        try:
+            pid = os.fork()
+        except OSError as e:
+            error = f"{type(e).__name__}: {e}"
+            break
+        if pid == 0:
+            try:
+                time.sleep(sleep_s)
+            finally:
+                os._exit(0)
+        children.append(pid)
+    for pid in children:
+        os.waitpid(pid, 0)
+    return {"forked": len(children), "error": error}
+
+
+def _orphan() -> int:
+    """A child that leaves the worker's process group and session and sleeps a minute; returns its pid once
+    it has left."""
+    left_r, left_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setsid()
+            os.write(left_w, b"x")
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    os.close(left_w)
+    os.read(left_r, 1)
+    os.close(left_r)
+    return pid
+
+
+def _connect(port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(2.0)
+        s.connect(("127.0.0.1", port))
+
+
 def _test_hook(response: str, memory_limit_mb: int) -> tuple[str, str] | None:
-    """Magic responses for the test suite, honoured only with --test-hooks."""
+    """Magic responses for the test suite, honoured only with --test-hooks. ``__name__:arg`` passes an argument."""
+    name, _, arg = response.partition(":") if response.startswith("__") else (response, "", "")
+    if name == "__net__":  # outcome of a TCP connect to 127.0.0.1:arg, and the network interfaces seen
+        outcome = _outcome(lambda: _connect(int(arg)))
+        return "incorrect", json.dumps({"connect": outcome, "interfaces": [n for _i, n in socket.if_nameindex()]})
+    if name == "__peek__":  # outcome of listing the directory arg
+        return "incorrect", _outcome(lambda: os.listdir(arg))
+    if name == "__import__":  # outcome of importing module arg
+        return "incorrect", _outcome(lambda: importlib.import_module(arg))
+    if name == "__forkbomb__":
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})  # counted to the end, not cut by the timer
+        try:
+            return "incorrect", json.dumps(_fork_bomb())
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})
+    if name == "__orphan__":
+        return "incorrect", str(_orphan())
     if response == "__hang__":  # pure Python: the soft timer ends it
         while True:
             pass
@@ -643,23 +1109,12 @@ def _test_hook(response: str, memory_limit_mb: int) -> tuple[str, str] | None:
         while True:
             pass
     if response == "__crash__":
-        import ctypes
-
         ctypes.string_at(0)  # SIGSEGV
     if response == "__oom__":
         block = bytearray(2 * (memory_limit_mb << 20))
         return "incorrect", f"allocated {len(block)} bytes despite RLIMIT_AS"
     if response == "__probe__":
-        probe = {
-            "env": sorted(os.environ),
-            "cwd": os.getcwd(),
-            "pid": os.getpid(),
-            "pgid": os.getpgid(0),
-            "rlimit_as": resource.getrlimit(resource.RLIMIT_AS)[0],
-            "rlimit_core": resource.getrlimit(resource.RLIMIT_CORE)[0],
-            "rlimit_nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
-        }
-        return "incorrect", json.dumps(probe)
+        return "incorrect", json.dumps(_probe())
     return None
 
 
@@ -667,19 +1122,21 @@ def _serve(args: argparse.Namespace) -> int:
     global _armed
     t0 = time.monotonic()
     _apply_limits(args.memory_limit_mb)
+    netns, userns = _enter_namespaces()
     signal.signal(signal.SIGALRM, _on_alarm)
     logging.disable(logging.WARNING)  # math-verify warns per parse failure; results carry the reason
 
     from async_vapo.verify.check import check_answer
 
+    # Imports and warm-up run before the drop: they read only installed code and these fixed answers.
     for response, answer in _WARMUP:
-        check_answer(response, answer)
-    _write_all(
-        args.resp_fd,
-        _encode(
-            {"kind": "ready", "v": PROTOCOL_VERSION, "pid": os.getpid(), "startup_s": time.monotonic() - t0}
-        ),
-    )
+        check_answer(response, answer, answer_format=args.answer_format)
+    isolation = _drop_privileges(args.uid, args.gid, args.max_processes)
+    isolation.update(netns=netns, userns=userns, nproc_scope="worker" if args.uid is not None or userns else "user")
+    if check_answer(*_WARMUP[0]) != (True, "correct"):
+        raise RuntimeError("grading fails once privileges are dropped")
+    ready = {"kind": "ready", "v": PROTOCOL_VERSION, "pid": os.getpid(), "startup_s": time.monotonic() - t0}
+    _write_all(args.resp_fd, _encode({**ready, "isolation": isolation}))
     while True:
         header = _read_exact(args.req_fd, _HEADER.size)
         if header is None:
@@ -699,7 +1156,7 @@ def _serve(args: argparse.Namespace) -> int:
                     if hooked is not None:
                         reason, detail = hooked
                     else:
-                        reason = check_answer(response, answer)[1]
+                        reason = check_answer(response, answer, answer_format=args.answer_format)[1]
                 finally:
                     _armed = False
                     signal.setitimer(signal.ITIMER_REAL, 0)
@@ -724,6 +1181,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--memory-limit-mb", type=int, default=1024)
     parser.add_argument("--soft-timeout-s", type=float, default=1.5)
     parser.add_argument("--cpu-limit-s", type=float, default=5.0, help="CPU seconds per check")
+    parser.add_argument("--max-processes", type=int, default=4, help="RLIMIT_NPROC (tasks, the worker included)")
+    parser.add_argument("--answer-format", default="boxed", choices=("boxed", "answer_line", "auto"),
+                        help="which part of a response is its answer (verify.check)")
+    parser.add_argument("--uid", type=int, help="run checks as this uid (the pool runs as root)")
+    parser.add_argument("--gid", type=int, help="and this gid")
     parser.add_argument("--test-hooks", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not args.worker:

@@ -46,13 +46,14 @@ class SlotPublisher(Publisher):
 
     def __init__(self, directory: Path, slots: int, *, fetch_endpoint: str | None = None, chunk_bytes: int = 16 << 20,
                  max_bytes: int = 256 << 20, send_timeout_s: float = 5.0, sender: str = "learner",
-                 on_served: Callable[[int], None] | None = None):
+                 on_served: Callable[[int], None] | None = None, security=None):
         self.slots = WeightSlots(directory, slots)
         self.server: WeightServer | None = None
         if fetch_endpoint is not None:
             try:
                 self.server = WeightServer(self.slots, fetch_endpoint, chunk_bytes=chunk_bytes, max_bytes=max_bytes,
-                                           send_timeout_s=send_timeout_s, sender=sender, on_served=on_served)
+                                           send_timeout_s=send_timeout_s, sender=sender, on_served=on_served,
+                                           security=security)
             except BaseException:
                 self.slots.close()
                 raise

@@ -53,7 +53,8 @@ class WeightServer:
     """
 
     def __init__(self, slots: WeightSlots, endpoint: str, *, chunk_bytes: int, max_bytes: int,
-                 send_timeout_s: float, sender: str = "learner", on_served=None):
+                 send_timeout_s: float, sender: str = "learner", on_served=None, security=None):
+        """``security`` (``transport.security.Security``): CURVE, admitting only rollout keys."""
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         self.slots = slots
@@ -65,6 +66,8 @@ class WeightServer:
         self._sock = make_socket(shared_context(), zmq.ROUTER, max_msg_bytes=frame_cap(self.decoder))
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
+            if security is not None:
+                security.server(self._sock, "rollout")
             self.endpoint = bind(self._sock, endpoint)
         except BaseException:
             self._sock.close(linger=0)
@@ -124,7 +127,7 @@ class WeightServer:
 
 
 def fetch_weights(endpoint: str, version: int, nbytes: int, dst, *, chunk_bytes: int, timeout_s: float,
-                  engine_id: str, max_bytes: int, window: int = 4) -> dict[str, float]:
+                  engine_id: str, max_bytes: int, window: int = 4, security=None) -> dict[str, float]:
     """Fetch ``nbytes`` of ``version`` from a WeightServer into the writable buffer ``dst``.
 
     Raises WeightsUnavailable (the learner no longer holds the version), PeerTimeout (no reply within
@@ -138,6 +141,8 @@ def fetch_weights(endpoint: str, version: int, nbytes: int, dst, *, chunk_bytes:
     decoder = Decoder((TensorHeader, Ack), max_bytes=max_bytes, name="weights_fetch_reply")
     sock = make_socket(shared_context(), zmq.DEALER, max_msg_bytes=max(frame_cap(decoder), chunk_bytes + 4096))
     try:
+        if security is not None:
+            security.client(sock, "learner")
         connect(sock, endpoint)
         sent = 0
 

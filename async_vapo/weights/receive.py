@@ -11,7 +11,7 @@ from async_vapo.weights.slots import WeightsUnavailable, slot_holds
 
 
 def load_announced(engine, a: WeightsAnnounce, *, mode: str, fetch_endpoint: str, chunk_bytes: int,
-                   timeout_s: float, engine_id: str, max_bytes: int) -> str:
+                   timeout_s: float, engine_id: str, max_bytes: int, security=None) -> str:
     """Load the announced version into ``engine`` (a VLLMEngine); returns the way it came: "shm", "zmq" or
     "file". ``mode`` is ``cluster.weights.transfer``. Raises on anything that does not match the announce;
     after a torn slot load (the learner rewrote the slot meanwhile) the engine's version is -1."""
@@ -40,7 +40,7 @@ def load_announced(engine, a: WeightsAnnounce, *, mode: str, fetch_endpoint: str
                                  '(cluster.weights.transfer = "shm"; "auto" fetches it over ZeroMQ)')
     dst = engine.receive_buffer(a.nbytes)
     fetch_weights(fetch_endpoint, a.version, a.nbytes, dst, chunk_bytes=chunk_bytes, timeout_s=timeout_s,
-                  engine_id=engine_id, max_bytes=max_bytes)
+                  engine_id=engine_id, max_bytes=max_bytes, security=security)
     del dst
     engine.load_received(a.layout, a.version)
     return "zmq"

@@ -98,9 +98,10 @@ class WeightBroadcast:
                  fetch_endpoint: str | None = None, weights_dir: Path | None = None):
         c = ctx.cfg.cluster
         self.ctx = ctx
-        self.pub = transport.publisher(pub_endpoint or ctx.endpoint(c.hosts.bind_host, c.ports.weights_port))
+        self.pub = transport.publisher(pub_endpoint or ctx.endpoint(c.hosts.bind_host, c.ports.weights_port),
+                                       peer="rollout")
         self.acks = transport.receiver(acks_endpoint or ctx.endpoint(c.hosts.bind_host, c.ports.acks_port),
-                                       decoder=ctx.decoder((WeightsAck, Heartbeat), "acks"), bind=True)
+                                       decoder=ctx.decoder((WeightsAck, Heartbeat), "acks"), bind=True, peer="rollout")
         self.dir = weights_dir or default_weights_dir(ctx)
         self.rotation = Rotation(c.weights.ack_timeout_s)
         self.liveness = HeartbeatMonitor(c.wire.peer_dead_s)
@@ -117,7 +118,8 @@ class WeightBroadcast:
             c.weights.transfer, self.dir, keep_versions=c.weights.keep_versions,
             fetch_endpoint=fetch_endpoint or ctx.endpoint(c.hosts.bind_host, c.ports.weights_fetch_port),
             chunk_bytes=c.weights.chunk_bytes, max_bytes=c.wire.max_message_bytes, send_timeout_s=c.wire.send_timeout_s,
-            sender=ctx.name, on_served=m.learner.weight_fetch_bytes_total.inc)
+            sender=ctx.name, on_served=m.learner.weight_fetch_bytes_total.inc,
+            security=getattr(transport, "security", None))
 
     @property
     def server(self):

@@ -378,3 +378,41 @@ def test_verifier_service_counts_bad_frames_and_keeps_verifying(tmp_path):
         loop.join(10)
         svc.close()
         transport.close()
+
+
+def test_verifier_service_holds_each_message_to_its_budget(tmp_path):
+    from async_vapo.cluster.verifier_service import VerifierService
+    from async_vapo.verify import VerifierPool
+
+    cfg = load_config([], ["verifier.num_workers=1", "verifier.timeout_s=0.5", "verifier.message_budget_s=1.0"])
+    ctx = make_context("verifier", cfg=cfg, run_dir=tmp_path, serve_metrics=False, install_signals=False)
+    transport = ZmqTransport()
+    out = transport.receiver("tcp://127.0.0.1:*", decoder=Decoder((GroupsMsg,)), bind=True)
+    # A per-check deadline far past the budget: only the service's per-message budget can end these hangs.
+    pool = VerifierPool(num_workers=1, timeout_s=30.0, _test_hooks=True)
+    svc = VerifierService(ctx, transport, in_endpoint="tcp://127.0.0.1:*", out_endpoint=out.endpoint, pool=pool)
+    loop = threading.Thread(target=svc.run, args=(lambda ids: "".join(map(chr, ids)),), daemon=True)
+    loop.start()
+    try:
+        texts = ["1+1=2\\boxed{2}"] + ["__hang_hard__"] * 4
+        group = Group(uid="u", prompt="1+1", answer="2", prompt_ids=[1], version=0,
+                      samples=[Trajectory(response_ids=[ord(c) for c in t], behavior_logprobs=[0.0] * len(t),
+                                          finish_reason="stop") for t in texts])
+        sender = transport.sender(svc.pull.endpoint)
+        t0 = time.monotonic()
+        sender.send(make_envelope(GroupsMsg(groups=[group]), sender="test"), 5.0)
+        env = out.recv(20.0)
+        elapsed = time.monotonic() - t0
+        assert env is not None, "no verified groups came out"
+        print(f"message with 4 hanging responses verified in {elapsed:.2f}s")
+        assert elapsed < 3.0
+        assert [s.verdict for s in env.body.groups[0].samples] == ["correct"] + ["over_budget"] * 4
+        assert [s.reward for s in env.body.groups[0].samples] == [1.0] + [-1.0] * 4
+        reg = ctx.metrics.registry
+        assert reg.get_sample_value("async_vapo_verifier_checks_total", {"reason": "over_budget"}) == 4
+        assert ctx.metrics.health()["sandbox"] == pool.isolation
+    finally:
+        ctx.stop.set()
+        loop.join(10)
+        svc.close()
+        transport.close()

@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from async_vapo.cluster.common import make_context
@@ -27,6 +28,7 @@ from async_vapo.transport import (
     WeightsAck,
     ZmqTransport,
     make_envelope,
+    shared_context,
 )
 from async_vapo.weights import WeightBroadcast, fetch_weights
 
@@ -41,20 +43,30 @@ def _group(uid: str, version: int) -> Group:
                                      finish_reason="stop") for text in ("1+1=2\\boxed{2}", "\\boxed{3}")])
 
 
-def test_every_bound_port_survives_hostile_frames(tmp_path):
+@pytest.mark.parametrize("auth", [False, True], ids=["plaintext", "curve"])
+def test_every_bound_port_survives_hostile_frames(tmp_path, auth):
+    """Plaintext: the frames reach every decoder and are counted. CURVE: the strangers' connections never
+    complete a handshake, so no frame reaches a decoder; either way every service still does its job."""
     from async_vapo.cluster.replay_service import ReplayService
     from async_vapo.cluster.verifier_service import VerifierService
+    from async_vapo.transport.security import CurveKeys, Security, create_keys
 
     cfg = load_config([], ["algo.group_size=2", "algo.prompts_per_step=1", "algo.mini_batch_size=2",
                            "algo.micro_batch_size=2", "verifier.num_workers=1", "cluster.replay.fsync=never",
                            f"cluster.wire.max_message_bytes={MAX_BYTES}", "cluster.weights.transfer=auto"])
     ctxs = {s: make_context(s, cfg=cfg, run_dir=tmp_path, serve_metrics=False, install_signals=False)
             for s in ("replay", "verifier", "learner")}
-    transport = ZmqTransport()
+    if auth:  # each service and each valid client with its own role's keys
+        keys = create_keys(tmp_path / "keys")
+        tp = {role: ZmqTransport(security=Security(CurveKeys.load(keys, role), shared_context()))
+             for role in ("replay", "verifier", "rollout", "learner")}
+    else:
+        tp = dict.fromkeys(("replay", "verifier", "rollout", "learner"), ZmqTransport())
     any_port = "tcp://127.0.0.1:*"
-    replay = ReplayService(ctxs["replay"], transport, in_endpoint=any_port, batch_endpoint=any_port)
-    verifier = VerifierService(ctxs["verifier"], transport, in_endpoint=any_port, out_endpoint=replay.pull.endpoint)
-    sync = WeightBroadcast(ctxs["learner"], transport, pub_endpoint=any_port, acks_endpoint=any_port,
+    replay = ReplayService(ctxs["replay"], tp["replay"], in_endpoint=any_port, batch_endpoint=any_port)
+    verifier = VerifierService(ctxs["verifier"], tp["verifier"], in_endpoint=any_port,
+                               out_endpoint=replay.pull.endpoint)
+    sync = WeightBroadcast(ctxs["learner"], tp["learner"], pub_endpoint=any_port, acks_endpoint=any_port,
                            fetch_endpoint=any_port, weights_dir=tmp_path / "weights")
     threads = [threading.Thread(target=replay.run, daemon=True),
                threading.Thread(target=verifier.run, args=(lambda ids: "".join(map(chr, ids)),), daemon=True)]
@@ -78,13 +90,14 @@ def test_every_bound_port_survives_hostile_frames(tmp_path):
             sync.poll(0.05)
             assert time.monotonic() < deadline, "sending the hostile frames took too long"
         sent = [b.stdout.read().strip() for b in blasters]
-        assert all(x == f"sent {FRAMES_PER_PORT}" for x in sent[:4] + sent[5:]), sent
+        if not auth:  # every frame left the stranger (under CURVE most never do: no handshake, no connection)
+            assert all(x == f"sent {FRAMES_PER_PORT}" for x in sent[:4] + sent[5:]), sent
         assert all(t.is_alive() for t in threads), "a service loop died"
 
         # Every port still works. The verifier grades a group and the replay stores and serves it ...
-        sender = transport.sender(verifier.pull.endpoint)
+        sender = tp["rollout"].sender(verifier.pull.endpoint, peer="verifier")
         sender.send(make_envelope(GroupsMsg(groups=[_group("after", 1)]), sender="test"), 5.0)
-        req = transport.requester(replay.router.endpoint, decoder=Decoder((BatchMsg,)), name="test")
+        req = tp["learner"].requester(replay.router.endpoint, decoder=Decoder((BatchMsg,)), name="test", peer="replay")
         req.handshake(10.0)
         batch = None
         deadline = time.monotonic() + 60
@@ -96,7 +109,7 @@ def test_every_bound_port_survives_hostile_frames(tmp_path):
         assert batch and batch[0].uid == "after"
         assert [s.verdict for s in batch[0].samples] == ["correct", "incorrect"]
         # ... the learner takes an engine's ack, and serves a weight fetch
-        acks = transport.sender(sync.acks.endpoint)
+        acks = tp["rollout"].sender(sync.acks.endpoint, peer="learner")
         acks.send(make_envelope(WeightsAck(engine_id="rollout-0", version=1, ok=True, load_seconds=0.1),
                                 sender="rollout-0"), 5.0)
         deadline = time.monotonic() + 10
@@ -105,13 +118,16 @@ def test_every_bound_port_survives_hostile_frames(tmp_path):
             sync.poll(0.05)
         dst = bytearray(sync.latest.nbytes)
         fetch_weights(sync.server.endpoint, 1, sync.latest.nbytes, dst, chunk_bytes=4096, timeout_s=10.0,
-                      engine_id="rollout-0", max_bytes=MAX_BYTES)
+                      engine_id="rollout-0", max_bytes=MAX_BYTES, security=tp["rollout"].security)
         assert bytes(dst[:256]) == state["w"].numpy().tobytes()
         assert all(t.is_alive() for t in threads)
         for name in ("replay", "verifier", "learner"):
             counts = {k: v for k, v in _rejects(ctxs[name]).items() if v}
-            assert sum(counts.values()) > 0, (name, counts)  # the frames were seen and counted, not ignored
-            print(name, counts)
+            if auth:  # no stranger got through a CURVE handshake: not one frame reached a decoder
+                assert counts == {}, (name, counts)
+            else:  # the frames were seen and counted, not ignored
+                assert sum(counts.values()) > 0, (name, counts)
+            print(name, "auth" if auth else "plaintext", counts)
     finally:
         for ctx in ctxs.values():
             ctx.stop.set()
@@ -120,7 +136,9 @@ def test_every_bound_port_survives_hostile_frames(tmp_path):
         replay.close()
         verifier.close()
         sync.close()
-        transport.close()
+        for transport in set(tp.values()):
+            transport.close()
+        Security.stop_all()
 
 
 def _rejects(ctx) -> dict[str, float]:

@@ -88,6 +88,8 @@ def test_cross_field_validation():
         load_config(overrides=["algo.name=grpo", "algo.group_size=1", "algo.prompts_per_step=128"])
     with pytest.raises(ConfigError, match="max_response_tokens"):
         load_config(overrides=["task.max_ops=10", "rollout.max_response_tokens=40"])
+    with pytest.raises(ConfigError, match="message_budget_s"):
+        load_config(overrides=["verifier.timeout_s=10", "verifier.message_budget_s=5"])
     # symmetric clip is fine once clip-higher is off
     assert load_config(overrides=["algo.clip_higher=false", "algo.eps_high=0.1"]).algo.effective_eps_high == 0.2
 

@@ -1,12 +1,21 @@
-"""Prometheus metrics: naming convention, per-service sets, a real /metrics + /health server on loopback,
-GPU metrics, and the deploy files (Grafana dashboard, Prometheus template) against the real names."""
+"""Prometheus metrics: naming convention, per-service sets, a real /metrics + /health server on loopback
+(hostile clients included: stalled, over the cap, malformed, unauthenticated; TLS with a certificate made
+here), GPU metrics, and the deploy files (Grafana dashboard, Prometheus template) against the real names."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import logging
 import os
 import re
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -39,9 +48,12 @@ EXPECTED = {
 COMMON = ["process_cpu_ratio", "up", "info", "wire_rejects_total"]
 
 
-def scrape(url: str) -> tuple[int, str, str]:
+def scrape(url: str, *, context: ssl.SSLContext | None = None, auth: tuple[str, str] | None = None,
+           timeout: float = 5) -> tuple[int, str, str]:
+    headers = {"Authorization": "Basic " + base64.b64encode(":".join(auth).encode()).decode()} if auth else {}
     try:
-        with urllib.request.urlopen(url, timeout=5) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout,
+                                    context=context) as r:
             return r.status, r.headers.get("Content-Type", ""), r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.headers.get("Content-Type", ""), e.read().decode()
@@ -404,3 +416,344 @@ def test_server_stop_is_prompt():
     server.stop()
     server.stop()  # idempotent
     assert time.perf_counter() - t0 < 2
+
+
+# -- hostile clients -----------------------------------------------------------------------------------------
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STALLED_SERVER = """
+import resource, sys, time
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))  # a server near its descriptor limit
+from async_vapo.metrics.prom import MetricsServer, ServiceMetrics
+server = MetricsServer(ServiceMetrics("replay", gpu=False), request_timeout_s=1.0, max_connections=64)
+print(server.start(), flush=True)
+time.sleep(60)
+"""
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+def _rejects(m: ServiceMetrics, reason: str) -> float:
+    return m.registry.get_sample_value(f"{m.prefix}_http_rejects_total", {"reason": reason})
+
+
+def _eventually(condition, timeout_s: float = 1.0) -> bool:
+    """The server counts on its own thread, possibly just after the client saw the connection close."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_stalled_clients_cost_no_thread_and_are_cut_at_the_timeout():
+    """300 clients connect and send nothing to a server whose descriptor limit is 128: it holds at most
+    max_connections of them, no thread each, drops them at request_timeout_s, and /health answers again
+    within a second of that."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", STALLED_SERVER], stdout=subprocess.PIPE, text=True, env=env)
+    clients: list[socket.socket] = []
+    try:
+        port = int(proc.stdout.readline())
+        url = f"http://127.0.0.1:{port}"
+        assert scrape(f"{url}/health")[0] == 503  # up ("starting")
+        fds0, threads0 = _fds(proc.pid), _threads(proc.pid)
+        refused, stuck = 0, 0
+        t0 = time.monotonic()
+        for _ in range(300):
+            try:  # a SYN dropped while the listen queue is full is resent after 1 s: 3 s covers a busy machine
+                clients.append(socket.create_connection(("127.0.0.1", port), timeout=3))
+            except TimeoutError:  # the server no longer accepts at all
+                stuck += 1
+                if time.monotonic() - t0 > 10:
+                    break
+            except OSError:  # reset at accept: the server is full
+                refused += 1
+        last_connect = time.monotonic()
+        assert stuck == 0, f"{stuck} connects found the server's listen queue full ({len(clients)} connected)"
+        time.sleep(0.2)
+        held_fds, held_threads = _fds(proc.pid) - fds0, _threads(proc.pid)
+        answered = None
+        while time.monotonic() < last_connect + 1.0 + 1.0:  # the timeout, then at most a second
+            try:
+                if scrape(f"{url}/health", timeout=0.5)[0] == 503:
+                    answered = time.monotonic() - last_connect
+                    break
+            except OSError:
+                pass
+            time.sleep(0.02)
+        print(f"300 stalled clients ({refused} reset at connect): server holds {held_fds} more descriptors, "
+              f"{held_threads} threads (was {threads0}); /health answered {answered} s after the last connect")
+        assert held_fds <= 64 and held_threads == threads0
+        assert answered is not None
+        time.sleep(max(0.0, last_connect + 1.3 - time.monotonic()))  # every stalled client has timed out
+        text = scrape(f"{url}/metrics")[2]
+        counts = {s.labels["reason"]: s.value for s in families(text)["async_vapo_replay_http_rejects"].samples}
+        print("rejects", counts, "descriptors now", _fds(proc.pid) - fds0)
+        assert counts["timeout"] >= 1 and counts["capacity"] + counts["timeout"] >= 300
+        assert _fds(proc.pid) - fds0 <= 1  # the /metrics connection itself, at most
+    finally:
+        for c in clients:
+            c.close()
+        proc.kill()
+        proc.wait()
+
+
+def test_connections_over_the_cap_are_reset_and_counted():
+    m = ServiceMetrics("replay", gpu=False)
+    with MetricsServer(m, max_connections=4, request_timeout_s=5.0) as server:
+        idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
+        deadline = time.monotonic() + 2
+        while m.registry.get_sample_value("async_vapo_replay_http_connections") != 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        with pytest.raises(OSError):  # reset at once: at connect, or at the first read
+            with socket.create_connection(("127.0.0.1", server.port), timeout=1) as extra:
+                extra.sendall(b"GET /health HTTP/1.1\r\n\r\n")
+                if not extra.recv(100):
+                    raise ConnectionResetError("closed without an answer")
+        assert time.monotonic() - t0 < 0.5
+        assert _rejects(m, "capacity") == 1
+        idle.pop().close()  # a client that goes frees its slot at once, not at the timeout
+        deadline = time.monotonic() + 1
+        while m.registry.get_sample_value("async_vapo_replay_http_connections") != 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert scrape(f"{server.url}/health")[0] == 503
+        for c in idle:
+            c.close()
+
+
+def test_a_trickling_request_is_cut_at_the_timeout():
+    """A client sending a byte every 0.2 s never lets a per-read timeout fire; the deadline is per request."""
+    m = ServiceMetrics("replay", gpu=False)
+    with MetricsServer(m, request_timeout_s=1.0) as server, \
+            socket.create_connection(("127.0.0.1", server.port)) as c:
+        t0 = time.monotonic()
+        closed_at = None
+        for byte in b"GET /health HTTP/1.1\r\nX-Slow: " + b"a" * 20:
+            try:
+                c.sendall(bytes([byte]))
+            except OSError:
+                closed_at = time.monotonic() - t0
+                break
+            time.sleep(0.2)
+            c.setblocking(False)
+            try:
+                if c.recv(1) == b"":
+                    closed_at = time.monotonic() - t0
+                    break
+            except BlockingIOError:
+                pass
+            except OSError:
+                closed_at = time.monotonic() - t0
+                break
+            finally:
+                c.setblocking(True)
+        print("trickling client closed after", closed_at)
+        assert closed_at is not None and 0.9 < closed_at < 1.6
+        assert _rejects(m, "timeout") == 1
+
+
+def _raw(port: int, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+        c.sendall(request)
+        out = b""
+        while chunk := c.recv(65536):
+            out += chunk
+    return out
+
+
+def test_malformed_requests_are_answered_and_counted():
+    m = ServiceMetrics("replay", gpu=False)
+    with MetricsServer(m) as server:
+        cases = [
+            (b"POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n", b"405"),
+            (b"GARBAGE\r\n\r\n", b"400"),
+            (b"GET /health HTTP/2.0\r\n\r\n", b"400"),
+            (b"GET /health HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello", b"400"),
+            (b"GET /health HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", b"400"),
+            (b"GET /health HTTP/1.1\r\nX: " + b"a" * 9000 + b"\r\n\r\n", b"431"),
+            (b"GET /health HTTP/1.1\r\nX: \xff\r\n\r\n", b"400"),
+        ]
+        for request, status in cases:
+            assert _raw(server.port, request).split(b" ")[1] == status, request[:40]
+        assert _rejects(m, "malformed") == len(cases)
+        ok = _raw(server.port, b"HEAD /health HTTP/1.0\r\n\r\n")
+        assert ok.startswith(b"HTTP/1.1 503") and ok.endswith(b"\r\n\r\n")  # HEAD: headers only
+
+
+class StuckCollector:
+    """A collector that blocks until released (NVML on a GPU that fell off the bus)."""
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        self.release.wait(10)
+        return []
+
+
+def test_a_stuck_collector_delays_only_metrics():
+    m = ServiceMetrics("replay", gpu=False)
+    stuck = StuckCollector()
+    m.registry.register(stuck)
+    with MetricsServer(m, request_timeout_s=0.5) as server:
+        try:
+            t0 = time.monotonic()
+            assert scrape(f"{server.url}/metrics")[0] == 503
+            assert 0.4 < time.monotonic() - t0 < 1.0
+            t0 = time.monotonic()
+            assert scrape(f"{server.url}/health")[0] == 503 and time.monotonic() - t0 < 0.3  # "starting", at once
+            assert scrape(f"{server.url}/metrics")[0] == 503  # still the one stuck render, not a second
+        finally:
+            stuck.release.set()
+        time.sleep(0.1)
+        assert scrape(f"{server.url}/metrics")[0] == 200
+
+
+@pytest.fixture(scope="module")
+def self_signed(tmp_path_factory):
+    """A self-signed certificate for 127.0.0.1 and its key (openssl CLI)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("the openssl command is not installed")
+    d = tmp_path_factory.mktemp("tls")
+    cert, key = d / "cert.pem", d / "key.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=async-vapo-test",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"], check=True, capture_output=True)
+    return cert, key
+
+
+PASSWORD = "correct horse battery staple"
+PASSWORD_SHA256 = hashlib.sha256(PASSWORD.encode()).hexdigest()
+
+
+def test_tls_scrape_with_a_self_signed_certificate(self_signed):
+    cert, key = self_signed
+    m = ServiceMetrics("replay", gpu=False)
+    m.replay.stored_groups.set(5)
+    trusted = ssl.create_default_context(cafile=str(cert))
+    with MetricsServer(m, tls_cert=cert, tls_key=key, request_timeout_s=1.0) as server:
+        assert server.url == f"https://127.0.0.1:{server.port}"
+        code, ctype, text = scrape(f"{server.url}/metrics", context=trusted)
+        assert code == 200 and "async_vapo_replay_stored_groups 5.0" in text
+        assert scrape(f"{server.url}/health", context=trusted)[0] == 503
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+            scrape(f"{server.url}/health", context=ssl.create_default_context())  # not a CA anyone trusts
+        # plain HTTP to the TLS port gets no HTTP answer
+        assert not _raw(server.port, b"GET /metrics HTTP/1.1\r\n\r\n").startswith(b"HTTP")
+        # a client that never starts the handshake is cut at the timeout
+        with socket.create_connection(("127.0.0.1", server.port)) as stalled:
+            t0 = time.monotonic()
+            stalled.settimeout(3)
+            assert stalled.recv(1) == b""
+            assert 0.9 < time.monotonic() - t0 < 1.6
+        assert _eventually(lambda: _rejects(m, "tls") == 2 and _rejects(m, "timeout") == 1)  # 2: unknown CA, plain
+
+
+def test_basic_auth_rejects_wrong_credentials_and_accepts_right_ones(self_signed):
+    cert, key = self_signed
+    m = ServiceMetrics("replay", gpu=False)
+    trusted = ssl.create_default_context(cafile=str(cert))
+    with MetricsServer(m, tls_cert=cert, tls_key=key, basic_auth_user="prometheus",
+                       basic_auth_password_sha256=PASSWORD_SHA256) as server:
+        for path in ("/metrics", "/health", "/nope"):
+            code, _, _ = scrape(f"{server.url}{path}", context=trusted)
+            assert code == 401, path
+        for auth in [("prometheus", "wrong"), ("root", PASSWORD), ("prometheus", PASSWORD + " "), ("", "")]:
+            assert scrape(f"{server.url}/metrics", context=trusted, auth=auth)[0] == 401, auth
+        request = urllib.request.Request(f"{server.url}/metrics", headers={"Authorization": "Bearer x"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(request, context=trusted, timeout=5)
+        assert e.value.code == 401 and e.value.headers["WWW-Authenticate"].startswith("Basic realm=")
+        code, _, text = scrape(f"{server.url}/metrics", context=trusted, auth=("prometheus", PASSWORD))
+        assert code == 200 and "async_vapo_replay_up" in text
+        assert scrape(f"{server.url}/health", context=trusted, auth=("prometheus", PASSWORD))[0] == 503
+        assert scrape(f"{server.url}/nope", context=trusted, auth=("prometheus", PASSWORD))[0] == 404
+        assert _rejects(m, "unauthorized") == 3 + 4 + 1
+    with pytest.raises(ValueError, match="64 hex"):
+        MetricsServer(m, basic_auth_user="p", basic_auth_password_sha256="abc")
+
+
+def test_prometheus_template_renders_tls_and_basic_auth(tmp_path, self_signed):
+    yaml = pytest.importorskip("yaml")
+    tmpl = ROOT / "deploy/prometheus/prometheus.yml.tmpl"
+    cert, _key = self_signed
+    password_file = tmp_path / "password"
+    password_file.write_text(PASSWORD + "\n")
+    out = render_prometheus_config(tmpl, tmp_path / "secure.yml", tls=True, tls_ca_file=str(cert),
+                                   basic_auth_user="prometheus", basic_auth_password_file=str(password_file))
+    job = yaml.safe_load(out.read_text())["scrape_configs"][0]
+    assert job["scheme"] == "https" and job["tls_config"] == {"ca_file": str(cert)}
+    assert job["basic_auth"] == {"username": "prometheus", "password_file": str(password_file)}
+    assert job["file_sd_configs"][0]["files"] == ["targets.json"] and job["honor_labels"] is False
+    unverified = yaml.safe_load(render_prometheus_config(tmpl, tmp_path / "u.yml", tls=True).read_text())
+    assert unverified["scrape_configs"][0]["tls_config"] == {"insecure_skip_verify": True}
+    plain = yaml.safe_load(render_prometheus_config(tmpl, tmp_path / "plain.yml").read_text())["scrape_configs"][0]
+    assert plain["scheme"] == "http" and "tls_config" not in plain and "basic_auth" not in plain
+    promtool = shutil.which("promtool")
+    if promtool is not None:  # Prometheus' own parser (it also checks that ca_file and password_file exist)
+        (tmp_path / "targets.json").write_text("[]")
+        for name in ("secure.yml", "u.yml", "plain.yml"):
+            check = subprocess.run([promtool, "check", "config", str(tmp_path / name)], capture_output=True,
+                                   text=True)
+            assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_cluster_plan_and_services_follow_the_metrics_http_section(tmp_path, self_signed):
+    """One config section drives the servers make_context starts, the rendered scrape config, the health URLs
+    and the options start_cluster.sh hands to wait-health."""
+    from async_vapo.cluster.common import main as cluster_main
+    from async_vapo.cluster.common import make_context
+    from async_vapo.config import load_config
+
+    cert, key = self_signed
+    password_file = tmp_path / "password"
+    password_file.write_text(PASSWORD + "\n")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    section = [f"cluster.metrics_http.tls_cert={cert}", f"cluster.metrics_http.tls_key={key}",
+               f"cluster.metrics_http.tls_ca_file={cert}", "cluster.metrics_http.basic_auth_user=prometheus",
+               f"cluster.metrics_http.basic_auth_password_sha256={PASSWORD_SHA256}",
+               f"cluster.metrics_http.basic_auth_password_file={password_file}",
+               "cluster.metrics_http.request_timeout_s=2", f"cluster.ports.replay_metrics_port={port}"]
+    cfg = load_config([], section)
+    ctx = make_context("replay", cfg=cfg, run_dir=tmp_path / "run", install_signals=False)
+    try:
+        assert ctx.server is not None and ctx.server.url == f"https://127.0.0.1:{port}"
+        assert ctx.server.request_timeout_s == 2
+        trusted = ssl.create_default_context(cafile=str(cert))
+        assert scrape(f"{ctx.server.url}/health", context=trusted)[0] == 401
+        ctx.ready()
+        assert scrape(f"{ctx.server.url}/health", context=trusted, auth=("prometheus", PASSWORD))[0] == 200
+
+        plan = subprocess.run([sys.executable, "-m", "async_vapo.cluster.common", "plan", "--run-dir",
+                               str(tmp_path / "run"), "--", *section], capture_output=True, text=True, check=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+        assert f"HEALTH_REPLAY_0='https://127.0.0.1:{port}/health'" in plan.stdout
+        opts_line = next(line for line in plan.stdout.splitlines() if line.startswith("HEALTH_OPTS="))
+        shell = subprocess.run(["bash", "-c", opts_line + '\nprintf "%s\\n" "${HEALTH_OPTS[@]}"'],
+                               capture_output=True, text=True, check=True)
+        opts = shell.stdout.splitlines()
+        assert opts == ["--ca-file", str(cert), "--user", "prometheus", "--password-file", str(password_file)]
+        rendered = (tmp_path / "run" / "prometheus" / "prometheus.yml").read_text()
+        assert "scheme: https" in rendered and "password_file:" in rendered
+        assert cluster_main(["wait-health", *opts, f"https://127.0.0.1:{port}/health", "5"]) == 0
+        assert cluster_main(["wait-health", "--ca-file", str(cert), f"https://127.0.0.1:{port}/health", "1"]) == 1
+    finally:
+        ctx.close()

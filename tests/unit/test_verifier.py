@@ -1,16 +1,24 @@
 """Tests for async_vapo.verify: extraction, grading, and the sandboxed worker pool.
 
 Every pool here starts real worker processes; the misbehaving answers (hangs, segfaults, memory
-blow-ups) are real too, enabled by the pool's test-only ``_test_hooks`` switch.
+blow-ups, fork bombs, network connections, escaping children) are real too, enabled by the pool's
+test-only ``_test_hooks`` switch. The isolation tests check what holds from outside the worker where
+they can (psutil, a listening socket, the file system) rather than trusting its own report.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 import signal
+import socket
+import stat
+import subprocess
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -27,6 +35,8 @@ from async_vapo.verify import (
 )
 
 HOOK_TIMEOUT_S = 1.0
+ROOT = os.geteuid() == 0
+REPO = Path(__file__).resolve().parents[2]
 SECRETS = {"FAKE_API_TOKEN": "tok-123", "AWS_SECRET_ACCESS_KEY": "aws-456", "HF_TOKEN": "hf-789"}
 ALLOWED_WORKER_ENV = {
     "PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "PYTHONPATH", "HOME", "TMPDIR", "PYTHONDONTWRITEBYTECODE",
@@ -254,6 +264,10 @@ def test_constructor_validates_arguments():
         VerifierPool(num_workers=0)
     with pytest.raises(ValueError, match="soft_timeout_s"):
         VerifierPool(timeout_s=1.0, soft_timeout_s=2.0)
+    with pytest.raises(ValueError, match="max_processes"):
+        VerifierPool(max_processes=0)
+    with pytest.raises(ValueError, match="sandbox_uid_base"):
+        VerifierPool(sandbox_uid_base=0)  # root's uid
 
 
 # ------------------------------------------------------------------------------ failure policy
@@ -365,6 +379,7 @@ def test_worker_environment_is_scrubbed_and_limited(hook_pool):
         assert probe["rlimit_as"] == hook_pool.memory_limit_mb << 20
         assert probe["rlimit_core"] == 0
         assert probe["rlimit_nofile"] <= 64
+        assert probe["rlimit_nproc"] == hook_pool.max_processes
 
 
 def test_megabyte_response_with_raised_limit(hook_pool):
@@ -428,5 +443,239 @@ def test_worker_that_misses_ready_is_a_named_error():
 
 def test_reasons_are_the_documented_set():
     assert set(REASONS) == {
-        "correct", "incorrect", "no_answer", "parse_error", "timeout", "crash", "too_long", "bad_input",
+        "correct", "incorrect", "no_answer", "parse_error", "timeout", "crash", "too_long", "bad_input", "over_budget",
     }  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ isolation
+
+
+def _probes(pool: VerifierPool) -> list[dict]:
+    """One probe per worker, in worker order (a batch of n items over n idle workers is one item each)."""
+    pool.wait_ready()
+    results = pool.verify([("__probe__", "1")] * pool.num_workers)
+    probes = [json.loads(r.detail) for r in results]
+    assert [p["pid"] for p in probes] == pool.worker_pids
+    return probes
+
+
+def _platform_makes_netns(**user) -> bool | None:
+    """Whether this machine lets the given user (default: this process's) make a network namespace, asked of
+    the unshare(1) command rather than of the code under test; None when the command is missing."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return None
+    flags = ["--net"] if os.geteuid() == 0 and not user else ["--user", "--net"]
+    return subprocess.run([unshare, *flags, "true"], capture_output=True, **user).returncode == 0
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_until(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_workers_run_as_their_own_unprivileged_uid(hook_pool):
+    probes = _probes(hook_pool)
+    iso = hook_pool.isolation
+    real_uids = [psutil.Process(pid).uids() for pid in hook_pool.worker_pids]  # seen from outside
+    real_gids = [psutil.Process(pid).gids() for pid in hook_pool.worker_pids]
+    print("worker uids", real_uids, "isolation", iso)
+    if ROOT:
+        assert iso["uid_drop"] and iso["uids"] == sorted(u.real for u in real_uids)
+        for uids, gids, probe in zip(real_uids, real_gids, probes, strict=True):
+            assert uids.real == uids.effective == uids.saved != 0
+            assert gids.real == gids.effective == gids.saved == uids.real  # one gid per worker, same number
+            assert probe["groups"] == []
+        assert len({u.real for u in real_uids}) == len(real_uids)  # each worker its own uid
+    else:  # no drop is possible: the pool's own uid, and the pool says so
+        assert not iso["uid_drop"] and all(u.real == os.getuid() for u in real_uids)
+    for probe in probes:
+        assert probe["cap_eff"] == probe["cap_prm"] == 0 and probe["no_new_privs"]
+    assert not iso["capabilities"] and iso["no_new_privs"]
+
+
+def test_worker_cannot_reach_the_network(hook_pool):
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(0.3)
+        port = listener.getsockname()[1]
+        [result] = hook_pool.verify([(f"__net__:{port}", "1")])
+        report = json.loads(result.detail)
+        print("worker's connect to 127.0.0.1:", port, report)
+        try:
+            conn, _ = listener.accept()
+            conn.close()
+            reached = True
+        except TimeoutError:
+            reached = False
+    possible = _platform_makes_netns()
+    if possible is not None:
+        assert hook_pool.isolation["netns"] == possible
+    if not hook_pool.isolation["netns"]:  # the report must be honest: without a namespace the connect works
+        assert report["connect"] == "ok" and reached
+        pytest.skip("no network namespace can be made here (the pool reports netns=False, and it is so)")
+    assert report["connect"] != "ok" and not reached
+    assert report["interfaces"] == ["lo"]
+
+
+def test_fork_bomb_stops_at_max_processes_per_worker():
+    # Two workers bomb at once: with a uid (or user namespace) per worker each gets max_processes - 1
+    # children; a limit shared by both (one uid for all workers) would give fewer in total.
+    with VerifierPool(num_workers=2, timeout_s=5.0, max_processes=4, _test_hooks=True) as p:
+        p.wait_ready()
+        t0 = time.monotonic()
+        results = p.verify([("__forkbomb__", "1")] * 2)
+        elapsed = time.monotonic() - t0
+        bombs = [json.loads(r.detail) for r in results]
+        print("fork bombs", bombs, f"{elapsed:.2f}s", p.isolation)
+        if p.isolation["nproc_scope"] == "worker":
+            assert [b["forked"] for b in bombs] == [3, 3]
+        else:  # RLIMIT_NPROC counts every task of the user: a bound, not a per-worker one
+            assert all(b["forked"] <= 3 for b in bombs)
+        assert all("Resource temporarily unavailable" in b["error"] for b in bombs)
+        assert reasons(p.verify([("\\boxed{4}", "4")])) == ["correct"]
+
+
+def test_worker_temp_dirs_are_private_and_removed():
+    with VerifierPool(num_workers=2, _test_hooks=True) as p:
+        probes = _probes(p)
+        dirs = [probe["cwd"] for probe in probes]
+        for probe in probes:
+            assert probe["cwd_mode"] == 0o700 and probe["cwd_uid"] == probe["uid"][0]
+            assert stat.S_IMODE(os.stat(probe["cwd"]).st_mode) == 0o700
+        # each worker tries to list the other's temp dir
+        peeks = p.verify([(f"__peek__:{dirs[1]}", "1"), (f"__peek__:{dirs[0]}", "1")])
+        print("temp dirs", dirs, "cross listing:", [r.detail for r in peeks])
+        if ROOT:
+            assert all(r.detail.startswith("PermissionError") for r in peeks)
+        victim = p.worker_pids[0]
+        os.kill(victim, signal.SIGKILL)
+        _wait_until(lambda: _gone(victim))
+        assert reasons(p.verify([("\\boxed{1}", "1")] * 4)) == ["correct"] * 4  # replaces the dead worker
+        assert not os.path.exists(dirs[0]) and os.path.exists(dirs[1])
+    assert not os.path.exists(dirs[1])
+
+
+def test_a_child_that_leaves_the_process_group_dies_with_its_worker():
+    p = VerifierPool(num_workers=1, _test_hooks=True)
+    orphan = None
+    try:
+        [result] = p.verify([("__orphan__", "1")])
+        orphan = int(result.detail)
+        assert psutil.Process(orphan).status() != psutil.STATUS_ZOMBIE
+        assert os.getpgid(orphan) != p.worker_pids[0]  # out of the group the pool kills
+        if not ROOT:
+            pytest.skip("no uid of its own to kill by: a child that called setsid outlives its worker")
+        p.close()
+        _wait_until(lambda: _gone(orphan), timeout_s=2.0)  # SIGKILL is sent; dying takes a moment
+    finally:
+        p.close()
+        if orphan is not None and not _gone(orphan):
+            os.kill(orphan, signal.SIGKILL)
+
+
+def test_concurrent_pools_lease_distinct_uids():
+    if not ROOT:
+        pytest.skip("uids are leased only when the pool runs as root")
+    with VerifierPool(num_workers=1) as a, VerifierPool(num_workers=2) as b:
+        ua, ub = a.isolation["uids"], b.isolation["uids"]
+        assert len(ua) == 1 and len(ub) == 2 and not set(ua) & set(ub)
+    with VerifierPool(num_workers=1) as c:  # released on close: the first free uid again
+        assert c.isolation["uids"] == [min(ua + ub)]
+
+
+def test_lazy_imports_work_after_the_drop(hook_pool):
+    # Nothing in the worker imports these before the drop (mailbox needs email.generator, a submodule of a
+    # package that is imported). Where the interpreter lives under a directory the worker's uid cannot
+    # search (here: /root/.pyenv), only the descriptors held across the drop reach them.
+    modules = ["wave", "tabnanny", "mailbox"]
+    results = hook_pool.verify([(f"__import__:{m}", "1") for m in modules])
+    print("imports after the drop:", dict(zip(modules, [r.detail for r in results], strict=True)))
+    assert [r.detail for r in results] == ["ok"] * len(modules)
+
+
+UNPRIVILEGED_SCRIPT = """
+import json, sys
+from async_vapo.verify import sandbox as sb
+netns, userns = sb._enter_namespaces()
+iso = sb._drop_privileges(None, None, 4)
+print(json.dumps({"netns": netns, "userns": userns, **iso, "bomb": sb._fork_bomb(50, 0.3),
+                  "connect": sb._outcome(lambda: sb._connect(int(sys.argv[1])))}))
+"""
+
+
+def test_unprivileged_worker_isolates_itself_in_a_user_namespace():
+    """The worker's isolation step run as an unprivileged user (nobody), as in a pool not started as root,
+    while nobody already has 6 other processes: a per-user RLIMIT_NPROC of 4 would allow no fork at all."""
+    system_python = shutil.which("python3", path="/usr/bin:/bin")
+    if not ROOT or system_python is None:
+        pytest.skip("needs root (to become nobody) and a system python3 that nobody may run")
+    sleepers = [subprocess.Popen(["sleep", "5"], user=65534, group=65534, extra_groups=[]) for _ in range(6)]
+    try:
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            out = subprocess.run([system_python, "-I", "-c", f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
+                                  + UNPRIVILEGED_SCRIPT, str(listener.getsockname()[1])],
+                                 user=65534, group=65534, extra_groups=[], capture_output=True, text=True,
+                                 cwd="/", env={"PATH": "/usr/bin:/bin"}, timeout=30)
+        assert out.returncode == 0, out.stderr
+        report = json.loads(out.stdout)
+        print("unprivileged worker:", report)
+        assert report["uid"] == 65534 and not report["capabilities"] and report["no_new_privs"]
+        possible = _platform_makes_netns(user=65534, group=65534, extra_groups=[])
+        if possible is not None:
+            assert report["netns"] == possible
+        if report["userns"]:
+            assert report["bomb"]["forked"] == 3  # counted in its own user namespace
+        else:
+            assert report["bomb"]["forked"] == 0  # counted over all of nobody's processes
+        if report["netns"]:
+            assert report["connect"] != "ok"
+        else:
+            assert report["connect"] == "ok"
+    finally:
+        for s in sleepers:
+            s.kill()
+            s.wait()
+
+
+# ----------------------------------------------------------------------------------- time budget
+
+
+def test_budget_cuts_a_batch_of_hangs_short(hook_pool):
+    hook_pool.wait_ready()
+    before = hook_pool.stats
+    # Without a budget: 6 hard hangs over 2 workers, each killed at its 1 s deadline: over 3 s.
+    items = [("\\boxed{1}", "1")] + [("__hang_hard__", "1")] * 6
+    t0 = time.monotonic()
+    results = hook_pool.verify(items, budget_s=0.5)
+    elapsed = time.monotonic() - t0
+    print("batch with a 0.5 s budget:", f"{elapsed:.2f}s", reasons(results))
+    assert elapsed < 1.0
+    assert reasons(results) == ["correct"] + ["over_budget"] * 6
+    assert all(r.reward == -1.0 and not r.correct and "budget" in r.detail for r in results[1:])
+    assert hook_pool.stats["over_budget"] - before["over_budget"] == 6
+    assert hook_pool.stats["timeout"] == before["timeout"]
+    # the busy workers were replaced; the pool grades the next batch
+    assert reasons(hook_pool.verify([("\\boxed{2}", "2")] * 4, budget_s=30)) == ["correct"] * 4
+
+
+def test_budget_default_comes_from_the_pool_and_is_validated():
+    from async_vapo.config import load_config
+
+    overrides = ["verifier.num_workers=1", "verifier.message_budget_s=2.5", "verifier.max_processes=3"]
+    v = load_config([], overrides).verifier
+    with VerifierPool.from_config(v) as p:
+        assert p.message_budget_s == 2.5 and p.max_processes == 3
+        with pytest.raises(ValueError, match="budget"):
+            p.verify([("\\boxed{1}", "1")], budget_s=0)
+        assert reasons(p.verify([("\\boxed{1}", "1")], budget_s=math.inf)) == ["correct"]
+    with pytest.raises(ValueError, match="budget"):
+        VerifierPool(message_budget_s=-1.0)
