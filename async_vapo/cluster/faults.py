@@ -11,7 +11,8 @@ Faults (:class:`Fault`), each fired once, in plan order, when its trigger holds:
   one: what the process leaves behind is the supervisor's to clean up), once the learner has published
   ``at_version``. For the learner, ``when`` adds ``"mid_update"`` (its /health says ``busy: learn``, i.e. it holds a
   batch the replay has already marked served) or ``"after_checkpoint"`` (right after ``checkpoints/step_N`` appeared,
-  N >= ``at_version``).
+  N >= ``at_version``); for any service ``"busy"`` waits until its /health says it is working (a verifier holding
+  groups it has not passed on yet).
 * ``stop``: SIGSTOP the service's process group for ``duration_s`` (it stops generating, acking and heartbeating:
   the learner takes it out of rotation after ``cluster.wire.peer_dead_s``), then SIGCONT.
 
@@ -71,7 +72,8 @@ class Fault:
     at_version: int
     """Fire once the learner has published this version (after_checkpoint: once checkpoints/step_N, N >= it)."""
     when: str = ""
-    """Learner only: "mid_update" or "after_checkpoint"; "" fires as soon as ``at_version`` is reached."""
+    """"busy": once the service's /health says it is working (the verifier verifying, the rollout generating);
+    learner only: "mid_update" (busy learning) or "after_checkpoint"; "": as soon as ``at_version`` is reached."""
     duration_s: float = 0.0
 
 
@@ -161,7 +163,7 @@ class Injector:
         if self.next >= len(self.records):
             return False
         f = self.records[self.next].fault
-        return f.when == "mid_update" and bool(self.versions) and self.versions[-1][1] >= f.at_version
+        return f.when in ("mid_update", "busy") and bool(self.versions) and self.versions[-1][1] >= f.at_version
 
     def poll(self) -> None:
         now = time.time()
@@ -192,6 +194,8 @@ class Injector:
         elif v < f.at_version or learner is None:
             return
         elif f.when == "mid_update" and learner.get("busy") != "learn":
+            return
+        elif f.when == "busy" and not (_health(self.url(f.service, "/health")) or {}).get("busy"):
             return
         rec.pid = self.pid(f.service)
         rec.fired_at, rec.version_at_fire, rec.highest_version_at_fire = now, v, self.highest
@@ -247,12 +251,12 @@ def stall_after(versions: list, fired_at: float, highest: int, until: float | No
                 beyond: int = 3) -> float | None:
     """The longest time without a new learner version after ``fired_at``, until the learner first publishes
     ``highest + beyond`` or ``until`` (the next fault); ``versions``: [(time, version)] at each change."""
-    changes = [t for t, v in versions if t > fired_at and (until is None or t <= until)]
     end = next((t for t, v in versions if t > fired_at and v >= highest + beyond), None)
-    if end is not None:
-        changes = [t for t in changes if t <= end]
-    elif until is not None:
-        changes.append(until)
+    stops = [t for t in (end, until) if t is not None]
+    stop = min(stops) if stops else None
+    changes = [t for t, _ in versions if t > fired_at and (stop is None or t <= stop)]
+    if stop is not None and (not changes or changes[-1] < stop):
+        changes.append(stop)  # the next fault came first: training had not moved on since the last change
     points = [fired_at, *changes]
     return round(max(b - a for a, b in zip(points, points[1:], strict=False)), 2) if len(points) > 1 else None
 

@@ -1,8 +1,9 @@
 """deploy/start_cluster.sh --hostfile over real ssh: the test runs its own sshd on a loopback port (throwaway host
 and client keys, no PAM, nothing read from ~/.ssh), puts the verifier and the rollout on host 127.0.0.2 (which
-start_cluster.sh does not treat as local, so both go through ssh) and replay and learner on localhost, trains a
-few steps, and stops everything with stop_cluster.sh from an environment without ASYNC_VAPO_SSH (it must use
-the command recorded in RUN_DIR/pids/cluster.env). Needs the OpenSSH server (.ci/install_sshd.sh)."""
+start_cluster.sh does not treat as local, so both go through ssh, under a supervisord started there) and replay and
+learner on localhost, trains a few steps, SIGKILLs the remote verifier (that host's supervisord restarts it), and
+stops everything with stop_cluster.sh from an environment without ASYNC_VAPO_SSH (it must use the command recorded
+in RUN_DIR/pids/cluster.env). Needs the OpenSSH server (.ci/install_sshd.sh)."""
 
 from __future__ import annotations
 
@@ -238,6 +239,24 @@ def test_hostfile_roles_start_and_stop_over_ssh(sshd, tiny_cfg, tiny_base, tmp_p
         # The ssh-started services log into RUN_DIR/logs like the local ones.
         for name in remote_names | local_names:
             assert "/metrics and /health on" in (run_dir / "logs" / f"{name}.log").read_text(), name
+        # The remote host's supervisord restarts a service that dies there: a new verifier, its PID in the file
+        # (the services share this machine's file system here, as they would a shared RUN_DIR), started by it.
+        killed = pids["verifier"]
+        os.kill(killed, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            new = int((pids_dir / "verifier.pid").read_text())
+            health = _metric(REMOTE, ports["verifier_metrics_port"], "async_vapo_verifier_up")
+            if new != killed and health == 1.0:
+                break
+            time.sleep(0.3)
+        else:
+            pytest.fail(f"the remote verifier was not restarted: {(pids_dir / 'verifier.pid').read_text()}")
+        assert psutil.Process(new).parent().pid == psutil.Process(pids["rollout-0"]).parent().pid  # same supervisord
+        assert _environ(new).get("SSH_CONNECTION", "").endswith(sshd_tag)
+        events = (run_dir / "supervisor" / f"events-{REMOTE}.jsonl").read_text()
+        assert '"name": "verifier", "event": "restarted"' in events, events
+        pids["verifier"] = new
         print(f"cluster (2 roles over ssh) healthy after {t_up:.0f} s, trained {total_steps} steps by "
               f"{time.monotonic() - t0:.0f} s")
     except BaseException:
