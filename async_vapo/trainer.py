@@ -53,7 +53,7 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
         critic_path = Path(resume) / "critic"
     else:
         critic_path = resolve_critic_path(cfg, base_path, progress=progress)
-    if resume:
+    if resume and (Path(resume) / "policy").exists():  # a sharded learner's checkpoint has only dcp/
         policy_path = Path(resume) / "policy"
     tokenizer = AutoTokenizer.from_pretrained(str(base_path))
     train_set, eval_set = load_task(cfg)
@@ -93,6 +93,8 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
                     publish=publish, evaluate=run_eval, wall=elapsed, progress=progress)
     if resume:
         loop.resume(learner.load_state(resume))
+        if policy_path == base_path:  # the engine started from the base model: give it the checkpoint's weights
+            engine.load_weights(learner.policy_state(), learner.version)
     try:
         first_eval = run_eval(loop.start_step)
         summary["initial_eval_accuracy"] = first_eval["eval/accuracy"]

@@ -193,7 +193,7 @@ class LearnerService:
         cfg = ctx.cfg
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
-        self.rank, self.world = init_process_group()
+        self.rank, self.world = init_process_group(cfg.learner.dist_timeout_s)
         base = ensure_base_model(cfg, progress=False)
         self.tokenizer = AutoTokenizer.from_pretrained(str(base))
         policy_path = base
@@ -202,7 +202,7 @@ class LearnerService:
             critic_path = ckpt / "critic"
         else:
             critic_path = resolve_critic_path(cfg, base, progress=False)
-        if ckpt is not None:
+        if ckpt is not None and (ckpt / "policy").exists():  # a sharded learner's checkpoint has only dcp/
             policy_path = ckpt / "policy"
         self.learner = Learner(cfg, policy_path, critic_path)
         self.sync = self.replay = self.log = None
@@ -236,11 +236,12 @@ class LearnerService:
 
     # -- run ------------------------------------------------------------------------------------------------------
     def run(self) -> None:
+        state = self.learner.policy_state()  # a collective when the learner is sharded
         if self.rank != 0:
             self.loop.run()
             return None
         v = self.learner.version
-        self.publish(v, self.learner.policy_state())
+        self.publish(v, state)
         self.ctx.ready(policy_version=v, phase="handshake")
         if not self.replay.handshake():
             self.loop.source.close()

@@ -251,6 +251,11 @@ class AlgoConfig(_Section):
     """Responses per optimiser step (paper: 512 of 8192 -> 16 optimiser steps per rollout step)."""
     micro_batch_size: int = Field(64, ge=1)
     """Responses per forward/backward pass (gradient accumulation with token-count weighting)."""
+    max_tokens_per_micro_batch: int = Field(0, ge=0)
+    """Micro-batches by a token budget instead of micro_batch_size: each holds at most this many (padded)
+    prompt + response tokens (a longer sequence alone gets its own), and each mini-batch's sequences are
+    balanced across learner ranks by tokens. 0 = off (micro_batch_size sequences each). The loss is the same
+    token-level (or sequence-level) mean either way."""
     ppo_epochs: int = Field(1, ge=1)
     """Passes over each rollout batch."""
     # things the paper does not state (documented choices)
@@ -328,6 +333,21 @@ class OptimConfig(_Section):
     """AdamW beta1."""
     beta2: float = Field(0.999, ge=0, lt=1)
     """AdamW beta2."""
+
+
+class LearnerConfig(_Section):
+    """How the learner runs its models: devices, FSDP2 sharding (with more than one rank), memory savers."""
+
+    dist_timeout_s: float = Field(600.0, gt=0)
+    """Timeout of every torch.distributed collective between learner ranks (a dead rank is an error, not a
+    hang)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward (less memory, ~1/3 more compute)."""
+    cpu_offload: bool = False
+    """With FSDP2 (more than one rank): keep sharded parameters, gradients and AdamW state in host memory."""
+    logprob_chunk_tokens: int = Field(0, ge=0)
+    """Compute log-probs and entropy from the backbone's hidden states this many response tokens at a time, so
+    that the float32 [tokens, vocab] logits never exist whole (0 = one pass over the whole micro-batch)."""
 
 
 class AsyncConfig(_Section):
@@ -632,6 +652,8 @@ class Config(_Section):
     rollout: RolloutConfig = RolloutConfig()
     algo: AlgoConfig = AlgoConfig()
     optim: OptimConfig = OptimConfig()
+    learner: LearnerConfig = LearnerConfig()
+    """The learner's devices, sharding and memory savers."""
     async_: AsyncConfig = Field(AsyncConfig(), alias="async")
     """Asynchronous actor-learner settings."""
     train: TrainConfig = TrainConfig()

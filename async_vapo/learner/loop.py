@@ -304,12 +304,18 @@ class StepLoop:
                     m = self.learner.update(self.make_batch(kept)) if kept else self.learner.empty_update()
                 t2 = time.perf_counter()
                 self.step += 1
+                # a sharded learner gathers its weights and writes checkpoints on every rank (collectives): the
+                # other ranks follow the leader's decisions
+                sharded = getattr(self.learner, "sharded", False)
+                state = self.learner.policy_state() if sharded else None
                 if not self.leader:
+                    if sharded and broadcast_object(None):
+                        self.checkpoint(self.step)
                     continue
                 push_s = 0.0
                 if self._publish is not None:
                     with self._busy("publish"):
-                        push_s = self._publish(self.learner.version, self.learner.policy_state())
+                        push_s = self._publish(self.learner.version, state or self.learner.policy_state())
                 row = {"kind": "train", "step": self.step, "version": self.learner.version, "wall_s": self.wall(),
                        "samples_seen": self.samples_seen, "groups_kept": len(kept),
                        "learner/invalid_groups": self._step_invalid, **group_stats(groups, "rollout"),
@@ -327,7 +333,10 @@ class StepLoop:
                 done = self.step >= total or out_of_time
                 if self._evaluate is not None and (self.step % cfg.train.eval_every == 0 or done):
                     self._evaluate(self.step)
-                if (cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0) or done:
+                save = bool(cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0) or done
+                if sharded:
+                    broadcast_object(save)
+                if save:
                     self.checkpoint(self.step)
                 if out_of_time:
                     return True
@@ -343,6 +352,8 @@ class StepLoop:
         finally:
             if self.leader:
                 self.source.close()  # tells the other ranks to stop
-        if self.leader and not finished and self.step > self.last_checkpoint:
+        # the other ranks of a sharded learner stop when the leader's stop reaches them, and write their shards
+        if (self.leader or getattr(self.learner, "sharded", False)) and not finished \
+                and self.step > self.last_checkpoint:
             self.checkpoint(self.step)
         return finished

@@ -30,11 +30,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class Precision:
     """Autocast and loss scaling for models whose parameters are float32 on ``device_type``."""
 
-    def __init__(self, dtype: str, device_type: str = "cpu"):
+    def __init__(self, dtype: str, device_type: str = "cpu", autocast: bool = True):
+        """``autocast`` False: the models cast their own parameters for compute (FSDP2's
+        ``MixedPrecisionPolicy``, ``learner.sharding``), so forwards run without autocast."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.compute_dtype = DTYPES[dtype]
         self.device_type = device_type
+        self.use_autocast = autocast
 
     @property
     def mixed(self) -> bool:
@@ -42,7 +45,7 @@ class Precision:
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The context every forward of the learner runs in."""
-        if not self.mixed:
+        if not self.mixed or not self.use_autocast:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.compute_dtype)
 

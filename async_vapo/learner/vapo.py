@@ -9,10 +9,18 @@ Every log-prob (``old_logprobs``, the ratio's, the behaviour weights', the entro
 engines sample from: softmax(logits / ``rollout.temperature``) over the whole vocabulary (the config rejects a
 training ``top_p`` < 1), so that on-policy samples have ratio 1 and behaviour weight 1 at any temperature.
 
+Devices and data parallelism: every tensor of an update lives on the rank's device (``learner.dist``). With more
+than one rank the policy and the critic are sharded per decoder layer by FSDP2 (``learner.sharding``); every rank
+computes its share of each mini-batch's micro-batches (and of the old-log-prob / value forward), each weighted by
+the whole mini-batch's loss normaliser, and FSDP2 sums the gradients, so that the update is the one-process update.
+Micro-batches hold ``algo.micro_batch_size`` sequences, or with ``algo.max_tokens_per_micro_batch`` a token budget,
+balanced across ranks by tokens. ``learner.logprob_chunk_tokens`` computes log-probs from hidden states in chunks.
+
 Precision (``learner.precision``): parameters, gradients and AdamW moments are float32 whatever ``model.dtype``;
-forwards run under autocast to ``model.dtype``, and :meth:`Learner.policy_state` hands out weights in it, the
-dtype the engines run. Learning-rate warm-up (``optim.warmup_steps``) counts each optimiser's own steps: the
-critic's (value pretraining included) for the critic, the policy's for the policy.
+forwards run in ``model.dtype`` (autocast in one process, FSDP2's ``MixedPrecisionPolicy`` when sharded), and
+:meth:`Learner.policy_state` hands out weights in it, the dtype the engines run. Learning-rate warm-up
+(``optim.warmup_steps``) counts each optimiser's own steps: the critic's (value pretraining included) for the
+critic, the policy's for the policy.
 
 ``old_logprobs`` are recomputed by the learner with its weights at the start of the update (the
 proximal policy): for on-policy samples these are the weights that generated them. Samples that older
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 import math
 import random
+import types
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,10 +61,14 @@ from async_vapo.algo.losses import (
 )
 from async_vapo.algo.utils import entropy_from_logits, logprobs_from_logits, masked_mean, masked_whiten
 from async_vapo.config import Config
-from async_vapo.learner.dist import allreduce_gradients, data_parallel_world
+from async_vapo.learner import sharding
+from async_vapo.learner.dist import all_gather_objects, all_reduce_sum_, data_parallel_world, local_device
 from async_vapo.learner.precision import Precision
 from async_vapo.models.rl import (
     TokenBatch,
+    build_critic,
+    build_policy,
+    chunked_response_logprobs,
     load_critic,
     load_policy,
     make_token_batch,
@@ -77,6 +90,10 @@ class RolloutBatch:
     @property
     def lengths(self) -> torch.Tensor:
         return self.tokens.response_mask.sum(-1)
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        return RolloutBatch(self.tokens.to(device), self.rewards.to(device), self.correct.to(device),
+                            self.group_ids.to(device), self.versions.to(device), self.behavior_logprobs.to(device))
 
 
 def make_rollout_batch(groups: Sequence[Group], pad_id: int, *, overlong_max_len: int = 0,
@@ -141,16 +158,29 @@ class Learner:
         torch.manual_seed(cfg.train.seed)
         self.rng = random.Random(cfg.train.seed)
         self.temperature = cfg.rollout.temperature  # of the engines' training samples
-        # float32 master weights and optimiser state; forwards under autocast to model.dtype (learner.precision)
-        self.policy = load_policy(policy_path, "float32")  # eval mode: no dropout anywhere
-        self.precision = Precision(cfg.model.dtype, next(self.policy.parameters()).device.type)
+        self.device = local_device()
+        self.rank, self.world = data_parallel_world()
+        self.sharded = self.world > 1  # FSDP2 with more than one rank (learner.sharding)
+        if self.sharded and cfg.model.dtype == "float16":
+            raise ValueError("model.dtype = float16 needs loss scaling, which is per rank and would diverge across "
+                             "sharded learner ranks; use bfloat16 with more than one learner rank")
+        # float32 master weights and optimiser state; forwards in model.dtype (learner.precision: autocast in one
+        # process, FSDP2's MixedPrecisionPolicy when sharded)
+        self.precision = Precision(cfg.model.dtype, self.device.type, autocast=not self.sharded)
+        self._mesh = None
+        if self.sharded:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._mesh = init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("dp",))
+        self.policy = self._load(lambda: build_policy(policy_path), lambda: load_policy(policy_path))
         self.actor_opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optim.actor_lr,
                                            betas=(cfg.optim.beta1, cfg.optim.beta2),
                                            weight_decay=cfg.optim.weight_decay)
         self.actor_scaler = self.precision.grad_scaler()
         self.critic = self.critic_opt = self.critic_scaler = None
         if self.algo.uses_critic:
-            self.critic = load_critic(critic_path or policy_path, "float32")
+            path = critic_path or policy_path
+            self.critic = self._load(lambda: build_critic(path), lambda: load_critic(path))
             self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.optim.critic_lr,
                                                 betas=(cfg.optim.beta1, cfg.optim.beta2),
                                                 weight_decay=cfg.optim.weight_decay)
@@ -158,6 +188,24 @@ class Learner:
         self.version = 0  # policy updates published so far
         self.optimizer_steps = 0  # policy optimiser steps
         self.critic_steps = 0  # critic optimiser steps, value pretraining included
+
+    def _load(self, build, load_full) -> torch.nn.Module:
+        """A float32 model on this rank's device (eval mode: no dropout anywhere); sharded with FSDP2 when there is
+        more than one rank, its weights read once by rank 0."""
+        lc = self.cfg.learner
+        if not self.sharded:
+            model = load_full().to(self.device)
+            if lc.activation_checkpointing:
+                sharding.enable_activation_checkpointing(model)
+            return model
+        model = sharding.load_sharded(build, load_full, self._mesh, self.device,
+                                      compute_dtype=self.precision.compute_dtype, cpu_offload=lc.cpu_offload,
+                                      activation_checkpointing=lc.activation_checkpointing)
+        model.chunked_response_logprobs = types.MethodType(chunked_response_logprobs, model)
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        register_fsdp_forward_method(model, "chunked_response_logprobs")
+        return model
 
     # ---------------------------------------------------------------- helpers
     def _lr_scale(self, steps_done: int) -> float:
@@ -169,6 +217,23 @@ class Learner:
         with self.precision.autocast():
             return response_logits(self.policy, tb, self.temperature)
 
+    def _logprobs(self, tb: TokenBatch, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs, entropy) of the response tokens; the entropy carries a gradient only if ``entropy_grad``.
+        With ``learner.logprob_chunk_tokens`` from hidden states in chunks (``chunked_response_logprobs``)."""
+        chunk = self.cfg.learner.logprob_chunk_tokens
+        with self.precision.autocast():
+            if chunk:
+                fn = getattr(self.policy, "chunked_response_logprobs", None)  # FSDP's registered forward method
+                lp, ent = (fn(tb, self.temperature, chunk) if fn is not None
+                           else chunked_response_logprobs(self.policy, tb, self.temperature, chunk))
+                return lp, ent if entropy_grad else ent.detach()
+            logits = response_logits(self.policy, tb, self.temperature)
+        lp = logprobs_from_logits(logits, tb.response_ids)
+        if entropy_grad:
+            return lp, entropy_from_logits(logits)
+        with torch.no_grad():
+            return lp, entropy_from_logits(logits)
+
     def _values(self, tb: TokenBatch) -> torch.Tensor:
         with self.precision.autocast():
             return response_values(self.critic, tb)
@@ -179,45 +244,92 @@ class Learner:
         mb = self.algo.mini_batch_size
         return [order[i: i + mb] for i in range(0, n, mb)]
 
-    def _micro(self, idx: list[int]) -> list[list[int]]:
-        k = self.algo.micro_batch_size
-        return [idx[i: i + k] for i in range(0, len(idx), k)]
+    def _plan(self, idx: list[int], seq_tokens: list[int]) -> list[list[list[int]]]:
+        """Per rank, its micro-batches of the rows ``idx``: ``micro_batch_size`` rows each, dealt round-robin; or,
+        with ``algo.max_tokens_per_micro_batch``, rows balanced across ranks by tokens (longest first, each to the
+        rank with the fewest so far) and packed into micro-batches of at most that many padded tokens (rows ×
+        longest row; a row above the budget alone). ``seq_tokens[i]``: row i's prompt + response tokens."""
+        world = self.world
+        budget = self.algo.max_tokens_per_micro_batch
+        if not budget:
+            k = self.algo.micro_batch_size
+            micro = [idx[i: i + k] for i in range(0, len(idx), k)]
+            return [micro[r::world] for r in range(world)]
+        order = sorted(idx, key=lambda i: (-seq_tokens[i], i))
+        per_rank: list[list[int]] = [[] for _ in range(world)]
+        load = [0] * world
+        for i in order:
+            r = min(range(world), key=lambda k: (load[k], k))
+            per_rank[r].append(i)
+            load[r] += seq_tokens[i]
+        plans = []
+        for rows in per_rank:
+            micro: list[list[int]] = []
+            for i in rows:  # longest first: a micro-batch's first row is its longest
+                if micro and (len(micro[-1]) + 1) * seq_tokens[micro[-1][0]] <= budget:
+                    micro[-1].append(i)
+                else:
+                    micro.append([i])
+            plans.append(micro)
+        return plans
+
+    def _my_micro(self, idx: list[int], seq_tokens: list[int]) -> list[tuple[list[int], bool]]:
+        """This rank's micro-batches of ``idx`` as (rows, real). Every rank holds the whole batch and the loss
+        normaliser of the whole mini-batch, so the gradients summed over ranks are exactly the one-process
+        gradient (token-level or sequence-level). Sharded ranks run the same number of forward/backward passes
+        (FSDP2's collectives are per pass): a rank with fewer real micro-batches runs a zero-weight one."""
+        plans = self._plan(idx, seq_tokens)
+        mine = [(m, True) for m in plans[self.rank]]
+        if self.sharded:
+            mine += [([idx[0]], False)] * (max(len(p) for p in plans) - len(mine))
+        return mine
+
+    @staticmethod
+    def _seq_tokens(batch: RolloutBatch) -> list[int]:
+        return batch.tokens.attention_mask.sum(-1).tolist()
 
     @torch.no_grad()
     def _forward_old(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs of the policy that generated the batch and the critic's values, before any update."""
+        """Log-probs of the policy that generated the batch and the critic's values, before any update. Each rank
+        computes its share of the rows and the shares are summed over ranks (every other row is zero)."""
         n, t = batch.tokens.response_mask.shape
-        old_lp = torch.zeros(n, t)
-        values = torch.zeros(n, t) if self.critic is not None else None
-        for idx in self._micro(list(range(n))):
+        dev = batch.tokens.response_mask.device
+        old_lp = torch.zeros(n, t, device=dev)
+        values = torch.zeros(n, t, device=dev) if self.critic is not None else None
+        for idx, real in self._my_micro(list(range(n)), self._seq_tokens(batch)):
             tb = batch.tokens.select(idx)
             w = tb.response_ids.shape[1]
-            old_lp[idx, :w] = logprobs_from_logits(self._logits(tb), tb.response_ids)
-            if values is not None:
-                values[idx, :w] = self._values(tb)
+            lp, _ = self._logprobs(tb)
+            v = self._values(tb) if values is not None else None
+            if real:
+                old_lp[idx, :w] = lp
+                if values is not None:
+                    values[idx, :w] = v
+        all_reduce_sum_(old_lp)
+        if values is not None:
+            all_reduce_sum_(values)
         mask = batch.tokens.response_mask.bool()
         return old_lp.masked_fill(~mask, 0.0), None if values is None else values.masked_fill(~mask, 0.0)
+
+    def _gather_rows(self, rows: list[dict[str, float]]) -> list[dict[str, float]]:
+        """Every rank's micro-batch metric rows (so that each rank reports the whole mini-batch's metrics)."""
+        return [r for part in all_gather_objects(rows) for r in part] if self.world > 1 else rows
 
     def _token_rewards(self, batch: RolloutBatch) -> torch.Tensor:
         mask = batch.tokens.response_mask
         last = (batch.lengths - 1).clamp(min=0)
-        r = torch.zeros(mask.shape)
+        r = torch.zeros(mask.shape, device=mask.device)
         r[torch.arange(len(last)), last] = batch.rewards
         return r * mask
 
-    def _my_micro(self, idx: list[int]) -> list[list[int]]:
-        """This data-parallel rank's share of the mini-batch's micro-batches (all of them in a world of one).
-        Every rank holds the whole batch and the loss normaliser of the whole mini-batch, so the gradients
-        summed over ranks are exactly the single-process gradient (token-level or sequence-level)."""
-        rank, world = data_parallel_world()
-        return self._micro(idx)[rank::world]
-
     def _step(self, model: torch.nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler, lr: float,
               steps_done: int) -> float:
-        """One optimiser step on the accumulated (loss-scaled) gradients; skipped when they are not finite."""
-        allreduce_gradients(model)
+        """One optimiser step on the accumulated (loss-scaled) gradients; skipped when they are not finite. Sharded
+        gradients were summed over ranks by FSDP2 in backward; the norm is the whole model's on every rank."""
         scaler.unscale_(opt)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.algo.grad_clip)
+        if hasattr(norm, "full_tensor"):  # a DTensor: the norm of the sharded gradients
+            norm = norm.full_tensor()
         for g in opt.param_groups:
             g["lr"] = lr * self._lr_scale(steps_done)
         if torch.isfinite(norm):
@@ -231,26 +343,31 @@ class Learner:
         """One rollout batch of critic-only training with Monte-Carlo targets (λ = 1): VAPO §3.1."""
         if self.critic is None:
             raise RuntimeError(f"algorithm {self.algo.name!r} has no critic to pretrain")
+        batch = batch.to(self.device)
         mask = batch.tokens.response_mask
+        seq_tokens = self._seq_tokens(batch)
         _, values = self._forward_old(batch)
         _, returns = compute_gae(self._token_rewards(batch), values, mask, 1.0, self.algo.gamma)
-        rows = [self._critic_minibatch(batch, idx, returns, values) for idx in self._minibatches(len(mask))]
+        rows = [self._critic_minibatch(batch, idx, seq_tokens, returns, values)
+                for idx in self._minibatches(len(mask))]
         return _mean_metrics(rows)
 
-    def _critic_minibatch(self, batch: RolloutBatch, idx: list[int], returns: torch.Tensor,
+    def _critic_minibatch(self, batch: RolloutBatch, idx: list[int], seq_tokens: list[int], returns: torch.Tensor,
                           old_values: torch.Tensor) -> dict[str, float]:
         mask = batch.tokens.response_mask
         total = loss_normalizer(mask[idx], True)
         rows = []
-        for mi in self._my_micro(idx):
+        for mi, real in self._my_micro(idx, seq_tokens):
             tb = batch.tokens.select(mi)
             w = tb.response_ids.shape[1]
             v = self._values(tb)
             vl, m = value_loss(v, returns[mi, :w], tb.response_mask, old_values[mi, :w], self.algo.value_clip)
-            self.critic_scaler.scale(self.algo.vf_coef * microbatch_weight(tb.response_mask, total, True) * vl
-                                     ).backward()
-            rows.append({"critic/value_loss": float(vl.detach()), **{f"critic/{k}": float(x) for k, x in m.items()}})
-        out = _mean_metrics(rows)
+            weight = microbatch_weight(tb.response_mask, total, True) if real else 0.0
+            self.critic_scaler.scale(self.algo.vf_coef * weight * vl).backward()
+            if real:
+                rows.append({"critic/value_loss": float(vl.detach()),
+                             **{f"critic/{k}": float(x) for k, x in m.items()}})
+        out = _mean_metrics(self._gather_rows(rows))
         out["critic/grad_norm"] = self._step(self.critic, self.critic_opt, self.critic_scaler,
                                              self.cfg.optim.critic_lr, self.critic_steps)
         self.critic_steps += 1
@@ -266,7 +383,7 @@ class Learner:
             if self.algo.length_adaptive_gae:
                 lam_policy = length_adaptive_lambda(batch.lengths.float(), self.algo.alpha)
             else:
-                lam_policy = torch.full((len(mask),), self.algo.lam_policy)
+                lam_policy = torch.full((len(mask),), self.algo.lam_policy, device=mask.device)
             lam_critic = torch.full_like(lam_policy, self.algo.lam_critic) if self.algo.decoupled_gae else lam_policy
             adv, _ = compute_gae(rewards, values, mask, lam_policy, self.algo.gamma)
             _, returns = compute_gae(rewards, values, mask, lam_critic, self.algo.gamma)
@@ -283,7 +400,9 @@ class Learner:
     # ---------------------------------------------------------------- the update
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """One rollout step's worth of policy (and critic) optimisation; publishes version + 1."""
+        batch = batch.to(self.device)
         mask = batch.tokens.response_mask
+        seq_tokens = self._seq_tokens(batch)
         old_lp, values = self._forward_old(batch)
         adv, returns, stats = self.advantages(batch, values)
         # tokens without an engine log-prob count as on-policy (weight 1)
@@ -304,13 +423,10 @@ class Learner:
                 pos_mask_all = mask[idx].bool() & batch.correct[idx, None]
                 pos_total = loss_normalizer(pos_mask_all, True)
                 mrows = []
-                for mi in self._my_micro(idx):
+                for mi, real in self._my_micro(idx, seq_tokens):
                     tb = batch.tokens.select(mi)
                     w = tb.response_ids.shape[1]
-                    logits = self._logits(tb)
-                    lp = logprobs_from_logits(logits, tb.response_ids)
-                    with torch.no_grad():
-                        ent = entropy_from_logits(logits)
+                    lp, ent = self._logprobs(tb, entropy_grad=self.algo.entropy_coef > 0)
                     pl, m = policy_loss(lp, old_lp[mi, :w], adv[mi, :w], tb.response_mask, self.algo.eps_low,
                                         eps_high, token_level=token_level, entropy=ent,
                                         behavior_weights=None if bw is None else bw[mi, :w])
@@ -323,16 +439,16 @@ class Learner:
                         loss = loss + self.algo.pos_lm_coef * microbatch_weight(pos_mask, pos_total, True) * ll
                         row.update({f"actor/{k}": float(x) for k, x in lm.items()})
                     if self.algo.entropy_coef > 0:
-                        ent_g = entropy_from_logits(logits)
                         loss = loss - self.algo.entropy_coef * microbatch_weight(
-                            tb.response_mask, total, token_level) * masked_mean(ent_g, tb.response_mask)
-                    self.actor_scaler.scale(loss).backward()
-                    mrows.append(row)
-                out = _mean_metrics(mrows)
+                            tb.response_mask, total, token_level) * masked_mean(ent, tb.response_mask)
+                    self.actor_scaler.scale(loss if real else 0.0 * loss).backward()
+                    if real:
+                        mrows.append(row)
+                out = _mean_metrics(self._gather_rows(mrows))
                 out["actor/grad_norm"] = self._step(self.policy, self.actor_opt, self.actor_scaler,
                                                     self.cfg.optim.actor_lr, self.optimizer_steps)
                 if self.critic is not None:
-                    out.update(self._critic_minibatch(batch, idx, returns, values))
+                    out.update(self._critic_minibatch(batch, idx, seq_tokens, returns, values))
                 self.optimizer_steps += 1
                 rows.append(out)
         self.version += 1
@@ -348,43 +464,88 @@ class Learner:
         return {"dapo/empty_batch": 1.0}
 
     def policy_state(self) -> dict[str, torch.Tensor]:
-        """The policy's weights as the engines load them: in ``model.dtype`` (the learner's masters are float32)."""
-        return self.precision.engine_state(self.policy.state_dict())
+        """The policy's weights as the engines load them: in ``model.dtype`` (the learner's masters are float32), on
+        the host. A sharded policy is gathered whole on rank 0, the others get ``{}`` (a collective: every rank must
+        call it)."""
+        if self.sharded:
+            return self.precision.engine_state(sharding.full_state_dict(self.policy))
+        return self.precision.engine_state({k: v.cpu() for k, v in self.policy.state_dict().items()})
+
+    def _train_state(self) -> dict:
+        """Models and optimisers as torch.distributed.checkpoint state (each rank's shards when sharded)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        state = {}
+        msd, osd = get_state_dict(self.policy, self.actor_opt)
+        state["policy"], state["actor_opt"] = msd, osd
+        if self.critic is not None:
+            msd, osd = get_state_dict(self.critic, self.critic_opt)
+            state["critic"], state["critic_opt"] = msd, osd
+        return state
 
     def save(self, path: str | Path, extra: dict | None = None) -> Path:
+        """A resumable checkpoint: ``dcp/`` (policy, critic and both AdamW states, written by every rank as its
+        shards with torch.distributed.checkpoint, so any number of ranks can resume from it), ``learner_state.pt``
+        (counters, RNG, loss scalers, ``extra``) and, from an unsharded learner, ``policy/`` and ``critic/`` in HF
+        format (``async-vapo export`` writes them from any checkpoint). Written to ``path.tmp`` and renamed."""
+        import shutil
+
+        import torch.distributed.checkpoint as dcp
+
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.mkdir(parents=True, exist_ok=True)
-        self.policy.save_pretrained(tmp / "policy", safe_serialization=True)
-        if self.critic is not None:
-            self.critic.save_pretrained(tmp / "critic", safe_serialization=True)
-        torch.save({
-            "actor_opt": self.actor_opt.state_dict(),
-            "critic_opt": None if self.critic_opt is None else self.critic_opt.state_dict(),
-            "actor_scaler": self.actor_scaler.state_dict(),
-            "critic_scaler": None if self.critic_scaler is None else self.critic_scaler.state_dict(),
-            "version": self.version, "optimizer_steps": self.optimizer_steps, "critic_steps": self.critic_steps,
-            "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state(), "extra": extra or {},
-        }, tmp / "learner_state.pt")
-        if path.exists():
-            import shutil
-
-            shutil.rmtree(path)
-        tmp.rename(path)
+        if self.rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        self._barrier()
+        dcp.save(self._train_state(), checkpoint_id=str(tmp / "dcp"), no_dist=self.world == 1)
+        if self.rank == 0:
+            if not self.sharded:
+                self.policy.save_pretrained(tmp / "policy", safe_serialization=True)
+                if self.critic is not None:
+                    self.critic.save_pretrained(tmp / "critic", safe_serialization=True)
+            torch.save({
+                "actor_scaler": self.actor_scaler.state_dict(),
+                "critic_scaler": None if self.critic_scaler is None else self.critic_scaler.state_dict(),
+                "version": self.version, "optimizer_steps": self.optimizer_steps, "critic_steps": self.critic_steps,
+                "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state(), "extra": extra or {},
+                "world": self.world,
+            }, tmp / "learner_state.pt")
+            if path.exists():
+                shutil.rmtree(path)
+            tmp.rename(path)
+        self._barrier()
         return path
 
+    def _barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
     def load_state(self, path: str | Path) -> dict:
-        """Restore optimisers, counters and RNG from a checkpoint (models are loaded by the constructor)."""
-        state = torch.load(Path(path) / "learner_state.pt", weights_only=False)
-        self.actor_opt.load_state_dict(state["actor_opt"])
-        if self.critic_opt is not None and state["critic_opt"] is not None:
-            self.critic_opt.load_state_dict(state["critic_opt"])
-        if state.get("actor_scaler"):  # float16 only (a disabled scaler's state is empty)
-            self.actor_scaler.load_state_dict(state["actor_scaler"])
-        if self.critic_scaler is not None and state.get("critic_scaler"):
-            self.critic_scaler.load_state_dict(state["critic_scaler"])
-        self.version, self.optimizer_steps = state["version"], state["optimizer_steps"]
-        self.critic_steps = state["critic_steps"]
-        self.rng.setstate(state["rng"])
-        torch.set_rng_state(state["torch_rng"])
-        return state["extra"]
+        """Restore models, optimisers, counters and RNG from a checkpoint written by any number of ranks."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        path = Path(path)
+        if not (path / "dcp").is_dir():
+            raise FileNotFoundError(f"{path} is not a learner checkpoint (no dcp/ directory)")
+        state = self._train_state()
+        dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=self.world == 1)
+        set_state_dict(self.policy, self.actor_opt, model_state_dict=state["policy"],
+                       optim_state_dict=state["actor_opt"])
+        if self.critic is not None:
+            set_state_dict(self.critic, self.critic_opt, model_state_dict=state["critic"],
+                           optim_state_dict=state["critic_opt"])
+        meta = torch.load(path / "learner_state.pt", weights_only=False)
+        if meta.get("actor_scaler"):  # float16 only (a disabled scaler's state is empty)
+            self.actor_scaler.load_state_dict(meta["actor_scaler"])
+        if self.critic_scaler is not None and meta.get("critic_scaler"):
+            self.critic_scaler.load_state_dict(meta["critic_scaler"])
+        self.version, self.optimizer_steps = meta["version"], meta["optimizer_steps"]
+        self.critic_steps = meta["critic_steps"]
+        self.rng.setstate(meta["rng"])
+        torch.set_rng_state(meta["torch_rng"])
+        return meta["extra"]

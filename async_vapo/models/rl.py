@@ -27,11 +27,26 @@ def load_policy(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=_DTYPES[dtype]).eval()
 
 
-def load_critic(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
+def build_policy(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
+    """The policy's modules from its config alone (no weights read): for meta-device initialisation."""
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)), dtype=_DTYPES[dtype])
+
+
+def _critic_config(path: str | Path):
     config = AutoConfig.from_pretrained(str(path), num_labels=1)
-    is_critic = any(a.endswith("ForTokenClassification") for a in (config.architectures or []))
     # no dropout before the value head: a noisy V would leak straight into every GAE advantage
     config.classifier_dropout = 0.0
+    return config
+
+
+def build_critic(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
+    """The critic's modules from its config alone (no weights read): for meta-device initialisation."""
+    return AutoModelForTokenClassification.from_config(_critic_config(path), dtype=_DTYPES[dtype])
+
+
+def load_critic(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
+    config = _critic_config(path)
+    is_critic = any(a.endswith("ForTokenClassification") for a in (config.architectures or []))
     model = AutoModelForTokenClassification.from_pretrained(str(path), config=config, dtype=_DTYPES[dtype]).eval()
     if not is_critic:
         torch.nn.init.zeros_(model.score.weight)
@@ -57,6 +72,10 @@ class TokenBatch:
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
+
+    def to(self, device: torch.device | str) -> TokenBatch:
+        return TokenBatch(self.input_ids.to(device), self.attention_mask.to(device), self.position_ids.to(device),
+                          self.response_ids.to(device), self.response_mask.to(device), self.prompt_len)
 
     def select(self, idx: torch.Tensor | Sequence[int]) -> TokenBatch:
         """Rows ``idx``, trimmed to their longest prompt and response."""
@@ -114,3 +133,43 @@ def response_values(critic: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
     out = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
     p, t = batch.prompt_len, batch.response_ids.shape[1]
     return out.logits[:, p - 1: p - 1 + t, 0].float()
+
+
+def _head_logprobs(head: torch.nn.Module, h: torch.Tensor, labels: torch.Tensor, temperature: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = head(h).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    lp = logits.gather(-1, labels[:, None])[:, 0] - lse
+    ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return lp, ent
+
+
+def chunked_response_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float = 1.0,
+                              chunk_tokens: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log π(y_t), entropy H_t) of the sampling distribution, each ``[B, T]`` float32, from the backbone's hidden
+    states: the LM head runs on ``chunk_tokens`` response positions at a time under activation checkpointing, so
+    that the float32 ``[tokens, vocab]`` logits exist one chunk at a time, in forward and in backward. Equal to
+    ``logprobs_from_logits`` / ``entropy_from_logits`` of :func:`response_logits` up to float rounding."""
+    from torch.utils.checkpoint import checkpoint
+
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (greedy decoding has no log-probs to learn from), got {temperature}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                      position_ids=batch.position_ids, use_cache=False).last_hidden_state
+    p, t = batch.prompt_len, batch.response_ids.shape[1]
+    h = hidden[:, p - 1: p - 1 + t].reshape(-1, hidden.shape[-1])
+    labels = batch.response_ids.reshape(-1)
+    head = model.get_output_embeddings()
+    lps, ents = [], []
+    for s in range(0, h.shape[0], chunk_tokens):
+        lp, ent = checkpoint(_head_logprobs, head, h[s: s + chunk_tokens], labels[s: s + chunk_tokens], temperature,
+                             use_reentrant=False)
+        lps.append(lp)
+        ents.append(ent)
+    shape = batch.response_ids.shape
+    return torch.cat(lps).view(shape), torch.cat(ents).view(shape)
