@@ -345,6 +345,10 @@ class LearnerConfig(_Section):
     """Recompute each decoder layer's activations in backward (less memory, ~1/3 more compute)."""
     cpu_offload: bool = False
     """With FSDP2 (more than one rank): keep sharded parameters, gradients and AdamW state in host memory."""
+    packing: bool = False
+    """Padding-free forwards: each micro-batch's sequences in one row with a block-diagonal causal mask (the
+    attention cannot cross sequences; positions restart per sequence). The mask is [tokens, tokens]: meant for
+    the CPU and moderate micro-batches (varlen / FlexAttention kernels for GPUs are not wired in)."""
     logprob_chunk_tokens: int = Field(0, ge=0)
     """Compute log-probs and entropy from the backbone's hidden states this many response tokens at a time, so
     that the float32 [tokens, vocab] logits never exist whole (0 = one pass over the whole micro-batch)."""

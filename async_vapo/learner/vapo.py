@@ -213,21 +213,18 @@ class Learner:
         w = self.cfg.optim.warmup_steps
         return 1.0 if w == 0 else min(1.0, (steps_done + 1) / w)
 
-    def _logits(self, tb: TokenBatch) -> torch.Tensor:
-        with self.precision.autocast():
-            return response_logits(self.policy, tb, self.temperature)
-
     def _logprobs(self, tb: TokenBatch, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs, entropy) of the response tokens; the entropy carries a gradient only if ``entropy_grad``.
         With ``learner.logprob_chunk_tokens`` from hidden states in chunks (``chunked_response_logprobs``)."""
-        chunk = self.cfg.learner.logprob_chunk_tokens
+        chunk, packed = self.cfg.learner.logprob_chunk_tokens, self.cfg.learner.packing
+        dtype = self.precision.compute_dtype
         with self.precision.autocast():
             if chunk:
                 fn = getattr(self.policy, "chunked_response_logprobs", None)  # FSDP's registered forward method
-                lp, ent = (fn(tb, self.temperature, chunk) if fn is not None
-                           else chunked_response_logprobs(self.policy, tb, self.temperature, chunk))
+                args = (tb, self.temperature, chunk, packed, dtype)
+                lp, ent = fn(*args) if fn is not None else chunked_response_logprobs(self.policy, *args)
                 return lp, ent if entropy_grad else ent.detach()
-            logits = response_logits(self.policy, tb, self.temperature)
+            logits = response_logits(self.policy, tb, self.temperature, packed, dtype)
         lp = logprobs_from_logits(logits, tb.response_ids)
         if entropy_grad:
             return lp, entropy_from_logits(logits)
@@ -236,7 +233,7 @@ class Learner:
 
     def _values(self, tb: TokenBatch) -> torch.Tensor:
         with self.precision.autocast():
-            return response_values(self.critic, tb)
+            return response_values(self.critic, tb, self.cfg.learner.packing, self.precision.compute_dtype)
 
     def _minibatches(self, n: int) -> list[list[int]]:
         order = list(range(n))

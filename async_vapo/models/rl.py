@@ -113,26 +113,76 @@ def make_token_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Seque
     return TokenBatch(input_ids, attention_mask, position_ids, input_ids[:, p:].clone(), response_mask, p)
 
 
-def response_logits(model: torch.nn.Module, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
+@dataclass
+class ModelInputs:
+    """What one forward pass is given, and where in its output each response token's score is.
+
+    Padded (:func:`model_inputs` with ``packed=False``): the batch's ``[B, P + T]`` rows; response token t of
+    row i is scored at ``[i, P - 1 + t]``. Packed: every row's valid tokens one after the other in a single row of
+    ``L`` = all valid tokens (no padding), positions restarting at 0 per sequence, and a block-diagonal causal
+    mask ``[1, 1, L, L]`` (additive: 0 or the dtype's minimum, which SDPA and eager attention both take), so that
+    no token attends to another sequence. ``index`` holds the flat output position scoring each response token
+    (0 at padding positions, whose scores are masked by ``response_mask`` downstream).
+    """
+
+    kwargs: dict
+    prompt_len: int
+    response_len: int
+    index: torch.Tensor | None = None
+
+    def select(self, out: torch.Tensor) -> torch.Tensor:
+        """``[B, T, ...]`` of the model's ``[rows, L, ...]`` output."""
+        if self.index is None:
+            return out[:, self.prompt_len - 1: self.prompt_len - 1 + self.response_len]
+        return out.flatten(0, 1)[self.index]
+
+
+def model_inputs(batch: TokenBatch, packed: bool = False, mask_dtype: torch.dtype = torch.float32) -> ModelInputs:
+    """The forward's inputs for ``batch``, padded or packed (see :class:`ModelInputs`)."""
+    t = batch.response_ids.shape[1]
+    if not packed:
+        kwargs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+                  "position_ids": batch.position_ids}
+        return ModelInputs(kwargs, batch.prompt_len, t)
+    valid = batch.attention_mask.bool()
+    lengths = valid.sum(-1)
+    starts = lengths.cumsum(0) - lengths
+    prompt_lens = valid[:, : batch.prompt_len].sum(-1)
+    seg = torch.repeat_interleave(torch.arange(len(lengths), device=valid.device), lengths)
+    total = int(lengths.sum())
+    allowed = (seg[:, None] == seg[None, :]) & torch.ones(total, total, dtype=torch.bool, device=valid.device).tril()
+    mask = torch.zeros(total, total, dtype=mask_dtype, device=valid.device)
+    mask.masked_fill_(~allowed, torch.finfo(mask_dtype).min)
+    cols = torch.arange(t, device=valid.device)
+    index = (starts + prompt_lens - 1)[:, None] + cols[None, :]
+    index = torch.where(batch.response_mask.bool(), index, torch.zeros_like(index))
+    kwargs = {"input_ids": batch.input_ids[valid][None], "position_ids": batch.position_ids[valid][None],
+              "attention_mask": mask[None, None]}
+    return ModelInputs(kwargs, batch.prompt_len, t, index)
+
+
+def response_logits(model: torch.nn.Module, batch: TokenBatch, temperature: float = 1.0, packed: bool = False,
+                    mask_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Float32 logits of the sampling distribution for each response token: ``[B, T, V]``, the model's logits
     divided by the sampling ``temperature``, so that their log-softmax is log π(y_t) of the distribution the engine
     sampled from (vLLM divides its float32 logits by the temperature before sampling, as verl's actor does here).
+    ``packed``: one padding-free forward (:class:`ModelInputs`; ``mask_dtype`` = the attention's compute dtype).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 (greedy decoding has no log-probs to learn from), got {temperature}")
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                use_cache=False)
-    p, t = batch.prompt_len, batch.response_ids.shape[1]
-    logits = out.logits[:, p - 1: p - 1 + t].float()
+    inputs = model_inputs(batch, packed, mask_dtype)
+    out = model(**inputs.kwargs, use_cache=False)
+    logits = inputs.select(out.logits).float()
     # in place: no second [B, T, V] tensor (the lm head's backward does not need its output)
     return logits if temperature == 1.0 else logits.div_(temperature)
 
 
-def response_values(critic: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
+def response_values(critic: torch.nn.Module, batch: TokenBatch, packed: bool = False,
+                    mask_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Critic value of the state before each response token: ``[B, T]``."""
-    out = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
-    p, t = batch.prompt_len, batch.response_ids.shape[1]
-    return out.logits[:, p - 1: p - 1 + t, 0].float()
+    inputs = model_inputs(batch, packed, mask_dtype)
+    out = critic(**inputs.kwargs)
+    return inputs.select(out.logits)[..., 0].float()
 
 
 def _head_logprobs(head: torch.nn.Module, h: torch.Tensor, labels: torch.Tensor, temperature: float
@@ -147,7 +197,8 @@ def _head_logprobs(head: torch.nn.Module, h: torch.Tensor, labels: torch.Tensor,
 
 
 def chunked_response_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float = 1.0,
-                              chunk_tokens: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+                              chunk_tokens: int = 4096, packed: bool = False, mask_dtype: torch.dtype = torch.float32
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log π(y_t), entropy H_t) of the sampling distribution, each ``[B, T]`` float32, from the backbone's hidden
     states: the LM head runs on ``chunk_tokens`` response positions at a time under activation checkpointing, so
     that the float32 ``[tokens, vocab]`` logits exist one chunk at a time, in forward and in backward. Equal to
@@ -159,10 +210,9 @@ def chunked_response_logprobs(model: torch.nn.Module, batch: TokenBatch, tempera
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                      position_ids=batch.position_ids, use_cache=False).last_hidden_state
-    p, t = batch.prompt_len, batch.response_ids.shape[1]
-    h = hidden[:, p - 1: p - 1 + t].reshape(-1, hidden.shape[-1])
+    inputs = model_inputs(batch, packed, mask_dtype)
+    hidden = backbone(**inputs.kwargs, use_cache=False).last_hidden_state
+    h = inputs.select(hidden).reshape(-1, hidden.shape[-1])
     labels = batch.response_ids.reshape(-1)
     head = model.get_output_embeddings()
     lps, ents = [], []

@@ -23,7 +23,7 @@ SHARD = FAST + ["base_model.num_layers=2"]
 SCENARIOS = {
     "vapo": [],
     "grpo": ["algo.name=grpo"],
-    "budget": ["algo.max_tokens_per_micro_batch=64", "learner.logprob_chunk_tokens=5"],
+    "budget": ["algo.max_tokens_per_micro_batch=64", "learner.logprob_chunk_tokens=5", "learner.packing=true"],
 }
 
 

@@ -2,7 +2,7 @@
 (``fsdp_worker.py``), each model sharded per decoder layer with FSDP2 and its weights loaded once by rank 0,
 every rank computing its share of each mini-batch (the old-log-prob and value forwards included). The two
 ranks make the one-process update (gradient norms and weights), for VAPO with its critic and for GRPO, with
-token-budget micro-batches and chunked log-probs too; a checkpoint the two ranks write with
+token-budget micro-batches, packing and chunked log-probs too; a checkpoint the two ranks write with
 torch.distributed.checkpoint resumes on two ranks and on one to the same next step; and every rank runs the
 one step loop on the groups rank 0's source returns.
 
@@ -73,8 +73,8 @@ def _assert_same_update(single, single_metrics, r0, m0, m1, base) -> None:
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_two_fsdp2_ranks_make_the_single_process_update(ranks, scenario):
     """vapo: policy and critic; grpo: policy alone; budget: token-budget micro-batches balanced across the ranks
-    (``algo.max_tokens_per_micro_batch``) and log-probs from hidden states in chunks, against one process
-    with micro-batches of 2 sequences and full logits."""
+    (``algo.max_tokens_per_micro_batch``), packed without padding, log-probs from hidden states in chunks,
+    against one process with padded micro-batches of 2 sequences and full logits."""
     cache, out = ranks
     cfg = cfg_for(cache, SCENARIOS[scenario])
     single, single_metrics, _ = updates(cfg_for(cache, SCENARIOS[scenario] if scenario != "budget" else []))
