@@ -5,6 +5,7 @@
     async-vapo config --config FILE [key.sub=value ...]      print the resolved config
     async-vapo plot RUN_DIR [RUN_DIR ...] --out FILE.png     held-out accuracy and length curves
     async-vapo replay fsck RUN_DIR/replay/groups.log [--apply]   check a replay log; quarantine damage
+    async-vapo export CKPT OUT [--model policy|critic] [--dtype bfloat16]   a checkpoint's model as an HF directory
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
                                                 "the log from the whole ones (stop the replay first)")
     p_fsck.add_argument("path", help="the log, e.g. runs/NAME/replay/groups.log")
     p_fsck.add_argument("--apply", action="store_true")
+    p_export = sub.add_parser("export", help="a learner checkpoint (any number of ranks) -> an HF directory")
+    p_export.add_argument("checkpoint", help="runs/NAME/checkpoints/step_N")
+    p_export.add_argument("out", help="directory to write (replaced if it exists)")
+    p_export.add_argument("--model", choices=["policy", "critic"], default="policy")
+    p_export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p_plot = sub.add_parser("plot", help="plot held-out accuracy / response length of runs")
     p_plot.add_argument("runs", nargs="+")
     p_plot.add_argument("--out", required=True)
@@ -92,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"async-vapo: {len(report.damaged)} damaged region(s), {report.groups_lost} group(s) lost; "
                       f"{what}", file=sys.stderr)
                 return 0 if report.quarantine else 1
+        elif args.cmd == "export":
+            from async_vapo.learner.export import export
+
+            print(export(args.checkpoint, args.out, args.model, args.dtype))
         elif args.cmd == "plot":
             from async_vapo.metrics.plots import plot_runs
 

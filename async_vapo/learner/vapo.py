@@ -173,6 +173,7 @@ class Learner:
 
             self._mesh = init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("dp",))
         self.policy = self._load(lambda: build_policy(policy_path), lambda: load_policy(policy_path))
+        self._sources = {"policy": policy_path, "critic": critic_path or policy_path}  # for the HF files of a save
         self.actor_opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optim.actor_lr,
                                            betas=(cfg.optim.beta1, cfg.optim.beta2),
                                            weight_decay=cfg.optim.weight_decay)
@@ -483,8 +484,9 @@ class Learner:
     def save(self, path: str | Path, extra: dict | None = None) -> Path:
         """A resumable checkpoint: ``dcp/`` (policy, critic and both AdamW states, written by every rank as its
         shards with torch.distributed.checkpoint, so any number of ranks can resume from it), ``learner_state.pt``
-        (counters, RNG, loss scalers, ``extra``) and, from an unsharded learner, ``policy/`` and ``critic/`` in HF
-        format (``async-vapo export`` writes them from any checkpoint). Written to ``path.tmp`` and renamed."""
+        (counters, RNG, loss scalers, ``extra``), ``hf_meta/`` (config and tokenizer files, from which
+        ``async-vapo export`` writes HF directories) and, from an unsharded learner, ``policy/`` and ``critic/`` in HF
+        format. Written to ``path.tmp`` and renamed."""
         import shutil
 
         import torch.distributed.checkpoint as dcp
@@ -498,6 +500,11 @@ class Learner:
         self._barrier()
         dcp.save(self._train_state(), checkpoint_id=str(tmp / "dcp"), no_dist=self.world == 1)
         if self.rank == 0:
+            from async_vapo.learner.export import write_meta
+
+            write_meta(self.policy, self._sources["policy"], tmp / "hf_meta" / "policy")
+            if self.critic is not None:
+                write_meta(self.critic, self._sources["critic"], tmp / "hf_meta" / "critic")
             if not self.sharded:
                 self.policy.save_pretrained(tmp / "policy", safe_serialization=True)
                 if self.critic is not None:

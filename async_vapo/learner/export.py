@@ -1,0 +1,60 @@
+"""HF directories from learner checkpoints: ``async-vapo export CKPT OUT [--model policy|critic] [--dtype ...]``.
+
+A checkpoint (``Learner.save``) keeps the weights and optimiser states as torch.distributed.checkpoint shards in
+``dcp/``, however many ranks wrote them, and the small files that make an HF directory (config, generation
+config, tokenizer) in ``hf_meta/<model>/``. Export builds the model from that config on the host, reads its
+weights from the shards (DCP reshards to one process) and writes ``save_pretrained`` output with the tokenizer
+files beside it: a directory that transformers and vLLM load.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+_NOT_COPIED = {"model.safetensors.index.json", "BUILD_DONE"}
+
+
+def write_meta(model: torch.nn.Module, source: str | Path | None, dest: Path) -> None:
+    """The small files of an HF directory: the model's config, and the source directory's other non-weight files
+    (tokenizer, generation config)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    if source is not None and Path(source).is_dir():
+        for f in Path(source).iterdir():
+            if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _NOT_COPIED:
+                shutil.copy2(f, dest / f.name)
+    model.config.save_pretrained(str(dest))  # after the copy: the critic's config is not its source's
+
+
+def export(ckpt: str | Path, out: str | Path, model: str = "policy", dtype: str = "float32") -> Path:
+    """Write ``model`` (policy or critic) of checkpoint ``ckpt`` as an HF directory ``out``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    from async_vapo.learner.precision import DTYPES
+
+    ckpt, out = Path(ckpt), Path(out)
+    meta = ckpt / "hf_meta" / model
+    if model not in ("policy", "critic"):
+        raise ValueError(f"model must be 'policy' or 'critic', got {model!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if not (ckpt / "dcp").is_dir() or not (meta / "config.json").is_file():
+        raise FileNotFoundError(f"{ckpt} is not a learner checkpoint with a {model} "
+                                f"(needs dcp/ and {meta}/config.json)")
+    config = AutoConfig.from_pretrained(str(meta))
+    auto = AutoModelForCausalLM if model == "policy" else AutoModelForTokenClassification
+    net = auto.from_config(config, dtype=torch.float32).eval()
+    state = {model: get_model_state_dict(net)}
+    dcp.load(state, checkpoint_id=str(ckpt / "dcp"), no_dist=True)
+    set_model_state_dict(net, state[model])
+    net = net.to(DTYPES[dtype])
+    if out.exists():
+        shutil.rmtree(out)
+    write_meta(net, meta, out)
+    net.save_pretrained(str(out), safe_serialization=True)
+    return out
