@@ -1,17 +1,27 @@
-"""Peak resident memory of the learner as the model grows: policy + critic (float32) with their AdamW
-states, through one VAPO update on a batch of 16 responses (micro-batches of 4), at about 1 M, 30 M and
-300 M parameters (the random Qwen2-architecture models of benchmarks/weight_sync.py). Each size runs in
-its own process so the peaks do not mix.
+"""Per-rank memory of the learner as the model grows, in one process and sharded over 2 gloo ranks with FSDP2:
+policy + critic (float32 masters) with their AdamW states, through one VAPO update, at about 1 M, 30 M and 300 M
+parameters (the random Qwen2-architecture models of benchmarks/weight_sync.py). Each (size, ranks) runs in its own
+processes (2 ranks: one torchrun launch) so that the peaks do not mix.
 
-    .venv/bin/python benchmarks/learner_memory.py [--sizes 1m,30m,300m]
+Reported per rank:
+* ``state_bytes``: bytes of this rank's parameters + gradients (at the optimiser step) + AdamW state of policy and
+  critic, counted from the tensors (a sharded parameter counts its local shard);
+* ``rss_peak_mib``: the process's peak resident memory (it also holds activations, the batch, torch's allocator
+  caches and, on rank 0, the full weights read once at start-up and broadcast).
+The goal for sharding: ``state_bytes`` at 2 ranks <= 0.55 x at 1 rank.
 
-Prints a table and writes benchmarks/results/learner_memory/result.json.
+    .venv/bin/python benchmarks/learner_memory.py [--sizes 1m,30m,300m] [--ranks 1,2]
+
+Prints a table and writes benchmarks/results/learner_memory/result.json. The update runs on a small batch
+(4 responses of ~40 tokens): the states do not depend on it, and a 300 M update on 16 responses took 7 minutes on
+this 2-core machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import resource
 import subprocess
@@ -30,69 +40,126 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def one_size(size: str) -> dict:
+def _local_bytes(t) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def _opt_bytes(opt) -> int:
+    return sum(_local_bytes(v) for s in opt.state.values() for v in s.values() if hasattr(v, "numel"))
+
+
+def one_size(size: str, model_dir: str) -> dict:
     import torch
-    from weight_sync import build_model
 
     from async_vapo.config import load_config
+    from async_vapo.learner.dist import data_parallel_world, init_process_group
     from async_vapo.learner.vapo import Learner, make_rollout_batch
     from async_vapo.rollout.types import Group, Trajectory
 
     torch.set_num_threads(1)
-    out: dict = {"size": size, "rss_start_mib": _rss_mib()}
-    with tempfile.TemporaryDirectory() as d:
-        model, tok = build_model(size, Path(d))
-        out["params"] = sum(p.numel() for p in model.parameters())
-        del model
-        cfg = load_config([ROOT / "configs" / "tiny_cpu.toml"],
-                          [f"model.path={d}", "model.critic_init=base", "algo.mini_batch_size=16",
-                           "algo.micro_batch_size=4", "algo.prompts_per_step=2"])
-        t0 = time.perf_counter()
-        learner = Learner(cfg, d)
-        out["rss_after_load_mib"] = _rss_mib()
-        rng = random.Random(0)
-        groups = []
-        for g in range(2):
-            samples = []
-            for k in range(8):
-                ids = tok(f"{rng.randint(0, 9)}+{rng.randint(0, 9)}=" + "7;" * rng.randint(10, 28)).input_ids
-                samples.append(Trajectory(response_ids=ids + [tok.eos_token_id],
-                                          behavior_logprobs=[-1.0] * (len(ids) + 1), finish_reason="stop",
-                                          reward=1.0 if k % 2 else -1.0, correct=bool(k % 2)))
-            groups.append(Group(uid=f"g{g}", prompt="p", answer="7", prompt_ids=tok("3+4-1*2+5-2+1").input_ids,
-                                version=0, samples=samples))
-        batch = make_rollout_batch(groups, tok.pad_token_id)
-        t1 = time.perf_counter()
-        learner.update(batch)
-        out["update_s"] = time.perf_counter() - t1
-        out["tokens"] = int(batch.tokens.response_mask.sum())
-        out["rss_peak_mib"] = _rss_mib()
-        out["load_s"] = t1 - t0
-    # what the states alone take: params + grads + 2 AdamW moments, policy and critic, float32
-    out["state_estimate_mib"] = 2 * 4 * 4 * out["params"] / 2**20
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        init_process_group()
+    rank, world = data_parallel_world()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    out: dict = {"size": size, "ranks": world, "rank": rank, "rss_start_mib": _rss_mib()}
+    cfg = load_config([ROOT / "configs" / "tiny_cpu.toml"],
+                      [f"model.path={model_dir}", "model.critic_init=base", "algo.mini_batch_size=4",
+                       "algo.micro_batch_size=2", "algo.prompts_per_step=2", "algo.group_size=2"])
+    t0 = time.perf_counter()
+    learner = Learner(cfg, model_dir)
+    out["rss_after_load_mib"] = _rss_mib()
+    grads: dict[str, int] = {}
+    step = learner._step
+
+    def counting_step(model, opt, *args):  # gradients exist between backward and the optimiser step
+        grads[id(model)] = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+        return step(model, opt, *args)
+
+    learner._step = counting_step
+    rng = random.Random(0)
+    groups = []
+    for g in range(2):
+        samples = []
+        for k in range(2):
+            ids = tok(f"{rng.randint(0, 9)}+{rng.randint(0, 9)}=" + "7;" * rng.randint(10, 18)).input_ids
+            samples.append(Trajectory(response_ids=ids + [tok.eos_token_id],
+                                      behavior_logprobs=[-1.0] * (len(ids) + 1), finish_reason="stop",
+                                      reward=1.0 if k % 2 else -1.0, correct=bool(k % 2)))
+        groups.append(Group(uid=f"g{g}", prompt="p", answer="7", prompt_ids=tok("3+4-1*2+5-2+1").input_ids,
+                            version=0, samples=samples))
+    batch = make_rollout_batch(groups, tok.pad_token_id)
+    t1 = time.perf_counter()
+    learner.update(batch)
+    out["update_s"] = time.perf_counter() - t1
+    out["load_s"] = t1 - t0
+    out["rss_peak_mib"] = _rss_mib()
+    models = [(learner.policy, learner.actor_opt), (learner.critic, learner.critic_opt)]
+    out["params"] = sum(p.numel() for m, _ in models for p in m.parameters())  # whole-model count
+    out["param_bytes"] = sum(_local_bytes(p) for m, _ in models for p in m.parameters())
+    out["grad_bytes"] = sum(grads.values())
+    out["optim_bytes"] = sum(_opt_bytes(o) for _, o in models)
+    out["state_bytes"] = out["param_bytes"] + out["grad_bytes"] + out["optim_bytes"]
+    if world > 1:
+        from async_vapo.learner.dist import destroy_process_group
+
+        destroy_process_group()
     return out
+
+
+def run(size: str, ranks: int, model_dir: str) -> list[dict]:
+    with tempfile.TemporaryDirectory() as d:
+        res = Path(d) / "rank"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               "OMP_NUM_THREADS": "1"}
+        args = [__file__, "--one", size, "--model-dir", model_dir, "--result", str(res)]
+        if ranks == 1:
+            cmd = [sys.executable, *args]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+                   *args]
+        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+        return [json.loads(Path(f"{res}.{r}").read_text()) for r in range(ranks)]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="1m,30m,300m")
+    p.add_argument("--ranks", default="1,2")
     p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        print(json.dumps(one_size(args.one)))
+        r = one_size(args.one, args.model_dir)
+        Path(f"{args.result}.{r['rank']}").write_text(json.dumps(r))
         return
+    from weight_sync import build_model
+
     rows = []
     for size in args.sizes.split(","):
-        print(f"[learner_memory] {size} ...", file=sys.stderr, flush=True)
-        res = subprocess.run([sys.executable, __file__, "--one", size], capture_output=True, text=True, check=True)
-        rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
-    print(f"{'size':>6} {'params':>12} {'after load MiB':>15} {'peak MiB':>10} {'states est. MiB':>16} {'update s':>9}")
+        with tempfile.TemporaryDirectory() as d:
+            model, _ = build_model(size, Path(d))
+            del model
+            for ranks in map(int, args.ranks.split(",")):
+                print(f"[learner_memory] {size} on {ranks} rank(s) ...", file=sys.stderr, flush=True)
+                rows += run(size, ranks, d)
+    one = {r["size"]: r["state_bytes"] for r in rows if r["ranks"] == 1}
     for r in rows:
-        print(f"{r['size']:>6} {r['params']:>12,} {r['rss_after_load_mib']:>15.0f} {r['rss_peak_mib']:>10.0f} "
-              f"{r['state_estimate_mib']:>16.0f} {r['update_s']:>9.1f}")
+        if r["size"] in one:
+            r["state_vs_1_rank"] = r["state_bytes"] / one[r["size"]]
+    print(f"{'size':>5} {'ranks':>5} {'rank':>4} {'params':>12} {'state MiB':>10} {'vs 1 rank':>9} "
+          f"{'after load MiB':>14} {'peak RSS MiB':>12} {'update s':>8}")
+    for r in rows:
+        print(f"{r['size']:>5} {r['ranks']:>5} {r['rank']:>4} {r['params']:>12,} {r['state_bytes'] / 2**20:>10.0f} "
+              f"{r.get('state_vs_1_rank', float('nan')):>9.3f} {r['rss_after_load_mib']:>14.0f} "
+              f"{r['rss_peak_mib']:>12.0f} {r['update_s']:>8.1f}")
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"command": "python benchmarks/learner_memory.py --sizes " + args.sizes,
-                               "results": rows}, indent=2) + "\n")
+    OUT.write_text(json.dumps({"command": f"python benchmarks/learner_memory.py --sizes {args.sizes} --ranks "
+                                          f"{args.ranks}", "results": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -338,6 +338,9 @@ class OptimConfig(_Section):
 class LearnerConfig(_Section):
     """How the learner runs its models: devices, FSDP2 sharding (with more than one rank), memory savers."""
 
+    fsdp: Literal["auto", "on"] = "auto"
+    """Shard policy and critic with FSDP2: ``auto`` when there is more than one learner rank; ``on`` also for one
+    rank (a mesh of one: CPU offload and the sharded code path on a single GPU; needs a process group)."""
     dist_timeout_s: float = Field(600.0, gt=0)
     """Timeout of every torch.distributed collective between learner ranks (a dead rank is an error, not a
     hang)."""

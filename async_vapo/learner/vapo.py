@@ -78,6 +78,12 @@ from async_vapo.models.rl import (
 from async_vapo.rollout.types import Group
 
 
+def _dist_initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 @dataclass
 class RolloutBatch:
     tokens: TokenBatch
@@ -160,10 +166,13 @@ class Learner:
         self.temperature = cfg.rollout.temperature  # of the engines' training samples
         self.device = local_device()
         self.rank, self.world = data_parallel_world()
-        self.sharded = self.world > 1  # FSDP2 with more than one rank (learner.sharding)
+        self.sharded = self.world > 1 or cfg.learner.fsdp == "on"  # FSDP2 (learner.sharding)
         if self.sharded and cfg.model.dtype == "float16":
             raise ValueError("model.dtype = float16 needs loss scaling, which is per rank and would diverge across "
-                             "sharded learner ranks; use bfloat16 with more than one learner rank")
+                             "sharded learner ranks; use bfloat16 with FSDP2 (learner.fsdp)")
+        if self.sharded and not _dist_initialized():
+            raise ValueError("learner.fsdp = on needs a torch.distributed process group "
+                             "(learner.dist.init_process_group, or torchrun)")
         # float32 master weights and optimiser state; forwards in model.dtype (learner.precision: autocast in one
         # process, FSDP2's MixedPrecisionPolicy when sharded)
         self.precision = Precision(cfg.model.dtype, self.device.type, autocast=not self.sharded)

@@ -1,0 +1,27 @@
+"""deploy/device_check.sh, the GPU check, kept runnable: on the CPU (gloo, a mesh of one) with a 2-layer model
+(``--tiny``) it runs every check and writes its JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_device_check_runs_every_check_on_a_tiny_model(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([str(ROOT / "deploy/device_check.sh"), str(tmp_path), "--tiny"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads((tmp_path / "device_check.json").read_text())
+    assert report["ok"]
+    assert set(report["checks"]) == {"vllm_engine_steps", "finite_losses", "weights_moved", "throughput",
+                                     "chunked_equals_full", "packed_equals_padded", "dcp_resume_same_next_step",
+                                     "export_same_logits"}
+    assert report["checks"]["vllm_engine_steps"]["skipped"]
+    assert (tmp_path / "device_check.log").read_text().count("[device_check]") >= 8
