@@ -121,7 +121,11 @@ def run(size: str, ranks: int, model_dir: str) -> list[dict]:
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
                    *args]
-        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if proc.returncode != 0:  # e.g. a rank killed for memory (SIGKILL): recorded, not hidden
+            tail = proc.stderr.strip().splitlines()[-12:]
+            return [{"size": size, "ranks": ranks, "rank": r, "failed": f"exit status {proc.returncode}",
+                     "stderr_tail": tail} for r in range(ranks)]
         return [json.loads(Path(f"{res}.{r}").read_text()) for r in range(ranks)]
 
 
@@ -139,7 +143,10 @@ def main() -> None:
         return
     from weight_sync import build_model
 
-    rows = []
+    # rows of earlier runs for other (size, ranks) are kept: sizes can be measured one at a time
+    old = json.loads(OUT.read_text()).get("results", []) if OUT.exists() else []
+    wanted = {(z, n) for z in args.sizes.split(",") for n in map(int, args.ranks.split(","))}
+    rows = [r for r in old if (r["size"], r.get("ranks", 1)) not in wanted and "state_bytes" in r]
     for size in args.sizes.split(","):
         with tempfile.TemporaryDirectory() as d:
             model, _ = build_model(size, Path(d))
@@ -147,19 +154,25 @@ def main() -> None:
             for ranks in map(int, args.ranks.split(",")):
                 print(f"[learner_memory] {size} on {ranks} rank(s) ...", file=sys.stderr, flush=True)
                 rows += run(size, ranks, d)
-    one = {r["size"]: r["state_bytes"] for r in rows if r["ranks"] == 1}
+    order = {"1m": 0, "30m": 1, "300m": 2}
+    rows.sort(key=lambda r: (order.get(r["size"], 9), r["ranks"], r["rank"]))
+    one = {r["size"]: r["state_bytes"] for r in rows if r["ranks"] == 1 and "state_bytes" in r}
     for r in rows:
-        if r["size"] in one:
+        if r["size"] in one and "state_bytes" in r:
             r["state_vs_1_rank"] = r["state_bytes"] / one[r["size"]]
     print(f"{'size':>5} {'ranks':>5} {'rank':>4} {'params':>12} {'state MiB':>10} {'vs 1 rank':>9} "
           f"{'after load MiB':>14} {'peak RSS MiB':>12} {'update s':>8}")
     for r in rows:
+        if "failed" in r:
+            print(f"{r['size']:>5} {r['ranks']:>5} {r['rank']:>4} failed: {r['failed']}")
+            continue
         print(f"{r['size']:>5} {r['ranks']:>5} {r['rank']:>4} {r['params']:>12,} {r['state_bytes'] / 2**20:>10.0f} "
               f"{r.get('state_vs_1_rank', float('nan')):>9.3f} {r['rss_after_load_mib']:>14.0f} "
               f"{r['rss_peak_mib']:>12.0f} {r['update_s']:>8.1f}")
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"command": f"python benchmarks/learner_memory.py --sizes {args.sizes} --ranks "
-                                          f"{args.ranks}", "results": rows}, indent=2) + "\n")
+    OUT.write_text(json.dumps({"command": "python benchmarks/learner_memory.py --sizes SIZE --ranks 1,2 (one size at "
+                                          "a time here; rows of other sizes are kept)", "results": rows},
+                              indent=2) + "\n")
 
 
 if __name__ == "__main__":

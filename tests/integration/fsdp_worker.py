@@ -1,7 +1,9 @@
 """The ranks of tests/integration/test_data_parallel.py, launched once by torchrun (gloo, 2 CPU ranks). Each
 scenario saves what rank r ended with to ``OUT/<scenario>.<r>``; the test compares it with one process.
 
-    torchrun --nproc_per_node 2 tests/integration/fsdp_worker.py CACHE_DIR OUT_DIR
+    torchrun --nproc_per_node 2 tests/integration/fsdp_worker.py CACHE_DIR OUT_DIR [SCENARIO]
+
+With SCENARIO (one of ``SCENARIOS``) only that update is run.
 """
 
 from __future__ import annotations
@@ -132,13 +134,18 @@ def assert_sharded(learner) -> None:
 
 def main() -> None:
     cache, out = sys.argv[1], Path(sys.argv[2])
+    only = sys.argv[3] if len(sys.argv) > 3 else None
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     try:
         for name, extra in SCENARIOS.items():
+            if only not in (None, name):
+                continue
             state, metrics, learner = updates(cfg_for(cache, extra))
             assert_sharded(learner)
             torch.save((state, metrics), out / f"{name}.{rank}")
+        if only:
+            return
         # DCP: save after one update on 2 ranks, then the next update from it on 2 ranks
         cfg = cfg_for(cache, [])
         state, metrics, _ = updates(cfg, save_after=str(out / "ckpt"))
