@@ -2,7 +2,8 @@
 
 Sockets (rank 0 only)
   * ``batches``: DEALER (IMMEDIATE), connects to the replay's ROUTER (``cluster.hosts.replay_host:replay_batch_port``);
-    READY handshake at start, then one BatchRequest(n_groups = prompts_per_step, for_version = v,
+    READY handshake at start, then BatchRequests(n_groups = as many of the step's prompts_per_step groups as one
+    reply of at most half of ``cluster.wire.max_message_bytes`` carries, for_version = v,
     min_version = v − max_staleness, received_cursor = the replay cursor of the last batch received, or of the
     checkpoint resumed from: the replay stores again what it served after it, so a restarted learner or a lost
     reply loses no group; -1 before either is known) at a time, each bounded by ``cluster.wire.batch_request_timeout_s``
@@ -16,13 +17,11 @@ The step loop is ``async_vapo.learner.loop`` (the one-process trainer runs the s
 file per version) and the rotation of engines follows their acks and heartbeats (``WeightBroadcast``).
 ``broadcast_seconds`` is the time from the start of the write to the last ack of the engines in rotation.
 
-torch.distributed: a process group is always initialised (gloo on CPU, NCCL on GPUs): from torchrun's
-environment when present, else a world of one over a loopback TCPStore. With several ranks, rank 0 does
-all I/O and broadcasts each batch (``learner.loop.BroadcastSource``); every rank runs the step loop on
-it data-parallel: rank r computes micro-batches r, r + W, ... of each mini-batch, weighted by the whole
-mini-batch's loss normaliser, and the gradients are summed with one all-reduce before each optimiser step,
-so the ranks stay identical replicas and the update equals a single process's (tests/integration/test_data_parallel.py).
-Logged losses and clip fractions are rank 0's share of the micro-batches; gradient norms are the whole's.
+torch.distributed: a process group is always initialised (``learner.dist``: NCCL on GPUs, gloo on the CPU): from
+torchrun's environment when present, else a world of one over a loopback TCPStore. With several ranks, rank 0 does
+all I/O and broadcasts each batch (``learner.loop.BroadcastSource``); every rank runs the step loop on it with
+FSDP2-sharded models, each computing its share of every mini-batch (``learner.vapo``), so that the update equals a
+single process's (tests/integration/test_data_parallel.py). Logged metrics cover every rank's micro-batches.
 
 Outputs in the run directory, as the one-process trainer: ``metrics.jsonl`` (``kind`` = pretrain / train;
 eval rows come from rollout 0), ``checkpoints/step_N/`` (policy, critic, optimisers, version, and in
@@ -48,6 +47,8 @@ from async_vapo.transport import (
     BatchRequest,
     PeerTimeout,
     Transport,
+    group_wire_bytes,
+    groups_per_request,
     make_envelope,
 )
 from async_vapo.weights import WeightBroadcast
@@ -108,6 +109,11 @@ class ReplaySource:
         self.ctx, self.sync, self.learner, self.floor = ctx, sync, learner, floor
         self.req = transport.requester(ctx.endpoint(c.hosts.replay_host, c.ports.replay_batch_port),
                                        decoder=ctx.decoder((BatchMsg,), "batches"), name=ctx.name, peer="replay")
+        self.max_reply_bytes = c.wire.max_message_bytes // 2
+        # the largest group expected on the wire: the config's longest responses, 64 KiB for prompt and text until
+        # a larger one is seen
+        self.group_bytes = ctx.cfg.algo.group_size * (8 * ctx.cfg.rollout.max_response_tokens + 512) + 65536
+        self.per_request = groups_per_request(self.max_reply_bytes, self.group_bytes)
         self.cursor = 0
         self.cursor_known = False
         """Whether ``cursor`` says what this learner's weights include (from a reply, or a checkpoint)."""
@@ -130,21 +136,27 @@ class ReplaySource:
         return False
 
     def next_groups(self, n: int):
-        """``n`` whole groups admissible for the current version, with the wait; None when stopped first."""
+        """``n`` whole groups admissible for the current version, with the wait; None when stopped first. They come
+        in replies of at most ``per_request`` groups each (half the frame limit, whatever the response length)."""
         c, v = self.ctx.cfg.cluster, self.learner.version
         floor = self.floor(v)
         t0 = time.perf_counter()
+        got: list = []
         try:
             while not self.ctx.stop.is_set():
                 self.sync.heartbeat(v)
                 self.sync.poll(0)
                 received = self.cursor if self.cursor_known else -1
-                env = make_envelope(BatchRequest(n_groups=n, for_version=v, min_version=floor,
-                                                 received_cursor=received), sender=self.ctx.name, policy_version=v)
+                env = make_envelope(BatchRequest(n_groups=min(n - len(got), self.per_request), for_version=v,
+                                                 min_version=floor, received_cursor=received),
+                                    sender=self.ctx.name, policy_version=v)
                 try:
                     reply = self.req.request(env, c.wire.batch_request_timeout_s)
                 except PeerTimeout as exc:
                     self.replay_timeouts.inc()
+                    # a reply too large for the frame limit never arrives: ask for fewer groups (the replay stores
+                    # again what it served after the cursor sent, so nothing is lost)
+                    self.per_request = max(1, self.per_request // 2)
                     self.ctx.log.warning("learner: %s", exc)
                     continue
                 batch: BatchMsg = reply.body
@@ -156,7 +168,13 @@ class ReplaySource:
                 if len(ok) != len(batch.groups):  # the replay enforces the bound; never use what breaks it
                     self.stale_rejected.inc(len(batch.groups) - len(ok))
                 if ok:
-                    return ok, {"time/wait_batch_s": time.perf_counter() - t0}
+                    got += ok
+                    self.group_bytes = max(self.group_bytes, *(group_wire_bytes(g) for g in ok))
+                    self.per_request = min(self.per_request,
+                                           groups_per_request(self.max_reply_bytes, self.group_bytes))
+                    if len(got) >= n:
+                        return got, {"time/wait_batch_s": time.perf_counter() - t0}
+                    continue
                 self.sync.poll(c.wire.batch_poll_s)
             return None
         finally:

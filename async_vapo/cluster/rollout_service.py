@@ -72,6 +72,7 @@ from async_vapo.transport import (
     WeightsAck,
     WeightsAnnounce,
     make_envelope,
+    split_groups,
 )
 from async_vapo.weights import load_announced
 
@@ -251,8 +252,9 @@ class RolloutService:
             self.m.generated_samples_total.inc(len(samples))
             self.m.generated_tokens_total.inc(sum(len(s.response_ids) for s in samples))
             self.samples_generated += len(samples)
-            self.ctx.send(self.groups_out, make_envelope(GroupsMsg(groups=groups), sender=self.engine_id,
-                                                         policy_version=version), "groups")
+            for part in split_groups(groups, self.ctx.cfg.cluster.wire.max_message_bytes // 2):
+                self.ctx.send(self.groups_out, make_envelope(GroupsMsg(groups=part), sender=self.engine_id,
+                                                             policy_version=version), "groups")
         finally:
             self.m.inflight_groups.set(0)
         return groups

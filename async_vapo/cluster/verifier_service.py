@@ -27,7 +27,7 @@ import time
 from async_vapo.cluster.common import ServiceContext, make_transport
 from async_vapo.rollout.generate import score_groups
 from async_vapo.rollout.types import Group
-from async_vapo.transport import GroupsMsg, Heartbeat, Transport, make_envelope
+from async_vapo.transport import GroupsMsg, Heartbeat, Transport, make_envelope, split_groups
 
 
 class VerifierService:
@@ -80,8 +80,9 @@ class VerifierService:
                 except Exception:
                     self.ctx.processing_error("verify", f"{len(env.body.groups)} groups from {env.sender}")
                     continue
-                self.ctx.send(self.push, make_envelope(GroupsMsg(groups=groups), sender=self.ctx.name,
-                                                       policy_version=env.policy_version), "verified groups")
+                for part in split_groups(groups, self.ctx.cfg.cluster.wire.max_message_bytes // 2):
+                    self.ctx.send(self.push, make_envelope(GroupsMsg(groups=part), sender=self.ctx.name,
+                                                           policy_version=env.policy_version), "verified groups")
                 self._write_worker_pids()
             if time.monotonic() - last_beat > self.ctx.cfg.cluster.wire.heartbeat_s:
                 last_beat = time.monotonic()

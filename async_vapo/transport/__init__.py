@@ -42,8 +42,11 @@ from async_vapo.transport.messages import (
     WeightsAnnounce,
     WeightsFetch,
     encode,
+    group_wire_bytes,
+    groups_per_request,
     make_envelope,
     new_message_id,
+    split_groups,
 )
 from async_vapo.transport.zmq_transport import (
     ZmqTransport,
@@ -56,6 +59,7 @@ from async_vapo.transport.zmq_transport import (
 )
 
 __all__ = [
+    "group_wire_bytes", "groups_per_request", "split_groups",
     "ALL_MESSAGES", "DEFAULT_HWM", "DEFAULT_MAX_BYTES", "PROTOCOL_VERSION", "REJECT_REASONS",
     "Ack", "BackpressureFull", "BatchMsg", "BatchRequest", "Body", "Decoder", "Envelope", "GroupsMsg",
     "Heartbeat", "HeartbeatMonitor", "InprocTransport", "PeerDead", "PeerTimeout", "ProtocolError",

@@ -25,6 +25,11 @@ Invariants
   * Receiving ZeroMQ sockets also set ``ZMQ_MAXMSGSIZE`` to the socket's limit, so libzmq drops (and
     disconnects) a peer sending a larger frame before allocating it.
 
+Size: groups travel in bounded chunks, never a whole step in one frame. A sender splits its groups with
+:func:`split_groups` into messages of at most half the frame limit (whole groups; a group alone above it is a
+named error), and the learner asks the replay for as many groups per :class:`BatchRequest` as fit
+(:func:`groups_per_request`), so that no response length makes a frame oversized.
+
 Flow control is the transports' high-water marks plus named errors (``BackpressureFull``), not
 credits: the replay -> learner leg is already pull-based (one :class:`BatchRequest` per batch), and
 on the rollout -> verifier -> replay legs a full pipe is a signal the sender handles by a named
@@ -89,6 +94,43 @@ class _Body(msgspec.Struct, tag_field="type", kw_only=True, forbid_unknown_field
 # rollout -> verifier (unscored groups), verifier -> replay (groups with rewards/verdicts)
 class GroupsMsg(_Body, tag="groups"):
     groups: list[Group]
+
+
+_GROUP_OVERHEAD = 256  # msgpack map keys, lengths and small fields of a group (measured < 200)
+_SAMPLE_OVERHEAD = 160  # the same per sample
+
+
+def group_wire_bytes(g: Group) -> int:
+    """An upper bound on ``g``'s encoded size: 4 bytes per prompt token, 8 per response token (id + log-prob),
+    its strings and a fixed overhead per group and per sample."""
+    n = _GROUP_OVERHEAD + 4 * len(g.prompt_ids) + len(g.uid) + len(g.prompt.encode()) + len(g.answer.encode())
+    for s in g.samples:
+        n += _SAMPLE_OVERHEAD + 4 * len(s.response_ids) + 4 * len(s.behavior_logprobs) + len(s.verdict)
+        n += len(s.finish_reason)
+    return n
+
+
+def split_groups(groups: list[Group], max_bytes: int) -> list[list[Group]]:
+    """``groups`` in order, in chunks of whole groups of at most ``max_bytes`` each (:func:`group_wire_bytes`).
+    A group alone above ``max_bytes`` cannot travel: a ValueError names it and the limit."""
+    chunks: list[list[Group]] = []
+    size = 0
+    for g in groups:
+        n = group_wire_bytes(g)
+        if n > max_bytes:
+            raise ValueError(f"group {g.uid!r} takes {n} bytes on the wire, above the {max_bytes} a message may carry "
+                             f"(half of cluster.wire.max_message_bytes): raise that limit")
+        if not chunks or size + n > max_bytes:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(g)
+        size += n
+    return chunks
+
+
+def groups_per_request(max_bytes: int, group_bytes: int) -> int:
+    """Groups of ``group_bytes`` (the largest expected) that one BatchMsg of at most ``max_bytes`` carries (>= 1)."""
+    return max(1, max_bytes // max(1, group_bytes))
 
 
 # learner -> replay: "n groups for update for_version, none generated before min_version"
