@@ -51,8 +51,8 @@ def shard(model: torch.nn.Module, mesh, *, compute_dtype: torch.dtype, cpu_offlo
 
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, output_dtype=None)
     kw = {"mesh": mesh, "mp_policy": mp}
-    if cpu_offload:
-        kw["offload_policy"] = CPUOffloadPolicy()
+    if cpu_offload:  # pinned host memory only where there is a GPU to copy to
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     for layer in decoder_layers(model):
         fully_shard(layer, **kw)
     fully_shard(model, **kw)

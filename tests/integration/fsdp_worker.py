@@ -25,6 +25,7 @@ SHARD = FAST + ["base_model.num_layers=2"]
 SCENARIOS = {
     "vapo": [],
     "grpo": ["algo.name=grpo"],
+    "offload": ["learner.cpu_offload=true", "learner.activation_checkpointing=true"],
     "budget": ["algo.max_tokens_per_micro_batch=64", "learner.logprob_chunk_tokens=5", "learner.packing=true"],
 }
 
