@@ -11,8 +11,10 @@ sharded by FSDP2 (``learner.sharding``), which does the gradient reduction itsel
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import warnings
 
 import torch
 
@@ -74,6 +76,15 @@ def broadcast_object(obj: object = None, src: int = 0) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+@contextlib.contextmanager
+def single_process_checkpoint():
+    """torch.distributed.checkpoint in one process (``no_dist=True``) warns on every call that it assumes so: it
+    is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def all_gather_objects(obj: object) -> list:

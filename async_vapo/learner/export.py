@@ -35,6 +35,7 @@ def export(ckpt: str | Path, out: str | Path, model: str = "policy", dtype: str 
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
+    from async_vapo.learner.dist import single_process_checkpoint
     from async_vapo.learner.precision import DTYPES
 
     ckpt, out = Path(ckpt), Path(out)
@@ -50,7 +51,8 @@ def export(ckpt: str | Path, out: str | Path, model: str = "policy", dtype: str 
     auto = AutoModelForCausalLM if model == "policy" else AutoModelForTokenClassification
     net = auto.from_config(config, dtype=torch.float32).eval()
     state = {model: get_model_state_dict(net)}
-    dcp.load(state, checkpoint_id=str(ckpt / "dcp"), no_dist=True)
+    with single_process_checkpoint():
+        dcp.load(state, checkpoint_id=str(ckpt / "dcp"), no_dist=True)
     set_model_state_dict(net, state[model])
     net = net.to(DTYPES[dtype])
     if out.exists():

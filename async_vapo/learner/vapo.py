@@ -62,7 +62,13 @@ from async_vapo.algo.losses import (
 from async_vapo.algo.utils import entropy_from_logits, logprobs_from_logits, masked_mean, masked_whiten
 from async_vapo.config import Config
 from async_vapo.learner import sharding
-from async_vapo.learner.dist import all_gather_objects, all_reduce_sum_, data_parallel_world, local_device
+from async_vapo.learner.dist import (
+    all_gather_objects,
+    all_reduce_sum_,
+    data_parallel_world,
+    local_device,
+    single_process_checkpoint,
+)
 from async_vapo.learner.precision import Precision
 from async_vapo.models.rl import (
     TokenBatch,
@@ -507,7 +513,8 @@ class Learner:
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         self._barrier()
-        dcp.save(self._train_state(), checkpoint_id=str(tmp / "dcp"), no_dist=self.world == 1)
+        with single_process_checkpoint():
+            dcp.save(self._train_state(), checkpoint_id=str(tmp / "dcp"), no_dist=self.world == 1)
         if self.rank == 0:
             from async_vapo.learner.export import write_meta
 
@@ -546,7 +553,8 @@ class Learner:
         if not (path / "dcp").is_dir():
             raise FileNotFoundError(f"{path} is not a learner checkpoint (no dcp/ directory)")
         state = self._train_state()
-        dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=self.world == 1)
+        with single_process_checkpoint():
+            dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=self.world == 1)
         set_state_dict(self.policy, self.actor_opt, model_state_dict=state["policy"],
                        optim_state_dict=state["actor_opt"])
         if self.critic is not None:

@@ -25,7 +25,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_pipeline_in_one_process_over_the_inproc_transport(tiny_cfg, tiny_base, vllm_engine, tmp_path):
-    """Budget: about a minute (3 updates of 4 prompts x 4 samples, one held-out evaluation)."""
+    """Budget: about a minute (3 updates of 4 prompts x 4 samples, one held-out evaluation). Frames are limited to
+    8 KiB, about a step's groups in one message: they travel in chunks of at most 4 KiB, and the learner asks the
+    replay for fewer groups than a step per request."""
     from transformers import AutoTokenizer
 
     from async_vapo.cluster.learner_service import LearnerService
@@ -40,7 +42,8 @@ def test_pipeline_in_one_process_over_the_inproc_transport(tiny_cfg, tiny_base, 
     cfg = load_config([], [*TINY_TEST_OVERRIDES, f"model.cache_dir={tiny_cfg.model.cache_dir}",
                            f"train.total_steps={total}", f"train.eval_every={total}", "train.checkpoint_every=0",
                            "async.max_staleness=1", "cluster.weights.transfer=shm", "cluster.replay.fsync=never",
-                           "cluster.wire.batch_poll_s=0.05", "cluster.wire.heartbeat_s=0.2"])
+                           "cluster.wire.batch_poll_s=0.05", "cluster.wire.heartbeat_s=0.2",
+                           "cluster.wire.max_message_bytes=8192"])
     run_dir = tmp_path / "run"
     tok = AutoTokenizer.from_pretrained(str(tiny_base))
     base_state = load_policy(tiny_base).state_dict()
@@ -73,6 +76,7 @@ def test_pipeline_in_one_process_over_the_inproc_transport(tiny_cfg, tiny_base, 
             assert all(t.is_alive() for t in threads), "a service loop died"
             time.sleep(0.2)
         served = vllm_engine.version
+        per_request = learner.replay.per_request
     finally:
         for ctx in ctxs.values():
             ctx.stop.set()
@@ -89,6 +93,7 @@ def test_pipeline_in_one_process_over_the_inproc_transport(tiny_cfg, tiny_base, 
     assert all("rollout/verdict_unverified" not in r for r in got)  # every sample went through the sandbox
     assert {r["version"] for r in got if r["kind"] == "eval"} >= {0, total}
     assert served == total
+    assert per_request < cfg.algo.prompts_per_step  # the step's groups came in several replies
     ckpt = run_dir / "checkpoints" / f"step_{total}"
     assert_engine_serves(vllm_engine, load_policy(ckpt / "policy"), tok)  # the engine serves the last version
     vllm_engine.load_weights(base_state, 0)
