@@ -10,7 +10,9 @@ Reported per rank:
   caches and, on rank 0, the full weights read once at start-up and broadcast).
 The goal for sharding: ``state_bytes`` at 2 ranks <= 0.55 x at 1 rank.
 
-    .venv/bin/python benchmarks/learner_memory.py [--sizes 1m,30m,300m] [--ranks 1,2]
+    .venv/bin/python benchmarks/learner_memory.py [--sizes 1m,30m,300m] [--ranks 1,2] [--algo grpo]
+
+``--algo grpo`` measures the policy alone (no critic): half the memory, for a machine that cannot hold both.
 
 Prints a table and writes benchmarks/results/learner_memory/result.json. The update runs on a small batch
 (4 responses of ~40 tokens): the states do not depend on it, and a 300 M update on 16 responses took 7 minutes on
@@ -49,7 +51,7 @@ def _opt_bytes(opt) -> int:
     return sum(_local_bytes(v) for s in opt.state.values() for v in s.values() if hasattr(v, "numel"))
 
 
-def one_size(size: str, model_dir: str) -> dict:
+def one_size(size: str, model_dir: str, algo: str = "vapo") -> dict:
     import torch
 
     from async_vapo.config import load_config
@@ -65,10 +67,10 @@ def one_size(size: str, model_dir: str) -> dict:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    out: dict = {"size": size, "ranks": world, "rank": rank, "rss_start_mib": _rss_mib()}
+    out: dict = {"size": size, "algo": algo, "ranks": world, "rank": rank, "rss_start_mib": _rss_mib()}
     cfg = load_config([ROOT / "configs" / "tiny_cpu.toml"],
                       [f"model.path={model_dir}", "model.critic_init=base", "algo.mini_batch_size=4",
-                       "algo.micro_batch_size=2", "algo.prompts_per_step=2", "algo.group_size=2"])
+                       "algo.micro_batch_size=2", "algo.prompts_per_step=2", "algo.group_size=2", f"algo.name={algo}"])
     t0 = time.perf_counter()
     learner = Learner(cfg, model_dir)
     out["rss_after_load_mib"] = _rss_mib()
@@ -97,7 +99,9 @@ def one_size(size: str, model_dir: str) -> dict:
     out["update_s"] = time.perf_counter() - t1
     out["load_s"] = t1 - t0
     out["rss_peak_mib"] = _rss_mib()
-    models = [(learner.policy, learner.actor_opt), (learner.critic, learner.critic_opt)]
+    models = [(learner.policy, learner.actor_opt)]
+    if learner.critic is not None:
+        models.append((learner.critic, learner.critic_opt))
     out["params"] = sum(p.numel() for m, _ in models for p in m.parameters())  # whole-model count
     out["param_bytes"] = sum(_local_bytes(p) for m, _ in models for p in m.parameters())
     out["grad_bytes"] = sum(grads.values())
@@ -110,12 +114,12 @@ def one_size(size: str, model_dir: str) -> dict:
     return out
 
 
-def run(size: str, ranks: int, model_dir: str) -> list[dict]:
+def run(size: str, ranks: int, model_dir: str, algo: str) -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
         res = Path(d) / "rank"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                "OMP_NUM_THREADS": "1"}
-        args = [__file__, "--one", size, "--model-dir", model_dir, "--result", str(res)]
+        args = [__file__, "--one", size, "--model-dir", model_dir, "--result", str(res), "--algo", algo]
         if ranks == 1:
             cmd = [sys.executable, *args]
         else:
@@ -124,7 +128,7 @@ def run(size: str, ranks: int, model_dir: str) -> list[dict]:
         proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if proc.returncode != 0:  # e.g. a rank killed for memory (SIGKILL): recorded, not hidden
             tail = proc.stderr.strip().splitlines()[-12:]
-            return [{"size": size, "ranks": ranks, "rank": r, "failed": f"exit status {proc.returncode}",
+            return [{"size": size, "algo": algo, "ranks": ranks, "rank": r, "failed": f"exit status {proc.returncode}",
                      "stderr_tail": tail} for r in range(ranks)]
         return [json.loads(Path(f"{res}.{r}").read_text()) for r in range(ranks)]
 
@@ -133,45 +137,50 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="1m,30m,300m")
     p.add_argument("--ranks", default="1,2")
+    p.add_argument("--algo", default="vapo", choices=["vapo", "grpo"])
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        r = one_size(args.one, args.model_dir)
+        r = one_size(args.one, args.model_dir, args.algo)
         Path(f"{args.result}.{r['rank']}").write_text(json.dumps(r))
         return
     from weight_sync import build_model
 
     # rows of earlier runs for other (size, ranks) are kept: sizes can be measured one at a time
     old = json.loads(OUT.read_text()).get("results", []) if OUT.exists() else []
-    wanted = {(z, n) for z in args.sizes.split(",") for n in map(int, args.ranks.split(","))}
-    rows = [r for r in old if (r["size"], r.get("ranks", 1)) not in wanted and "state_bytes" in r]
+    wanted = {(z, n, args.algo) for z in args.sizes.split(",") for n in map(int, args.ranks.split(","))}
+    rows = [r for r in old if (r["size"], r.get("ranks", 1), r.get("algo", "vapo")) not in wanted
+            and "state_bytes" in r]
     for size in args.sizes.split(","):
         with tempfile.TemporaryDirectory() as d:
             model, _ = build_model(size, Path(d))
             del model
             for ranks in map(int, args.ranks.split(",")):
                 print(f"[learner_memory] {size} on {ranks} rank(s) ...", file=sys.stderr, flush=True)
-                rows += run(size, ranks, d)
+                rows += run(size, ranks, d, args.algo)
     order = {"1m": 0, "30m": 1, "300m": 2}
-    rows.sort(key=lambda r: (order.get(r["size"], 9), r["ranks"], r["rank"]))
-    one = {r["size"]: r["state_bytes"] for r in rows if r["ranks"] == 1 and "state_bytes" in r}
     for r in rows:
-        if r["size"] in one and "state_bytes" in r:
-            r["state_vs_1_rank"] = r["state_bytes"] / one[r["size"]]
-    print(f"{'size':>5} {'ranks':>5} {'rank':>4} {'params':>12} {'state MiB':>10} {'vs 1 rank':>9} "
+        r.setdefault("algo", "vapo")
+    rows.sort(key=lambda r: (r["algo"] != "vapo", order.get(r["size"], 9), r["ranks"], r["rank"]))
+    one = {(r["size"], r["algo"]): r["state_bytes"] for r in rows if r["ranks"] == 1 and "state_bytes" in r}
+    for r in rows:
+        if (r["size"], r["algo"]) in one and "state_bytes" in r:
+            r["state_vs_1_rank"] = r["state_bytes"] / one[(r["size"], r["algo"])]
+    print(f"{'algo':>5} {'size':>5} {'ranks':>5} {'rank':>4} {'params':>12} {'state MiB':>10} {'vs 1 rank':>9} "
           f"{'after load MiB':>14} {'peak RSS MiB':>12} {'update s':>8}")
     for r in rows:
         if "failed" in r:
-            print(f"{r['size']:>5} {r['ranks']:>5} {r['rank']:>4} failed: {r['failed']}")
+            print(f"{r['algo']:>5} {r['size']:>5} {r['ranks']:>5} {r['rank']:>4} failed: {r['failed']}")
             continue
-        print(f"{r['size']:>5} {r['ranks']:>5} {r['rank']:>4} {r['params']:>12,} {r['state_bytes'] / 2**20:>10.0f} "
-              f"{r.get('state_vs_1_rank', float('nan')):>9.3f} {r['rss_after_load_mib']:>14.0f} "
+        print(f"{r['algo']:>5} {r['size']:>5} {r['ranks']:>5} {r['rank']:>4} {r['params']:>12,} "
+              f"{r['state_bytes'] / 2**20:>10.0f} {r.get('state_vs_1_rank', float('nan')):>9.3f} "
+              f"{r['rss_after_load_mib']:>14.0f} "
               f"{r['rss_peak_mib']:>12.0f} {r['update_s']:>8.1f}")
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"command": "python benchmarks/learner_memory.py --sizes SIZE --ranks 1,2 (one size at "
-                                          "a time here; rows of other sizes are kept)", "results": rows},
+    OUT.write_text(json.dumps({"command": "python benchmarks/learner_memory.py --sizes SIZE --ranks 1,2 [--algo grpo] "
+                                          "(one size at a time here; rows of other sizes are kept)", "results": rows},
                               indent=2) + "\n")
 
 

@@ -544,6 +544,22 @@ class Learner:
 
             dist.barrier()
 
+    def _load_state_before_dcp(self, path: Path) -> dict:
+        """A checkpoint of the earlier one-process format (``policy/``, ``critic/`` and optimiser states in
+        ``learner_state.pt``): the models came from its HF directories through the constructor."""
+        if not (path / "learner_state.pt").is_file():
+            raise FileNotFoundError(f"{path} is not a learner checkpoint (no dcp/ and no learner_state.pt)")
+        meta = torch.load(path / "learner_state.pt", weights_only=False)
+        if "actor_opt" not in meta:
+            raise FileNotFoundError(f"{path} is not a learner checkpoint (no dcp/ directory)")
+        if self.sharded:
+            raise ValueError(f"{path} is a one-process checkpoint of the format before DCP: resume it in one process "
+                             "(its next checkpoint can then resume on any number of ranks)")
+        self.actor_opt.load_state_dict(meta["actor_opt"])
+        if self.critic_opt is not None and meta.get("critic_opt") is not None:
+            self.critic_opt.load_state_dict(meta["critic_opt"])
+        return self._restore_counters(meta)
+
     def load_state(self, path: str | Path) -> dict:
         """Restore models, optimisers, counters and RNG from a checkpoint written by any number of ranks."""
         import torch.distributed.checkpoint as dcp
@@ -551,7 +567,7 @@ class Learner:
 
         path = Path(path)
         if not (path / "dcp").is_dir():
-            raise FileNotFoundError(f"{path} is not a learner checkpoint (no dcp/ directory)")
+            return self._load_state_before_dcp(path)
         state = self._train_state()
         with single_process_checkpoint():
             dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=self.world == 1)
@@ -560,7 +576,9 @@ class Learner:
         if self.critic is not None:
             set_state_dict(self.critic, self.critic_opt, model_state_dict=state["critic"],
                            optim_state_dict=state["critic_opt"])
-        meta = torch.load(path / "learner_state.pt", weights_only=False)
+        return self._restore_counters(torch.load(path / "learner_state.pt", weights_only=False))
+
+    def _restore_counters(self, meta: dict) -> dict:
         if meta.get("actor_scaler"):  # float16 only (a disabled scaler's state is empty)
             self.actor_scaler.load_state_dict(meta["actor_scaler"])
         if self.critic_scaler is not None and meta.get("critic_scaler"):

@@ -132,3 +132,24 @@ def test_each_optimiser_warms_up_over_its_own_steps_across_a_checkpoint(cache, t
     learner.update(batch)  # the uninterrupted run takes the same step
     for k, v in learner.policy.state_dict().items():
         torch.testing.assert_close(again.policy.state_dict()[k], v, rtol=0, atol=0)
+
+
+def test_a_checkpoint_of_the_format_before_dcp_still_resumes(cache, tmp_path):
+    """Runs checkpointed before DCP (HF models + optimiser states in learner_state.pt) resume in one process to the
+    same next update."""
+    import shutil
+
+    learner, batch = make(cache)
+    learner.update(batch)
+    ckpt = learner.save(tmp_path / "ckpt")
+    shutil.rmtree(ckpt / "dcp")  # rewritten as the earlier format wrote it
+    state = torch.load(ckpt / "learner_state.pt", weights_only=False)
+    state |= {"actor_opt": learner.actor_opt.state_dict(), "critic_opt": learner.critic_opt.state_dict()}
+    torch.save(state, ckpt / "learner_state.pt")
+    again = Learner(learner.cfg, ckpt / "policy", ckpt / "critic")
+    again.load_state(ckpt)
+    assert again.optimizer_steps == learner.optimizer_steps == 1
+    again.update(batch)
+    learner.update(batch)
+    for k, v in learner.policy.state_dict().items():
+        torch.testing.assert_close(again.policy.state_dict()[k], v, rtol=0, atol=0)
