@@ -12,8 +12,9 @@ Where a step's scored groups come from is a :class:`BatchSource`:
 * ``ReplaySource`` (``async_vapo.cluster.learner_service``) fetches them from the replay service;
 * :class:`BroadcastSource` wraps either for data-parallel ranks: rank 0 broadcasts what its source returned,
   the other ranks receive it, and every rank runs this same loop on the same groups. Only rank 0 (the
-  *leader*) decides when to stop, publishes, writes rows and checkpoints; the others run until their
-  source says stop.
+  *leader*) decides when to stop and to checkpoint, publishes and writes rows; the others run until their
+  source says stop. A sharded learner (FSDP2) gathers its weights for a publish and writes its checkpoint
+  shards on every rank: the other ranks receive the leader's checkpoint decision each step.
 
 Rows (``metrics.jsonl``): ``kind`` = pretrain / train, with the step, version, wall seconds, the generated
 groups' statistics (``rollout/*``), the learner's metrics, the source's timing and its own row metrics, and
