@@ -2,6 +2,7 @@
 
     async-vapo train --config configs/tiny_cpu.toml [key.sub=value ...] [--resume CKPT|auto | --new-run]
     async-vapo make-base --config configs/tiny_cpu.toml [--force] [--ship]
+    async-vapo eval [CKPT | HF_DIR] [--config FILE] [--samples N] [--k 1,4] [key.sub=value ...]
     async-vapo config --config FILE [key.sub=value ...]      print the resolved config
     async-vapo plot RUN_DIR [RUN_DIR ...] --out FILE.png     held-out accuracy and length curves
     async-vapo replay fsck RUN_DIR/replay/groups.log [--apply]   check a replay log; quarantine damage
@@ -79,6 +80,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="rebuild the base model (and the reward-like critic) even if cached or shipped")
     p_base.add_argument("--ship", action="store_true",
                         help="then make these builds the ones shipped in the package (async_vapo/models/shipped/)")
+    p_eval = sub.add_parser("eval", help="accuracy, avg@n and pass@k of a checkpoint or HF model directory, by "
+                                         "difficulty, with every response and verdict (samples.jsonl)")
+    p_eval.add_argument("model", nargs="?", help="a checkpoint (runs/NAME/checkpoints/step_N: its run's config is "
+                                                 "used unless --config is given) or an HF model directory; default: "
+                                                 "the config's starting policy")
+    _add_config_args(p_eval)
+    p_eval.add_argument("--samples", type=int, help="samples per problem, n (default rollout.eval_samples)")
+    p_eval.add_argument("--k", help="comma-separated k of pass@k, each <= n (default 1,2,4,...,n)")
+    p_eval.add_argument("--split", choices=("eval", "train"), default="eval", help="the task's split (default eval)")
+    p_eval.add_argument("--limit", type=int, help="only the first LIMIT problems of the split")
+    p_eval.add_argument("--out", help="output directory (default runs/eval/<label>)")
     p_cfg = sub.add_parser("config", help="print the resolved config as JSON")
     _add_config_args(p_cfg)
     sub.add_parser("report", help="benchmark result folders -> PNG plots and markdown tables (see --help)")
@@ -119,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
 
             summary = train(cfg, resume=None if plan.resume is None else str(plan.resume))
             print(json.dumps(summary, indent=2))
+        elif args.cmd == "eval":
+            from async_vapo.evaluation import main as eval_main
+
+            return eval_main(args)
         elif args.cmd == "replay":
             import msgspec
 
