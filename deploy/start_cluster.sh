@@ -415,9 +415,28 @@ echo "[start_cluster] all services up; logs in $RUN_DIR/logs; stop with: deploy/
 on_host_of() {  # on_host_of NAME SCRIPT: run SCRIPT where NAME runs (its RUN_DIR is there)
   if [ -e "$RUN_DIR/pids/$1.host" ]; then remote "$(cat "$RUN_DIR/pids/$1.host")" "$2"; else bash -c "$2"; fi
 }
+PROGRESS_PY='import json, sys
+r = json.loads(sys.stdin.read().strip().splitlines()[-1])
+t = " (%.0f s since start)" % r["wall_s"] if r.get("wall_s") is not None else ""
+if r["kind"] == "train":
+    print("update %d of %s: training accuracy %.3f, %.1f s/update%s" % (r["step"], sys.argv[1],
+          r.get("rollout/accuracy") or 0, r.get("time/step_s") or 0, t))
+elif r["kind"] == "pretrain":
+    print("value pretraining step %d: value loss %.3f%s" % (r["step"] + 1, r.get("critic/value_loss") or 0, t))
+elif r["kind"] == "eval":
+    print("held-out accuracy %.3f at update %d%s" % (r.get("eval/accuracy") or 0, r["step"], t))'
 if [ "$WAIT" = 1 ]; then
   done_file=$(q "$RUN_DIR/DONE") metrics=$(q "$RUN_DIR/metrics.jsonl")
-  while ! on_host_of learner "test -e $done_file" && supervised learner; do sleep 2; done
+  # the training's progress on the terminal: a line per new row of metrics.jsonl, looked at every 10 s
+  shown="" i=0
+  while ! on_host_of learner "test -e $done_file" && supervised learner; do
+    if [ $(( i++ % 5 )) = 0 ]; then
+      line=$(on_host_of learner "tail -n 1 $metrics" 2>/dev/null | "$PY" -S -c "$PROGRESS_PY" "$TOTAL_STEPS" \
+             2>/dev/null) || line=""
+      [ -n "$line" ] && [ "$line" != "$shown" ] && { echo "[start_cluster] $line" >&2; shown=$line; }
+    fi
+    sleep 2
+  done
   # rollout 0 evaluates the last version once it has loaded it: give it up to 2 minutes (when it evaluates at all)
   if last=$(on_host_of learner "cat $done_file" 2>/dev/null) \
      && on_host_of rollout-0 "grep -q '\"kind\": \"eval\"' $metrics" 2>/dev/null; then

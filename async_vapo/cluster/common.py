@@ -314,7 +314,8 @@ def _plan(argv: Sequence[str]) -> int:
     render_prometheus_config(tmpl, prom / "prometheus.yml", scrape_interval=interval, scrape_timeout=timeout,
                              run_name=cfg.train.name, tls=http.tls_cert is not None, tls_ca_file=ca_file,
                              basic_auth_user=http.basic_auth_user, basic_auth_password_file=password_file)
-    out = {"RUN_DIR": str(rd), "RESUME": resume, "N_ROLLOUT": n_roll, "N_LEARNER": cfg.async_.learner_devices,
+    out = {"RUN_DIR": str(rd), "RESUME": resume, "TOTAL_STEPS": cfg.train.total_steps,
+           "N_ROLLOUT": n_roll, "N_LEARNER": cfg.async_.learner_devices,
            "HEALTH_TIMEOUT": int(math.ceil(c.deploy.health_timeout_s)),
            "STOP_GRACE": int(math.ceil(c.deploy.stop_grace_s)),
            "POLICY_PATH": cfg.model.path or "", "CURVE": int(c.security.curve), "KEYS_DIR": str(keys_dir(cfg, rd))}

@@ -35,15 +35,16 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def manifest(shipped_dir: Path = SHIPPED_DIR) -> dict:
+def manifest(shipped_dir: Path | None = None) -> dict:
     """The manifest (``{"models": {kind: {"dir", "key", "files": {name: sha256}}}, ...}``); empty if none."""
-    path = shipped_dir / MANIFEST
+    path = (shipped_dir or SHIPPED_DIR) / MANIFEST
     return json.loads(path.read_text()) if path.is_file() else {"models": {}}
 
 
-def shipped_model(kind: str, key: str, shipped_dir: Path = SHIPPED_DIR) -> Path | None:
+def shipped_model(kind: str, key: str, shipped_dir: Path | None = None) -> Path | None:
     """The verified shipped directory of ``kind`` ("base", "reward_critic") built under ``key``; None when
     none ships for that key. Raises :class:`ShippedModelError` when its files do not match the manifest."""
+    shipped_dir = shipped_dir or SHIPPED_DIR
     entry = manifest(shipped_dir)["models"].get(kind)
     if entry is None or entry["key"] != key:
         return None
@@ -60,7 +61,7 @@ def shipped_model(kind: str, key: str, shipped_dir: Path = SHIPPED_DIR) -> Path 
     return d
 
 
-def install_shipped(kind: str, key: str, dest: Path, shipped_dir: Path = SHIPPED_DIR) -> bool:
+def install_shipped(kind: str, key: str, dest: Path, shipped_dir: Path | None = None) -> bool:
     """Copy the shipped model of ``kind`` built under ``key`` to ``dest`` (a cache directory) after checking
     it; False when none ships for ``key``. Raises :class:`ShippedModelError` on a damaged copy."""
     src = shipped_model(kind, key, shipped_dir)
@@ -76,11 +77,12 @@ def install_shipped(kind: str, key: str, dest: Path, shipped_dir: Path = SHIPPED
     return True
 
 
-def ship(models: dict[str, tuple[str, Path]], shipped_dir: Path = SHIPPED_DIR, recipe: str = "") -> Path:
+def ship(models: dict[str, tuple[str, Path]], shipped_dir: Path | None = None, recipe: str = "") -> Path:
     """Replace the shipped models by ``models`` (kind -> (key, built cache directory)) and write the manifest."""
     import torch
     import transformers
 
+    shipped_dir = shipped_dir or SHIPPED_DIR
     shipped_dir.mkdir(parents=True, exist_ok=True)
     for p in shipped_dir.iterdir():
         if p.is_dir():
