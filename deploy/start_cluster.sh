@@ -427,14 +427,18 @@ elif r["kind"] == "eval":
     print("held-out accuracy %.3f at update %d%s" % (r.get("eval/accuracy") or 0, r["step"], t))'
 if [ "$WAIT" = 1 ]; then
   done_file=$(q "$RUN_DIR/DONE") metrics=$(q "$RUN_DIR/metrics.jsonl")
-  # the training's progress on the terminal: a line per new row of metrics.jsonl, looked at every 10 s
-  shown="" i=0
+  # the training's progress on the terminal: the newest row of metrics.jsonl, looked at every 10 s
+  shown=""
+  show_progress() {
+    local line
+    line=$(on_host_of learner "tail -n 1 $metrics" 2>/dev/null | "$PY" -S -c "$PROGRESS_PY" "$TOTAL_STEPS" \
+           2>/dev/null) || line=""
+    [ -n "$line" ] && [ "$line" != "$shown" ] && { echo "[start_cluster] $line" >&2; shown=$line; }
+    return 0
+  }
+  i=0
   while ! on_host_of learner "test -e $done_file" && supervised learner; do
-    if [ $(( i++ % 5 )) = 0 ]; then
-      line=$(on_host_of learner "tail -n 1 $metrics" 2>/dev/null | "$PY" -S -c "$PROGRESS_PY" "$TOTAL_STEPS" \
-             2>/dev/null) || line=""
-      [ -n "$line" ] && [ "$line" != "$shown" ] && { echo "[start_cluster] $line" >&2; shown=$line; }
-    fi
+    [ $(( i++ % 5 )) = 0 ] && show_progress
     sleep 2
   done
   # rollout 0 evaluates the last version once it has loaded it: give it up to 2 minutes (when it evaluates at all)
@@ -445,6 +449,7 @@ if [ "$WAIT" = 1 ]; then
       sleep 2
     done
   fi
+  show_progress
   "$REPO/deploy/stop_cluster.sh" "$RUN_DIR"
   if ! on_host_of learner "test -e $done_file"; then
     why=$(on_host_of learner "cat $(q "$SUP/learner.gave_up")" 2>/dev/null) || why=""
