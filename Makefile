@@ -1,6 +1,8 @@
 # The two commands of the quick start. Both install what they need the first time (deploy/setup.sh).
 CONFIG ?= configs/tiny_cpu.toml
 ARGS ?=
+# the run-directory rule's options: RUN=--new-run, or RUN="--resume auto" (default: resume or a new directory, said)
+RUN ?=
 
 .PHONY: setup test-deps train cluster test lint
 setup:
@@ -13,10 +15,10 @@ test-deps: setup
 	@bash .ci/install_sshd.sh || echo "[test] sshd not installed: the --hostfile (ssh) test will be skipped" >&2
 
 train: setup
-	.venv/bin/async-vapo train --config $(CONFIG) $(ARGS)
+	.venv/bin/async-vapo train --config $(CONFIG) $(RUN) $(ARGS)
 
 cluster: setup
-	bash deploy/start_cluster.sh --config $(CONFIG) --wait $(if $(ARGS),-- $(ARGS),)
+	bash deploy/start_cluster.sh --config $(CONFIG) --wait $(RUN) $(if $(ARGS),-- $(ARGS),)
 
 test: test-deps
 	.venv/bin/ruff check .

@@ -1,7 +1,8 @@
 """`async-vapo` command line.
 
-    async-vapo train --config configs/tiny_cpu.toml [key.sub=value ...] [--resume CKPT]
-    async-vapo make-base --config configs/tiny_cpu.toml [--force]
+    async-vapo train --config configs/tiny_cpu.toml [key.sub=value ...] [--resume CKPT|auto | --new-run]
+    async-vapo make-base --config configs/tiny_cpu.toml [--force] [--ship]
+    async-vapo eval [CKPT | HF_DIR] [--config FILE] [--samples N] [--k 1,4] [key.sub=value ...]
     async-vapo config --config FILE [key.sub=value ...]      print the resolved config
     async-vapo plot RUN_DIR [RUN_DIR ...] --out FILE.png     held-out accuracy and length curves
     async-vapo replay fsck RUN_DIR/replay/groups.log [--apply]   check a replay log; quarantine damage
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 def _load(args: argparse.Namespace):
@@ -24,6 +26,32 @@ def _load(args: argparse.Namespace):
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", action="append", help="TOML file (repeat to layer several)")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied after the files")
+
+
+def _make_base(cfg, *, force: bool, ship: bool, command: str) -> None:
+    """Build (or reuse: cached, else shipped) the base model and, with ``model.critic_init = "reward"``, the
+    reward-like critic; print their paths. ``force``: build both anew. ``ship``: copy them into the package."""
+    import shutil
+
+    from async_vapo.models.base import base_model_key, base_model_path, ensure_base_model, make_base
+    from async_vapo.models.reward import make_reward_critic, resolve_critic_path, reward_critic_key, reward_critic_path
+
+    path = make_base(cfg, base_model_path(cfg)) if force else ensure_base_model(cfg)
+    print(path)
+    if force and not cfg.model.critic_path and resolve_critic_path(cfg, path, build=False) is not None:
+        shutil.rmtree(reward_critic_path(cfg), ignore_errors=True)
+        critic = make_reward_critic(cfg, path, reward_critic_path(cfg))
+    else:
+        critic = resolve_critic_path(cfg, path)  # model.critic_init = "reward": its head is built here too
+    if critic is not None:
+        print(critic)
+    if ship:
+        from async_vapo.models.ship import ship as ship_models
+
+        models = {"base": (base_model_key(cfg), path)}
+        if critic is not None:
+            models["reward_critic"] = (reward_critic_key(cfg), critic)
+        print(ship_models(models, recipe=command))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,10 +69,29 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_train = sub.add_parser("train", help="one-process trainer (rollout -> verify -> learn)")
     _add_config_args(p_train)
-    p_train.add_argument("--resume", help="checkpoint directory (runs/NAME/checkpoints/step_N)")
+    run_rule = p_train.add_mutually_exclusive_group()
+    run_rule.add_argument("--resume", metavar="CKPT|auto",
+                          help="continue from this checkpoint (runs/NAME/checkpoints/step_N), or 'auto': from the "
+                               "run directory's newest one (an error if it cannot be continued)")
+    run_rule.add_argument("--new-run", action="store_true",
+                          help="start a new run in a directory that holds none (runs/NAME-2, ...)")
     p_base = sub.add_parser("make-base", help="build (or reuse) the embedded tiny base model")
     _add_config_args(p_base)
-    p_base.add_argument("--force", action="store_true", help="rebuild even if cached")
+    p_base.add_argument("--force", action="store_true",
+                        help="rebuild the base model (and the reward-like critic) even if cached or shipped")
+    p_base.add_argument("--ship", action="store_true",
+                        help="then make these builds the ones shipped in the package (async_vapo/models/shipped/)")
+    p_eval = sub.add_parser("eval", help="accuracy, avg@n and pass@k of a checkpoint or HF model directory, by "
+                                         "difficulty, with every response and verdict (samples.jsonl)")
+    p_eval.add_argument("model", nargs="?", help="a checkpoint (runs/NAME/checkpoints/step_N: its run's config is "
+                                                 "used unless --config is given) or an HF model directory; default: "
+                                                 "the config's starting policy")
+    _add_config_args(p_eval)
+    p_eval.add_argument("--samples", type=int, help="samples per problem, n (default rollout.eval_samples)")
+    p_eval.add_argument("--k", help="comma-separated k of pass@k, each <= n (default 1,2,4,...,n)")
+    p_eval.add_argument("--split", choices=("eval", "train"), default="eval", help="the task's split (default eval)")
+    p_eval.add_argument("--limit", type=int, help="only the first LIMIT problems of the split")
+    p_eval.add_argument("--out", help="output directory (default runs/eval/<label>)")
     p_cfg = sub.add_parser("config", help="print the resolved config as JSON")
     _add_config_args(p_cfg)
     sub.add_parser("report", help="benchmark result folders -> PNG plots and markdown tables (see --help)")
@@ -71,21 +118,29 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "config":
             print(json.dumps(_load(args).model_dump(mode="json", by_alias=True), indent=2))
         elif args.cmd == "make-base":
-            from async_vapo.models.base import base_model_path, ensure_base_model, make_base
+            _make_base(_load(args), force=args.force, ship=args.ship, command=" ".join(["async-vapo", *argv]))
+        elif args.cmd == "train":
+            from async_vapo.learner.rundir import RunDirError, RunPlan, claim, plan_run
 
             cfg = _load(args)
-            from async_vapo.models.reward import resolve_critic_path
-
-            path = make_base(cfg, base_model_path(cfg)) if args.force else ensure_base_model(cfg)
-            print(path)
-            critic = resolve_critic_path(cfg, path)  # model.critic_init = "reward": its head is built here too
-            if critic is not None:
-                print(critic)
-        elif args.cmd == "train":
+            try:
+                if args.resume and args.resume != "auto":
+                    plan = RunPlan(cfg.run_dir(), Path(args.resume), f"resuming {cfg.run_dir()} from {args.resume}")
+                else:
+                    plan = plan_run(cfg, "train", "resume" if args.resume else "new" if args.new_run else "auto")
+            except RunDirError as e:
+                print(f"async-vapo: {e}", file=sys.stderr)
+                return 2
+            print(f"[run] {plan.message}", file=sys.stderr)
+            cfg = claim(plan, cfg, "train")
             from async_vapo.trainer import train
 
-            summary = train(_load(args), resume=args.resume)
+            summary = train(cfg, resume=None if plan.resume is None else str(plan.resume))
             print(json.dumps(summary, indent=2))
+        elif args.cmd == "eval":
+            from async_vapo.evaluation import main as eval_main
+
+            return eval_main(args)
         elif args.cmd == "replay":
             import msgspec
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -43,6 +44,7 @@ def test_overrides() -> list[str]:
 
 
 def run_trainer(repo: Path, run_dir: Path, cache: Path, steps: int) -> list[dict]:
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run of an earlier measurement: else the new run goes to RUN_DIR-2
     overrides = test_overrides() + [f"model.cache_dir={cache}", f"train.output_dir={run_dir}",
                                     f"train.total_steps={steps}", f"train.eval_every={steps}",
                                     "train.checkpoint_every=0"]
@@ -54,6 +56,7 @@ def run_trainer(repo: Path, run_dir: Path, cache: Path, steps: int) -> list[dict
 
 
 def run_cluster(repo: Path, run_dir: Path, cache: Path, steps: int) -> list[dict]:
+    shutil.rmtree(run_dir, ignore_errors=True)
     overrides = test_overrides() + [f"model.cache_dir={cache}", f"train.total_steps={steps}",
                                     f"train.eval_every={steps}", "train.checkpoint_every=0", "async.max_staleness=1",
                                     "train.threads=0"]

@@ -3,8 +3,15 @@
 # until each answers /health.
 #
 #   deploy/start_cluster.sh --config FILE [--config FILE2] [--run-dir DIR] [--hostfile FILE] [--resume CKPT|auto]
-#                           [--prometheus] [--prometheus-port P] [--scrape-interval 5s] [--no-pin] [--wait]
+#                           [--new-run] [--prometheus] [--prometheus-port P] [--scrape-interval 5s] [--no-pin] [--wait]
 #                           [-- key.sub=value ...]
+#
+# The run directory (the config's train.output_dir, or --run-dir) follows async_vapo.learner.rundir's rule, and the
+# plan says which on the terminal: a run there that can be continued (same config, a checkpoint, not finished)
+# resumes from its newest checkpoint; a finished run, or one of another config, is kept and the run goes to DIR-2
+# (DIR-3, ...). --new-run always takes a directory that holds no run; --resume auto resumes or fails.
+# The base model and the reward-like critic come from the model cache, else from the package's shipped builds
+# (checked against their SHA-256 manifest), else they are built here, with the progress on the terminal.
 #
 # Supervision: one supervisord per host (RUN_DIR/supervisor/<tag>.conf, tag "local" or the host's name; its pidfile
 # and socket there too) runs that host's services, each in a process group of its own, and restarts one that dies:
@@ -44,14 +51,15 @@
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-$REPO/.venv/bin/python}
-CONFIGS=() OVERRIDES=() RUN_DIR_ARG="" HOSTFILE="" RESUME="" PROM=0 PROM_PORT=9090 INTERVAL=5s PIN=1 WAIT=0
-usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+CONFIGS=() OVERRIDES=() RUN_DIR_ARG="" HOSTFILE="" RESUME="" NEW_RUN=0 PROM=0 PROM_PORT=9090 INTERVAL=5s PIN=1 WAIT=0
+usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --config) CONFIGS+=(--config "$(realpath "$2")"); shift 2 ;;
     --run-dir) RUN_DIR_ARG=$2; shift 2 ;;
     --hostfile) HOSTFILE=$2; shift 2 ;;
     --resume) RESUME=$2; shift 2 ;;
+    --new-run) NEW_RUN=1; shift ;;
     --prometheus) PROM=1; shift ;;
     --prometheus-port) PROM_PORT=$2; shift 2 ;;
     --scrape-interval) INTERVAL=$2; shift 2 ;;
@@ -109,8 +117,10 @@ host_of() {  # host_of ROLE INDEX
 }
 
 # -- plan: resolved config -> run dir, counts, health URLs; writes RUN_DIR/prometheus/* -----------------------
+[ "$NEW_RUN" = 1 ] && [ -n "$RESUME" ] && { echo "start_cluster: --new-run and --resume exclude each other" >&2; exit 2; }
 PLAN=$("$PY" -m async_vapo.cluster.common plan "${CONFIGS[@]}" ${RUN_DIR_ARG:+--run-dir "$RUN_DIR_ARG"} \
-       --scrape-interval "$INTERVAL" -- "${OVERRIDES[@]}") || { echo "start_cluster: bad config" >&2; exit 2; }
+       ${RESUME:+--resume "$RESUME"} $([ "$NEW_RUN" = 1 ] && echo --new-run) --scrape-interval "$INTERVAL" \
+       -- "${OVERRIDES[@]}") || { echo "start_cluster: no plan (above: why)" >&2; exit 2; }
 eval "$PLAN"
 mkdir -p "$RUN_DIR/logs" "$RUN_DIR/pids"
 # A cluster still running in RUN_DIR (remote groups checked over ssh, with the command the old run recorded
@@ -161,10 +171,11 @@ export ASYNC_VAPO_T0
 printf 'STOP_GRACE=%s\nASYNC_VAPO_SSH=%s\n' "$STOP_GRACE" "$SSH_CMD" > "$RUN_DIR/pids/cluster.env"
 echo "[start_cluster] run dir $RUN_DIR: $N_ROLLOUT rollout engine(s), $N_LEARNER learner rank(s)" >&2
 
-# -- the base model is built once here, not by four services at the same time -----------------------------------
+# -- the base model is built once here, not by four services at the same time (its progress on the terminal) ------
 if [ -z "$POLICY_PATH" ]; then
-  "$PY" -m async_vapo.cli make-base "${CONFIGS[@]}" "${OVERRIDES[@]}" > "$RUN_DIR/logs/make-base.log" 2>&1 \
-    || { echo "start_cluster: building the base model failed:" >&2; tail -n 30 "$RUN_DIR/logs/make-base.log" >&2; exit 1; }
+  "$PY" -m async_vapo.cli make-base "${CONFIGS[@]}" "${OVERRIDES[@]}" 2>&1 >> "$RUN_DIR/logs/make-base.log" \
+    | tee -a "$RUN_DIR/logs/make-base.log" >&2 \
+    || { echo "start_cluster: building the base model failed (above; $RUN_DIR/logs/make-base.log)" >&2; exit 1; }
 fi
 
 # -- keys: one CURVE key pair per role (cluster.security), made here; remote hosts get theirs when started --------
@@ -404,9 +415,32 @@ echo "[start_cluster] all services up; logs in $RUN_DIR/logs; stop with: deploy/
 on_host_of() {  # on_host_of NAME SCRIPT: run SCRIPT where NAME runs (its RUN_DIR is there)
   if [ -e "$RUN_DIR/pids/$1.host" ]; then remote "$(cat "$RUN_DIR/pids/$1.host")" "$2"; else bash -c "$2"; fi
 }
+PROGRESS_PY='import json, sys
+r = json.loads(sys.stdin.read().strip().splitlines()[-1])
+t = " (%.0f s since start)" % r["wall_s"] if r.get("wall_s") is not None else ""
+if r["kind"] == "train":
+    print("update %d of %s: training accuracy %.3f, %.1f s/update%s" % (r["step"], sys.argv[1],
+          r.get("rollout/accuracy") or 0, r.get("time/step_s") or 0, t))
+elif r["kind"] == "pretrain":
+    print("value pretraining step %d: value loss %.3f%s" % (r["step"] + 1, r.get("critic/value_loss") or 0, t))
+elif r["kind"] == "eval":
+    print("held-out accuracy %.3f at update %d%s" % (r.get("eval/accuracy") or 0, r["step"], t))'
 if [ "$WAIT" = 1 ]; then
   done_file=$(q "$RUN_DIR/DONE") metrics=$(q "$RUN_DIR/metrics.jsonl")
-  while ! on_host_of learner "test -e $done_file" && supervised learner; do sleep 2; done
+  # the training's progress on the terminal: the newest row of metrics.jsonl, looked at every 10 s
+  shown=""
+  show_progress() {
+    local line
+    line=$(on_host_of learner "tail -n 1 $metrics" 2>/dev/null | "$PY" -S -c "$PROGRESS_PY" "$TOTAL_STEPS" \
+           2>/dev/null) || line=""
+    [ -n "$line" ] && [ "$line" != "$shown" ] && { echo "[start_cluster] $line" >&2; shown=$line; }
+    return 0
+  }
+  i=0
+  while ! on_host_of learner "test -e $done_file" && supervised learner; do
+    [ $(( i++ % 5 )) = 0 ] && show_progress
+    sleep 2
+  done
   # rollout 0 evaluates the last version once it has loaded it: give it up to 2 minutes (when it evaluates at all)
   if last=$(on_host_of learner "cat $done_file" 2>/dev/null) \
      && on_host_of rollout-0 "grep -q '\"kind\": \"eval\"' $metrics" 2>/dev/null; then
@@ -415,6 +449,7 @@ if [ "$WAIT" = 1 ]; then
       sleep 2
     done
   fi
+  show_progress
   "$REPO/deploy/stop_cluster.sh" "$RUN_DIR"
   if ! on_host_of learner "test -e $done_file"; then
     why=$(on_host_of learner "cat $(q "$SUP/learner.gave_up")" 2>/dev/null) || why=""

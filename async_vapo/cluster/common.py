@@ -289,11 +289,14 @@ def _plan(argv: Sequence[str]) -> int:
     p.add_argument("--config", action="append", default=[])
     p.add_argument("--run-dir")
     p.add_argument("--scrape-interval", default="5s")
+    p.add_argument("--resume", help="a checkpoint, or 'auto' (the run directory's newest)")
+    p.add_argument("--new-run", action="store_true")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     if args.run_dir:
         cfg.train.output_dir = str(Path(args.run_dir).resolve())
+    cfg, resume = _choose_run_dir(cfg, args.resume, args.new_run)
     rd = cfg.run_dir().resolve()
     c = cfg.cluster
     n_roll = cfg.async_.rollout_devices
@@ -311,7 +314,8 @@ def _plan(argv: Sequence[str]) -> int:
     render_prometheus_config(tmpl, prom / "prometheus.yml", scrape_interval=interval, scrape_timeout=timeout,
                              run_name=cfg.train.name, tls=http.tls_cert is not None, tls_ca_file=ca_file,
                              basic_auth_user=http.basic_auth_user, basic_auth_password_file=password_file)
-    out = {"RUN_DIR": str(rd), "N_ROLLOUT": n_roll, "N_LEARNER": cfg.async_.learner_devices,
+    out = {"RUN_DIR": str(rd), "RESUME": resume, "TOTAL_STEPS": cfg.train.total_steps,
+           "N_ROLLOUT": n_roll, "N_LEARNER": cfg.async_.learner_devices,
            "HEALTH_TIMEOUT": int(math.ceil(c.deploy.health_timeout_s)),
            "STOP_GRACE": int(math.ceil(c.deploy.stop_grace_s)),
            "POLICY_PATH": cfg.model.path or "", "CURVE": int(c.security.curve), "KEYS_DIR": str(keys_dir(cfg, rd))}
@@ -326,6 +330,43 @@ def _plan(argv: Sequence[str]) -> int:
         ["--user", http.basic_auth_user, "--password-file", password_file] if password_file else [])
     print(f"HEALTH_OPTS=({' '.join(_shell_quote(str(o)) for o in opts)})")
     return 0
+
+
+def _choose_run_dir(cfg: Config, resume: str | None, new_run: bool) -> tuple[Config, str]:
+    """The run directory by ``async_vapo.learner.rundir``'s rule, said on stderr, and the checkpoint the learner
+    resumes from ("" for none). A directory whose cluster still runs here is kept, so that start_cluster.sh
+    refuses to start a second one in it."""
+    from async_vapo.learner.rundir import RunDirError, RunPlan, claim, plan_run, run_dirs
+
+    rd = cfg.run_dir().resolve()
+    for d in run_dirs(rd):
+        if _cluster_alive(d):
+            cfg.train.output_dir = str(d)
+            return cfg, ""
+    if resume and resume != "auto":
+        plan = RunPlan(rd, Path(resume).resolve(), f"resuming {rd} from {resume}")
+    else:
+        try:
+            plan = plan_run(cfg, "cluster", "resume" if resume else "new" if new_run else "auto", rd)
+        except RunDirError as e:
+            raise SystemExit(f"start_cluster: {e}") from None
+    print(f"[start_cluster] {plan.message}", file=sys.stderr)
+    return claim(plan, cfg, "cluster"), "" if plan.resume is None else str(plan.resume)
+
+
+def _cluster_alive(run_dir: Path) -> bool:
+    """Whether a service started in ``run_dir`` on this machine still runs (its process group exists)."""
+    for f in (run_dir / "pids").glob("*.pid"):
+        if f.with_suffix(".host").exists():
+            return True  # on another host: start_cluster.sh checks it over ssh
+        try:
+            os.killpg(int(f.read_text().strip()), 0)
+            return True
+        except PermissionError:
+            return True
+        except (ValueError, ProcessLookupError):
+            continue
+    return False
 
 
 def _absolute(path: str | None) -> str | None:

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from async_vapo.cluster.common import ServiceContext, make_transport
 from async_vapo.learner.dist import destroy_process_group, init_process_group
+from async_vapo.learner.rundir import latest_checkpoint
 from async_vapo.metrics.jsonl import JsonlWriter
 from async_vapo.metrics.prom import ServiceMetrics
 from async_vapo.transport import (
@@ -52,12 +53,6 @@ from async_vapo.transport import (
     make_envelope,
 )
 from async_vapo.weights import WeightBroadcast
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    steps = [(int(p.name.split("_")[1]), p) for p in (run_dir / "checkpoints").glob("step_*")
-             if p.name.split("_")[1].isdigit() and (p / "learner_state.pt").exists()]
-    return max(steps)[1] if steps else None
 
 
 def export_row(metrics: ServiceMetrics, row: dict, version: int) -> None:

@@ -40,11 +40,14 @@ def _read_toml(path: Path, sources: dict[str, str], seen: tuple[Path, ...] = ())
     if path in seen:
         raise ConfigError(f"{path}: 'extends' cycle through {' -> '.join(map(str, seen))}")
     try:
-        data = tomllib.loads(path.read_text())
+        if path.suffix == ".json":  # a run's config.resolved.json
+            data = json.loads(path.read_text())
+        else:
+            data = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except (tomllib.TOMLDecodeError, ValueError) as e:
+        raise ConfigError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {e}") from None
     merged: dict = {}
     parent = data.pop("extends", None)
     if parent is not None:

@@ -47,7 +47,29 @@ def ensure_base_model(cfg: Config, *, progress: bool = True) -> Path:
     path = base_model_path(cfg)
     if (path / "BUILD_DONE").exists():
         return path
+    if use_shipped("base", base_model_key(cfg), path):
+        return path
     return make_base(cfg, path, progress=progress)
+
+
+def use_shipped(kind: str, key: str, path: Path) -> bool:
+    """Install the shipped model of ``kind`` built under ``key`` at ``path`` (``async_vapo.models.ship``) and
+    say so on stderr; False when none ships for the key or the shipped copy is damaged (then it says why)."""
+    import sys
+
+    from async_vapo.models.ship import ShippedModelError, install_shipped
+
+    what = {"base": "base model", "reward_critic": "reward-like critic"}[kind]
+    try:
+        if not install_shipped(kind, key, path):
+            print(f"[make-base] no shipped {what} for this config (key {key}): building it into {path}",
+                  file=sys.stderr)
+            return False
+    except ShippedModelError as e:
+        print(f"[make-base] not using the shipped {what}: {e}; building it instead", file=sys.stderr)
+        return False
+    print(f"[make-base] {what}: the shipped build (SHA-256 checked) copied to {path}", file=sys.stderr)
+    return True
 
 
 def make_base(cfg: Config, out: Path, *, progress: bool = True) -> Path:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from async_vapo.config import Config
-from async_vapo.models.base import base_model_key
+from async_vapo.models.base import base_model_key, use_shipped
 from async_vapo.models.rl import load_critic, make_token_batch, response_values
 from async_vapo.tasks import arith
 from async_vapo.verify.check import check_answer
@@ -29,16 +29,20 @@ from async_vapo.verify.check import check_answer
 BUILD_VERSION = 1
 
 
-def reward_critic_path(cfg: Config) -> Path:
+def reward_critic_key(cfg: Config) -> str:
     spec = {"v": BUILD_VERSION, "base": base_model_key(cfg), "rm": cfg.reward_model.model_dump(),
             "reward": [cfg.verifier.reward_correct, cfg.verifier.reward_incorrect]}
-    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-    return Path(cfg.model.cache_dir).expanduser() / f"tiny-rm-{key}"
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def resolve_critic_path(cfg: Config, base_path: Path, *, progress: bool = True) -> Path | None:
+def reward_critic_path(cfg: Config) -> Path:
+    return Path(cfg.model.cache_dir).expanduser() / f"tiny-rm-{reward_critic_key(cfg)}"
+
+
+def resolve_critic_path(cfg: Config, base_path: Path, *, progress: bool = True, build: bool = True) -> Path | None:
     """Where the critic starts: ``model.critic_path`` if set; the reward-like critic for
-    ``critic_init = "reward"``; else None (the policy's base with a zero value head)."""
+    ``critic_init = "reward"`` (cached, else shipped, else built; ``build=False``: its path only); else None
+    (the policy's base with a zero value head)."""
     if cfg.model.critic_path:
         return Path(cfg.model.critic_path).expanduser()
     if cfg.model.critic_init != "reward" or not cfg.algo.uses_critic:
@@ -47,7 +51,9 @@ def resolve_critic_path(cfg: Config, base_path: Path, *, progress: bool = True) 
         raise ValueError("model.critic_init='reward' builds a reward head for the embedded arith task; "
                          "for other models set model.critic_path to a reward/value model")
     path = reward_critic_path(cfg)
-    if (path / "BUILD_DONE").exists():
+    if (path / "BUILD_DONE").exists() or not build:
+        return path
+    if use_shipped("reward_critic", reward_critic_key(cfg), path):
         return path
     return make_reward_critic(cfg, base_path, path, progress=progress)
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from async_vapo.config import Config
+from async_vapo.metrics.evaluation import default_ks, difficulty, summarize
 from async_vapo.rollout.types import Group, Trajectory
 from async_vapo.tasks.base import Problem
 
@@ -167,17 +168,45 @@ def group_stats(groups: Sequence[Group], prefix: str) -> dict[str, float]:
     return out
 
 
-def evaluate(rollout: Rollout, problems: Sequence[Problem], cfg: Config) -> tuple[dict[str, float], list[dict]]:
-    """Held-out metrics (``eval/*``, by number of operations where the task has it) and a few examples."""
+@dataclass
+class Evaluation:
+    """What :func:`run_evaluation` found: metrics, and the scored groups in problem order."""
+
+    metrics: dict[str, float]
+    problems: Sequence[Problem]
+    groups: list[Group]
+
+    def examples(self, decode: Callable[[Sequence[int]], str], count: int = 8) -> list[dict]:
+        """The first sample of the first ``count`` problems, decoded (``samples.jsonl`` of a run)."""
+        return [{"prompt": g.prompt, "answer": g.answer, "response": decode(g.samples[0].response_ids),
+                 "verdict": g.samples[0].verdict} for g in self.groups[:count]]
+
+    def records(self, decode: Callable[[Sequence[int]], str]) -> Iterator[dict]:
+        """One record per sample: the problem, its difficulty, the response and the verifier's verdict."""
+        for p, g in zip(self.problems, self.groups, strict=True):
+            for j, s in enumerate(g.samples):
+                yield {"uid": p.uid, "sample": j, "difficulty": difficulty(p.meta), "prompt": p.prompt,
+                       "answer": p.answer, "response": decode(s.response_ids), "verdict": s.verdict,
+                       "correct": bool(s.correct), "reward": s.reward, "finish_reason": s.finish_reason,
+                       "response_tokens": len(s.response_ids)}
+
+
+def run_evaluation(rollout: Rollout, problems: Sequence[Problem], cfg: Config, *, n: int | None = None,
+                   ks: Sequence[int] | None = None) -> Evaluation:
+    """Sample ``n`` responses per problem (default ``rollout.eval_samples``) at the evaluation temperature and
+    top-p, grade them with the rollout's verifier; ``eval/*`` metrics: the samples' statistics
+    (:func:`group_stats`), accuracy, avg@n and pass@k for ``ks`` (default 1, 2, 4, ... and n), each by
+    difficulty where the task has one (``metrics.evaluation``)."""
     r = cfg.rollout
-    groups, timing = rollout.groups(problems, n=r.eval_samples, temperature=r.eval_temperature, top_p=r.eval_top_p,
-                                    seed=r.seed)
+    n = n or r.eval_samples
+    groups, timing = rollout.groups(problems, n=n, temperature=r.eval_temperature, top_p=r.eval_top_p, seed=r.seed)
     out = group_stats(groups, "eval") | {"time/eval_s": timing["time/generate_s"] + timing["time/verify_s"]}
-    by_ops: dict[int, list[bool]] = defaultdict(list)
-    for p, g in zip(problems, groups, strict=True):
-        if "n_ops" in p.meta:
-            by_ops[int(p.meta["n_ops"])].extend(s.correct for s in g.samples)
-    out.update({f"eval/accuracy_ops{k}": sum(v) / len(v) for k, v in sorted(by_ops.items())})
-    examples = [{"prompt": g.prompt, "answer": g.answer, "response": rollout.encoder.decode(g.samples[0].response_ids),
-                 "verdict": g.samples[0].verdict} for g in groups[:8]]
-    return out, examples
+    out |= summarize([[bool(s.correct) for s in g.samples] for g in groups], default_ks(n) if ks is None else ks,
+                     labels=[difficulty(p.meta) for p in problems])
+    return Evaluation(out, problems, groups)
+
+
+def evaluate(rollout: Rollout, problems: Sequence[Problem], cfg: Config) -> tuple[dict[str, float], list[dict]]:
+    """In-training held-out evaluation: :func:`run_evaluation`'s metrics and a few decoded examples."""
+    ev = run_evaluation(rollout, problems, cfg)
+    return ev.metrics, ev.examples(rollout.encoder.decode)

@@ -34,6 +34,8 @@ ANSWER_KEYS = ("answer", "Answer", "reward_model.ground_truth")
 """Answer fields tried in order when ``answer_key`` is not given."""
 ID_KEYS = ("id", "ID", "extra_info.index")
 """Fields that, when present, become the problem's uid (first match wins)."""
+DIFFICULTY_KEYS = ("difficulty", "level")
+"""Record fields read as the problem's difficulty (``meta["difficulty"]``), first found wins."""
 
 _PARQUET_BATCH_ROWS = 4096
 
@@ -163,7 +165,8 @@ def load_problems(
 ) -> list[Problem]:
     """Every problem in ``path`` in file order (the first ``limit`` when given; reading stops there).
 
-    ``meta`` holds ``path`` and ``row`` (the 1-based line, record or row number).
+    ``meta`` holds ``path`` and ``row`` (the 1-based line, record or row number), and ``difficulty`` when the
+    record has a ``difficulty`` or ``level`` field (a string or an integer): evaluation reports by it.
     """
     path = Path(path)
     if limit is not None and limit < 1:
@@ -187,7 +190,11 @@ def load_problems(
             (str(v) for v in (_get(record, k) for k in ID_KEYS) if v is not _MISSING and v is not None),
             prompt_uid(prompt),
         )
-        problems.append(Problem(uid=uid, prompt=prompt, answer=answer, meta={"path": str(path), "row": row},
+        meta = {"path": str(path), "row": row}
+        level = next((v for v in (record.get(k) for k in DIFFICULTY_KEYS) if isinstance(v, str | int)), None)
+        if level is not None and not isinstance(level, bool):
+            meta["difficulty"] = level
+        problems.append(Problem(uid=uid, prompt=prompt, answer=answer, meta=meta,
                                 messages=_messages(values[prompt_key], prompt_key, where)))
         if limit is not None and len(problems) >= limit:
             break
