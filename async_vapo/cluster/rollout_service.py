@@ -134,7 +134,7 @@ class RolloutService:
         self.engine_id = ctx.name
         # Each engine walks its own seeded order of the training problems.
         self.sampler = PromptSampler(train_set, cfg.train.seed + 7919 * ctx.instance)
-        n_engines = cfg.async_.rollout_devices
+        n_engines = cfg.rollout_engines()
         a = cfg.algo
         self.per_call = c.rollout.prompts_per_call or math.ceil(a.prompts_per_step / n_engines)
         self.admission = Admission(cfg.async_.max_staleness, a.prompts_per_step, n_engines,

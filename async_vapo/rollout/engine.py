@@ -69,6 +69,7 @@ class EngineSpec:
     gpu_memory_utilization: float = 0.85
     enforce_eager: bool = True
     max_num_seqs: int = 256
+    tensor_parallel_size: int = 1
     weights_timeout_s: float = 600.0
     """Limit of one weight load in the workers; past it the load raises TimeoutError instead of hanging."""
 
@@ -80,7 +81,7 @@ class EngineSpec:
         return cls(model_path=str(model_path), dtype=cfg.model.dtype, seed=r.seed + instance,
                    kv_cache_gib=r.kv_cache_gib, max_model_len=longest_prompt + r.max_response_tokens + 1,
                    gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
-                   max_num_seqs=r.max_num_seqs)
+                   max_num_seqs=r.max_num_seqs, tensor_parallel_size=r.tensor_parallel_size)
 
 
 class VLLMEngine:
@@ -100,6 +101,7 @@ class VLLMEngine:
             skip_tokenizer_init=True,
             gpu_memory_utilization=spec.gpu_memory_utilization,
             max_num_seqs=spec.max_num_seqs,
+            tensor_parallel_size=spec.tensor_parallel_size,
             logprobs_mode="processed_logprobs",  # of the tempered distribution sampled from (module docstring)
             worker_extension_cls="async_vapo.rollout.worker_ext.WeightSyncExtension",
         )
