@@ -76,7 +76,10 @@ done
 
 # -- hostfile: role -> hosts, and the overrides that make services find each other -------------------------
 declare -A ROLE_HOSTS=()
-is_local() { case "$1" in localhost|127.0.0.1|"$(hostname)"|"$(hostname -f 2>/dev/null)") return 0 ;; esac; return 1; }
+is_local() {
+  case "$1" in localhost|127.0.0.1|"$(hostname)"|"$(hostname -f 2>/dev/null)"|"$(hostname -s 2>/dev/null)") return 0 ;; esac
+  return 1
+}
 SSH_CMD=${ASYNC_VAPO_SSH:-ssh -o BatchMode=yes}
 read -ra SSH <<< "$SSH_CMD"
 q() { local s=$1; printf "'%s'" "${s//\'/\'\\\'\'}"; }  # one word, single-quoted for the remote shell
@@ -127,7 +130,7 @@ gpus_of() {  # gpus_of NAME: its CUDA_VISIBLE_DEVICES, empty without GPU placeme
 
 # -- plan: resolved config -> run dir, counts, health URLs; writes RUN_DIR/prometheus/* -----------------------
 plan_args=(--gpus-per-host "$GPUS_PER_HOST" --local-name "$(hostname)" --local-addr "${LOCAL_ADDR:-127.0.0.1}")
-h=$(hostname -f 2>/dev/null) && plan_args+=(--local-name "$h")
+for h in "$(hostname -f 2>/dev/null)" "$(hostname -s 2>/dev/null)"; do [ -n "$h" ] && plan_args+=(--local-name "$h"); done
 [ -n "$HOSTFILE" ] && plan_args+=(--hostfile "$HOSTFILE")
 [ "$DRY_RUN" = 1 ] && plan_args+=(--dry-run)
 PLAN=$("$PY" -m async_vapo.cluster.common plan "${CONFIGS[@]}" ${RUN_DIR_ARG:+--run-dir "$RUN_DIR_ARG"} \
