@@ -47,6 +47,7 @@ from typing import Literal
 
 import torch
 
+from async_vapo.weights.dist import GLOO_BACKEND
 from async_vapo.weights.layout import Layout, SharedWeightBuffer, shm_dir, tensor_nbytes, unshared_state
 
 
@@ -104,6 +105,7 @@ class VLLMEngine:
             tensor_parallel_size=spec.tensor_parallel_size,
             logprobs_mode="processed_logprobs",  # of the tempered distribution sampled from (module docstring)
             worker_extension_cls="async_vapo.rollout.worker_ext.WeightSyncExtension",
+            weight_transfer_config={"backend": GLOO_BACKEND},  # async_vapo.weights.dist, registered by worker_ext
         )
         self.start_seconds = time.perf_counter() - t0
         self.version = version
@@ -181,6 +183,22 @@ class VLLMEngine:
         self._rpc("async_vapo_load_shared", path, nbytes, layout)
         self.last_load_stages["write_s"] = 0.0
         self.version = version
+
+    def join_weight_group(self, init_info: dict) -> None:
+        """Join the learner's torch.distributed group for this engine (``async_vapo.weights.dist``); blocks until the
+        learner is in it too, at most ``init_info["timeout_s"]``. A new group replaces the previous one."""
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def receive_weights_dist(self, update_info: dict, version: int) -> None:
+        """Receive one version over the group through vLLM's weight-transfer API while the learner sends it. A
+        failure part-way leaves a mix of two versions loaded: load a whole version another way before serving."""
+        t0 = time.perf_counter()
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": update_info})
+        self.llm.finish_weight_update()
+        self.version = version
+        self.last_load_seconds = time.perf_counter() - t0
+        self.last_load_stages = {"transfer_reload_s": self.last_load_seconds}
 
     def receive_buffer(self, nbytes: int) -> memoryview:
         """This engine's own shared buffer, grown to ``nbytes``, to be filled by the caller (the bytes of a

@@ -23,6 +23,10 @@ import mmap
 import os
 import time
 
+from async_vapo.weights.dist import register as _register_gloo_engine
+
+_register_gloo_engine()  # the torch.distributed way in (async_vapo.weights.dist), before vLLM creates its engine
+
 MAX_MAPPINGS = 8
 """Shared weight files a worker keeps mapped (the engine's own buffer plus the learner's slots)."""
 
