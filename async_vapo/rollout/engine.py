@@ -198,7 +198,10 @@ class VLLMEngine:
         self.llm.finish_weight_update()
         self.version = version
         self.last_load_seconds = time.perf_counter() - t0
-        self.last_load_stages = {"transfer_reload_s": self.last_load_seconds}
+        stats = max(self.llm.collective_rpc("async_vapo_dist_stats"), key=lambda s: s.get("recv_s", 0.0))
+        self.last_load_stages = {"recv_s": stats.get("recv_s", 0.0),
+                                 "reload_s": sum(stats.get(k, 0.0) for k in ("start_s", "load_s", "finish_s"))}
+        self.last_load_stages["rpc_s"] = self.last_load_seconds - sum(self.last_load_stages.values())
 
     def receive_buffer(self, nbytes: int) -> memoryview:
         """This engine's own shared buffer, grown to ``nbytes``, to be filled by the caller (the bytes of a

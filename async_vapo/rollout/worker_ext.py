@@ -32,6 +32,11 @@ MAX_MAPPINGS = 8
 
 
 class WeightSyncExtension:
+    def async_vapo_dist_stats(self) -> dict[str, float]:
+        """Stages of the last version received over torch.distributed (``async_vapo.weights.dist``)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        return dict(getattr(engine, "stats", {}))
+
     def async_vapo_load_weights(self, path: str) -> dict[str, float]:
         from safetensors.torch import load_file
 

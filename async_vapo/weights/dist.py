@@ -149,6 +149,9 @@ def _build_engine_classes() -> None:
             super().__init__(*args, **kwargs)
             self.group = None
             self.store = None
+            self.stats: dict[str, float] = {}
+            """Seconds of the last version by stage: start_s and finish_s (vLLM's layerwise reload set-up and
+            finalisation), recv_s (waiting in broadcasts), load_s (``model.load_weights`` per bucket)."""
 
         def init_transfer_engine(self, init_info) -> None:
             import torch.distributed as dist
@@ -164,22 +167,32 @@ def _build_engine_classes() -> None:
         def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+            t0 = time.perf_counter()
             initialize_layerwise_reload(self.model)
+            self.stats = {"start_s": time.perf_counter() - t0, "recv_s": 0.0, "load_s": 0.0, "finish_s": 0.0,
+                          "buckets": 0}
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+            t0 = time.perf_counter()
             finalize_layerwise_reload(self.model, self.model_config)
+            self.stats["finish_s"] = time.perf_counter() - t0
 
         def receive_weights(self, update_info) -> None:
             if self.group is None:
                 raise RuntimeError("update_weights before init_weight_transfer_engine: no gloo group")
             for spec in update_info.buckets:
                 b = Bucket(**spec)
+                t0 = time.perf_counter()
                 flat = torch.empty(b.nbytes, dtype=torch.uint8)
                 self.group.broadcast(flat, 0).wait()
+                t1 = time.perf_counter()
                 self.model.load_weights(list(_views(flat, b)))
                 del flat
+                self.stats["recv_s"] += t1 - t0
+                self.stats["load_s"] += time.perf_counter() - t1
+                self.stats["buckets"] += 1
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
             self.receive_weights(self.parse_update_info(update_info))  # CPU tensors: nothing to synchronise
