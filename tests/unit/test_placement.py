@@ -146,3 +146,13 @@ def test_start_cluster_refuses_a_shape_that_does_not_fit(tmp_path):
     assert r.returncode == 2
     assert "2 engine(s) of 2 GPU(s)" in r.stderr and "localhost: 1" in r.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_config_refuses_devices_that_do_not_divide_into_engines():
+    from async_vapo.config import ConfigError, load_config
+
+    cfg = load_config([], ["async.rollout_devices=8", "rollout.tensor_parallel_size=4"])
+    assert cfg.rollout_engines() == 2
+    with pytest.raises(ConfigError, match=r"async.rollout_devices \(6\) is not a multiple of "
+                                          r"rollout.tensor_parallel_size \(4\)"):
+        load_config([], ["async.rollout_devices=6", "rollout.tensor_parallel_size=4"])
