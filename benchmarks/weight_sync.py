@@ -71,7 +71,7 @@ CLUSTER_PATHS = ("cluster_file", "cluster_shm", "cluster_zmq")
 CHUNK = 16 * 2**20
 TOLERANCE = 1e-3
 BARE_RECEIVER = """
-import sys, datetime, torch, torch.distributed as dist
+import os, sys, datetime, torch, torch.distributed as dist
 port, sizes, reps = int(sys.argv[1]), [int(x) for x in sys.argv[2].split(",")], int(sys.argv[3])
 torch.set_num_threads(1)
 store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=120))
@@ -82,6 +82,7 @@ for _ in range(reps):
     for n in sizes:
         g.broadcast(by_size[n], 0).wait()
     g.broadcast(torch.ones(1, dtype=torch.uint8), 1).wait()
+os._exit(0)  # not through the group's destructor, which can abort at interpreter exit
 """
 
 

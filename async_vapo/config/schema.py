@@ -384,11 +384,19 @@ class PortsConfig(_Section):
 
 class WeightsConfig(_Section):
     """How versions move from the learner to the engines (``async_vapo.weights``)."""
-    transfer: Literal["auto", "shm", "zmq", "file"] = "auto"
+    transfer: Literal["auto", "shm", "zmq", "file", "dist"] = "auto"
     """How a new version reaches the engines (``async_vapo.weights``; measured in
     benchmarks/weight_sync.py). "auto": engines on the learner's host map its shared-memory slot, the others
     fetch it over ZeroMQ. "shm" / "zmq": every engine that way ("shm" fails on another host). "file": a
-    safetensors file per version in ``weights_dir`` (across hosts only over a shared filesystem)."""
+    safetensors file per version in ``weights_dir`` (across hosts only over a shared filesystem). "dist": each
+    engine gets a torch.distributed (gloo) group of its own and the learner streams every version to the engines
+    in rotation through vLLM's weight-transfer API (``async_vapo.weights.dist``); the slots of "auto" stay, for
+    an engine not yet in a group or whose receive failed."""
+    dist_bucket_bytes: int = Field(64 * 2**20, ge=4096)
+    """"dist": most bytes in one broadcast (a bigger tensor goes alone)."""
+    dist_timeout_s: float = Field(60.0, gt=0)
+    """"dist": limit of an engine's join and of each broadcast, and the deadline of one version's send to one
+    engine; past it the engine's group is torn down and the engine falls back to the slot."""
     chunk_bytes: int = Field(16 * 2**20, ge=4096)
     """Size of one chunk of a ZeroMQ weight fetch (each checked by its crc32; 4 are in flight)."""
     dir: str | None = None
