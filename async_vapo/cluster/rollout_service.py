@@ -190,8 +190,12 @@ class RolloutService:
                 self._on_announce(body)
                 self._streamed_version = body.version if self.engine_id in body.dist_engines else None
             elif isinstance(body, WeightsGroupOffer):
-                if self.dist and body.engine_id == self.engine_id:
+                # an offer older than the learner's wait for it is closed already: ask again instead
+                fresh = time.time() - env.sent_at < self.ctx.cfg.cluster.weights.dist_join_timeout_s
+                if self.dist and body.engine_id == self.engine_id and fresh:
                     self.join_group(body)
+                elif self.dist and body.engine_id == self.engine_id:
+                    self.ask_group()
             elif isinstance(body, Heartbeat) and body.weights is not None:
                 self._on_announce(body.weights)
             elif isinstance(body, Shutdown):
@@ -199,7 +203,7 @@ class RolloutService:
                 self.ctx.stop.set()
             env = self.sub.recv(0)
         if self.dist and not self.in_group \
-                and time.monotonic() - self._group_asked > 2 * self.ctx.cfg.cluster.weights.dist_timeout_s:
+                and time.monotonic() - self._group_asked > self.ctx.cfg.cluster.weights.dist_join_timeout_s:
             self.ask_group()  # no offer came (or the join failed): ask again
         if self.latest is not None and self.latest.version != self.engine.version:
             if self.latest.version not in self.failed_versions or time.monotonic() >= self._next_retry:

@@ -397,6 +397,9 @@ class WeightsConfig(_Section):
     dist_timeout_s: float = Field(60.0, gt=0)
     """"dist": limit of an engine's join and of each broadcast, and the deadline of one version's send to one
     engine; past it the engine's group is torn down and the engine falls back to the slot."""
+    dist_join_timeout_s: float = Field(600.0, gt=0)
+    """"dist": how long the learner (in a thread) keeps a group it offered open for the engine to join; the engine
+    sees the offer between two generate calls, which may take long."""
     chunk_bytes: int = Field(16 * 2**20, ge=4096)
     """Size of one chunk of a ZeroMQ weight fetch (each checked by its crc32; 4 are in flight)."""
     dir: str | None = None

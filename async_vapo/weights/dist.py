@@ -212,18 +212,21 @@ class EngineGroup:
     """The learner's end of one engine's group (rank 0; the engine's ``workers`` after it).
 
     ``init_info`` is what the engine passes to vLLM's ``init_weight_transfer_engine``; ``connect`` then forms the
-    group (both sides must be in it at once, within ``timeout_s``); ``send`` streams one version; ``close`` tears
-    the group down. A group that failed once is closed and never used again.
+    group (both sides must be in it at once; the learner waits ``join_timeout_s``, default ``timeout_s``, e.g. in a
+    thread while the engine finishes what it is generating); ``send`` streams one version, every broadcast within
+    ``timeout_s``; ``close`` tears the group down. A group that failed once is closed and never used again.
     """
 
     def __init__(self, engine_id: str, *, workers: int = 1, bind_host: str = "127.0.0.1",
-                 advertise_host: str | None = None, timeout_s: float = 60.0):
+                 advertise_host: str | None = None, timeout_s: float = 60.0, join_timeout_s: float | None = None):
         import torch.distributed as dist
 
         self.engine_id, self.world_size, self.timeout_s = engine_id, workers + 1, timeout_s
+        self.join_timeout_s = timeout_s if join_timeout_s is None else join_timeout_s
         self._timeout = timedelta(seconds=timeout_s)
+        self._join_timeout = timedelta(seconds=self.join_timeout_s)
         self.store = dist.TCPStore(bind_host, 0, self.world_size, is_master=True, wait_for_workers=False,
-                                   timeout=self._timeout)
+                                   timeout=self._join_timeout)
         self.prefix = f"{engine_id}/{uuid.uuid4().hex}"  # a rejoining engine never meets an old group's keys
         self.init_info = {"master_addr": advertise_host or bind_host, "master_port": self.store.port,
                           "world_size": self.world_size, "prefix": self.prefix, "timeout_s": timeout_s}
@@ -236,11 +239,14 @@ class EngineGroup:
         if self.closed:
             raise RuntimeError(f"{self.engine_id}: this group was torn down; make a new EngineGroup")
         try:
-            self.group = dist.ProcessGroupGloo(dist.PrefixStore(self.prefix, self.store), 0, self.world_size,
-                                               self._timeout)
+            group = dist.ProcessGroupGloo(dist.PrefixStore(self.prefix, self.store), 0, self.world_size,
+                                          self._join_timeout)
+            group.set_timeout(self._timeout)  # each broadcast from now on
+            self.group = group
         except Exception as e:  # the store's wait for the engine's workers ran out
             self.close()
-            raise EngineSyncTimeout(f"{self.engine_id} did not join its group within {self.timeout_s:g} s: {e}") from e
+            raise EngineSyncTimeout(
+                f"{self.engine_id} did not join its group within {self.join_timeout_s:g} s: {e}") from e
 
     def send(self, buckets: list[Bucket], tensors: Iterable[tuple[str, torch.Tensor]], *,
              deadline: float | None = None) -> float:

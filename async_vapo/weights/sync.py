@@ -183,7 +183,7 @@ class WeightBroadcast:
         if old is not None:
             old.close()
         g = EngineGroup(engine, workers=workers, bind_host=c.hosts.bind_host, advertise_host=c.hosts.learner_host,
-                        timeout_s=c.weights.dist_timeout_s)
+                        timeout_s=c.weights.dist_timeout_s, join_timeout_s=c.weights.dist_join_timeout_s)
         self.groups[engine] = g
         self.pub.publish(make_envelope(WeightsGroupOffer(engine_id=engine, **g.init_info), sender=self.ctx.name))
         threading.Thread(target=self._form, args=(g,), daemon=True, name=f"dist-join-{engine}").start()

@@ -161,3 +161,73 @@ def test_engine_dead_mid_broadcast_is_dropped_and_rejoins_with_a_new_group():
         proc.kill()
     assert float(out) == sum(float(i) * 256 for i in range(8))
     again.close()
+
+
+SILENT_ENGINE = textwrap.dedent("""
+    import sys, time, datetime, torch.distributed as dist
+    addr, port, world, prefix = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    t = datetime.timedelta(seconds=30)
+    store = dist.TCPStore(addr, port, world, is_master=False, timeout=t)
+    g = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), 1, world, t)
+    print("joined", flush=True)
+    time.sleep(120)  # in the group, never receiving: a wedged engine
+""")
+
+
+def test_learner_publish_goes_on_past_an_engine_that_stops_answering(tmp_path):
+    """The learner's WeightBroadcast in "dist": an engine asks for a group, joins it, then never receives. The
+    publish of the next version returns within cluster.weights.dist_timeout_s, drops that engine's group and counts
+    the failure; the version after is announced to no group and costs nothing."""
+    from async_vapo.cluster.common import make_context
+    from async_vapo.config import load_config
+    from async_vapo.transport import (
+        Heartbeat,
+        InprocTransport,
+        WeightsAnnounce,
+        WeightsGroupJoin,
+        WeightsGroupOffer,
+        make_envelope,
+    )
+    from async_vapo.transport.messages import Decoder
+    from async_vapo.weights import WeightBroadcast
+
+    cfg = load_config([], ["cluster.weights.transfer=dist", "cluster.weights.dist_timeout_s=3",
+                           "cluster.weights.dist_join_timeout_s=60",
+                           f"cluster.weights.dir={tmp_path / 'w'}"])
+    ctx = make_context("learner", cfg=cfg, run_dir=tmp_path / "run", serve_metrics=False, install_signals=False)
+    transport = InprocTransport()
+    wb = WeightBroadcast(ctx, transport, pub_endpoint="weights", acks_endpoint="acks")
+    acks = transport.sender("acks")
+    sub = transport.subscriber("weights", decoder=Decoder((WeightsAnnounce, WeightsGroupOffer, Heartbeat)))
+    proc = None
+    try:
+        acks.send(make_envelope(WeightsGroupJoin(engine_id="rollout-0"), sender="rollout-0"), 5)
+        wb.poll(1.0)
+        env = sub.recv(5)
+        assert isinstance(env.body, WeightsGroupOffer) and env.body.engine_id == "rollout-0"
+        o = env.body
+        proc = subprocess.Popen([sys.executable, "-c", SILENT_ENGINE, o.master_addr, str(o.master_port),
+                                 str(o.world_size), o.prefix], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline() == "joined\n"
+        deadline = time.monotonic() + 10
+        while wb.groups["rollout-0"].group is None:
+            assert time.monotonic() < deadline, "the learner's side of the group did not form"
+            time.sleep(0.05)
+
+        state = {"w": torch.randn(16 << 20 // 4 * 2)}  # 32 MB: more than socket buffers hold
+        t0 = time.monotonic()
+        wb.publish(1, state)
+        took = time.monotonic() - t0
+        assert wb.latest.dist_engines == ["rollout-0"]
+        assert took < 3 + 5, took  # the deadline, plus the slot write
+        assert "rollout-0" not in wb.groups and wb.dist_failures._value.get() == 1
+
+        t0 = time.monotonic()
+        wb.publish(2, state)
+        assert wb.latest.dist_engines == [] and time.monotonic() - t0 < 3
+    finally:
+        if proc is not None:
+            proc.kill()
+        wb.close()
+        transport.close()
+        ctx.close()
