@@ -411,6 +411,8 @@ def main() -> None:
         for size in args.sizes.split(","):
             doc["sizes"][size] = bench_size(size, args.pushes, args.profile, Path(tmp), args.bucket_mb << 20)
             doc["machine"]["loadavg"] = list(os.getloadavg())
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(doc, indent=2) + "\n")  # each size as it ends: a later one may not
 
     print(f"\n{'size':<6} {'params':>8} {'MB':>6} {'path':<13} {'push s':>8} {'x memcpy':>9} {'write':>7} "
           f"{'transf':>7} {'rpc':>7} {'read':>7} {'reload':>7}")

@@ -65,7 +65,7 @@ class ProtocolError(TransportError):
         self.reason = reason
         self.detail = detail
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Version of the envelope and every body below; a peer speaking another version is rejected.
 
 2: token ids and log-probs in groups are packed bytes (int32 / float32 LE) instead of msgpack arrays.
@@ -73,7 +73,9 @@ PROTOCOL_VERSION = 5
    chunks over ZeroMQ by engines on other hosts (``WeightsFetch.index``).
 4: unknown fields are rejected (nesting bounded by the schema); ``WeightsAnnounce.min_version`` (the
    learner's staleness floor).
-5: ``BatchRequest.received_cursor`` (groups served after it are stored again: a restarted learner loses none)."""
+5: ``BatchRequest.received_cursor`` (groups served after it are stored again: a restarted learner loses none).
+6: weights over torch.distributed ("dist"): ``WeightsGroupJoin``, ``WeightsGroupOffer``,
+   ``WeightsAnnounce.dist_engines`` and ``dist_bucket_bytes``."""
 
 DEFAULT_MAX_BYTES = 256 * 2**20
 """Default size limit of one frame (a socket carrying batches of long responses may need more)."""
