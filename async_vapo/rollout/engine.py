@@ -26,6 +26,9 @@ Weights reach the engine's workers (``worker_ext.py``) in one of these ways, all
 * ``receive_buffer(nbytes)`` then ``load_received(layout, version)`` (the cluster, an engine on another
   host): the caller fills the engine's own shared buffer (fetched over ZeroMQ) and it is loaded as above.
 * ``load_weights_from_file(path, version)``: a safetensors file (``cluster.weights.transfer = "file"``).
+* ``join_weight_group(init_info)`` then ``receive_weights_dist(update_info, version)`` per version: streamed by the
+  learner over a torch.distributed group through vLLM's own weight-transfer API (``async_vapo.weights.dist``;
+  ``cluster.weights.transfer = "dist"``), loaded by vLLM's layerwise reload rather than ``reload_weights``.
 
 ``benchmarks/weight_sync.py`` measures them against a plain memcpy of the same bytes; vLLM's
 ``reload_weights`` (which rebuilds each layer and, on the CPU backend, repacks every linear weight

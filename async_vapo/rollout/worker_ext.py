@@ -13,6 +13,9 @@ are not restarted):
   learner writes its versions into a few such files (slots, ``async_vapo.weights``) that the
   workers of every engine on its host map once each.
 
+Importing this module also registers the gloo weight-transfer engine with vLLM (``async_vapo.weights.dist``), the
+third way in, which vLLM drives itself; ``async_vapo_dist_stats()`` reports its last receive.
+
 Both return ``{"tensors": n, "read_s": s, "reload_s": s}``: the time to get tensors out of the file
 (for the shared buffer, to make the views) and the time ``reload_weights`` took.
 """
