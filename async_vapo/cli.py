@@ -7,6 +7,7 @@
     async-vapo plot RUN_DIR [RUN_DIR ...] --out FILE.png     held-out accuracy and length curves
     async-vapo replay fsck RUN_DIR/replay/groups.log [--apply]   check a replay log; quarantine damage
     async-vapo export CKPT OUT [--model policy|critic] [--dtype bfloat16]   a checkpoint's model as an HF directory
+    async-vapo plan CONFIG [key.sub=value ...] --hosts N --gpus-per-host G   placement, memory and weight-sync sizes
 """
 
 from __future__ import annotations
@@ -107,6 +108,17 @@ def main(argv: list[str] | None = None) -> int:
     p_export.add_argument("out", help="directory to write (replaced if it exists)")
     p_export.add_argument("--model", choices=["policy", "critic"], default="policy")
     p_export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p_plan = sub.add_parser("plan", help="placement, memory per learner / engine GPU and weight-sync arithmetic "
+                                         "(async_vapo/cluster/scale.py states every assumption)")
+    p_plan.add_argument("config_file", metavar="CONFIG")
+    p_plan.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    p_plan.add_argument("--hosts", type=int, required=True)
+    p_plan.add_argument("--gpus-per-host", type=int, required=True)
+    p_plan.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (default 80)")
+    p_plan.add_argument("--bandwidth-gb-s", type=float, default=50.0,
+                        help="learner -> engine bandwidth in GB/s (default 50: one 400 Gb/s NIC)")
+    p_plan.add_argument("--prompt-tokens", type=int, default=1024, help="longest prompt (default 1024)")
+    p_plan.add_argument("--model-config", help="the model's config.json when model.path has none")
     p_plot = sub.add_parser("plot", help="plot held-out accuracy / response length of runs")
     p_plot.add_argument("runs", nargs="+")
     p_plot.add_argument("--out", required=True)
@@ -157,6 +169,24 @@ def main(argv: list[str] | None = None) -> int:
             from async_vapo.learner.export import export
 
             print(export(args.checkpoint, args.out, args.model, args.dtype))
+        elif args.cmd == "plan":
+            from async_vapo.cluster.placement import PlacementError
+            from async_vapo.cluster.scale import report
+            from async_vapo.config import load_config
+
+            if args.hosts < 1 or args.gpus_per_host < 1:
+                print("async-vapo plan: --hosts and --gpus-per-host must be >= 1", file=sys.stderr)
+                return 2
+            try:
+                print(report(load_config([args.config_file], args.overrides), hosts=args.hosts,
+                             gpus_per_host=args.gpus_per_host, gpu_memory_gib=args.gpu_memory_gib,
+                             bandwidth_gbytes_s=args.bandwidth_gb_s, prompt_tokens=args.prompt_tokens,
+                             model_config=args.model_config))
+            except (PlacementError, ValueError) as e:
+                if isinstance(e, ConfigError):
+                    raise
+                print(f"async-vapo plan: {e}", file=sys.stderr)
+                return 2
         elif args.cmd == "plot":
             from async_vapo.metrics.plots import plot_runs
 

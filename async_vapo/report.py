@@ -293,6 +293,21 @@ def report_weight_sync(out: Path) -> Path:
           title="weight push into the running vLLM engine (median)")
     a.legend(fontsize="small")
     fig.savefig(out / "weight_sync.png", dpi=100)
+    dist_rows = []
+    for s in sizes:
+        r = d["sizes"][s]
+        if "bare_gloo" not in r or "cluster_dist" not in r["paths"]:
+            continue
+        m, g = r["paths"]["cluster_dist"]["median"], r["dist_goals"]
+        dist_rows.append(f"| {s} | {m['total_s']:.3f} | {m['transfer_s']:.3f} | {r['bare_gloo']['median_s']:.3f} | "
+                         f"{m['reload_s']:.3f} | {r['paths']['shared']['median']['reload_s']:.3f} | "
+                         f"{g['transfer_over_bare_gloo_le_1.2']:.2f} | {g['push_over_shm_push_le_1']:.2f} | "
+                         f"{g['push_over_vllm_reload_weights_le_1.2']:.2f} |")
+    if dist_rows:
+        rows += ["", "torch.distributed path (cluster_dist) against its references, medians in seconds:", "",
+                 "| size | push | transfer | bare gloo | reload (layerwise) | vLLM reload_weights | transfer ÷ bare "
+                 "gloo (≤ 1.2) | push ÷ shm push (≤ 1) | push ÷ reload_weights (≤ 1.2) |",
+                 "|---|---|---|---|---|---|---|---|---|", *dist_rows]
     md = out / "weight_sync.md"
     md.write_text(f"Command: `{d['command']}`\n\n" + "\n".join(rows) + "\n")
     return md

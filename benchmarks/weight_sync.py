@@ -24,6 +24,15 @@ engine's load through the same functions the services call (``load_announced``):
 * ``cluster_zmq``: the same slot fetched over ZeroMQ on loopback TCP in 16 MiB crc32-checked chunks into
   the engine's own buffer (what an engine on another host does), then loaded from it.
 
+and the torch.distributed path (``async_vapo.weights.dist``), beside what it is made of:
+
+* ``cluster_dist``: the learner's EngineGroup streams the state dict in ``--bucket-mb`` buckets over the engine's
+  gloo group while the engine receives it through vLLM's weight-transfer API (``update_weights``, layerwise reload);
+  split into ``transfer_s`` (the slowest worker's wait in broadcasts), ``reload_s`` (vLLM's layerwise
+  ``load_weights`` and its finalisation) and ``rpc_s`` (the rest of the three control-plane calls).
+* ``bare_gloo``: the same bytes in the same buckets broadcast between this process and a second one that only
+  receives (no vLLM), ended by a one-byte broadcast back: what the transfer costs with nothing around it.
+
 and ``memcpy``: the same bytes copied, one ``copy_`` per tensor, into a preallocated buffer (median of
 as many copies). A push is broken into ``write_s`` (this process), ``rpc_s`` (dispatch and return),
 ``read_s`` (tensors out of the file, in the worker) and ``reload_s`` (vLLM's ``reload_weights``).
@@ -61,6 +70,20 @@ PATHS = ("safetensors", "shared", "shared_fresh")
 CLUSTER_PATHS = ("cluster_file", "cluster_shm", "cluster_zmq")
 CHUNK = 16 * 2**20
 TOLERANCE = 1e-3
+BARE_RECEIVER = """
+import os, sys, datetime, torch, torch.distributed as dist
+port, sizes, reps = int(sys.argv[1]), [int(x) for x in sys.argv[2].split(",")], int(sys.argv[3])
+torch.set_num_threads(1)
+store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=120))
+g = dist.ProcessGroupGloo(store, 1, 2, datetime.timedelta(seconds=120))
+bufs = [torch.empty(n, dtype=torch.uint8) for n in sorted(set(sizes))]
+by_size = {b.numel(): b for b in bufs}
+for _ in range(reps):
+    for n in sizes:
+        g.broadcast(by_size[n], 0).wait()
+    g.broadcast(torch.ones(1, dtype=torch.uint8), 1).wait()
+os._exit(0)  # not through the group's destructor, which can abort at interpreter exit
+"""
 
 
 def build_model(size: str, directory: Path):
@@ -207,7 +230,81 @@ def bench_cluster(engine, model, states, prompt, pushes: int, version: int, work
     return version
 
 
-def bench_size(size: str, pushes: int, profile: bool, workdir: Path) -> dict:
+def bench_dist(engine, model, states, prompt, pushes: int, version: int, bucket_bytes: int, result: dict) -> int:
+    """``cluster_dist``: the learner's EngineGroup -> the engine's gloo weight-transfer engine."""
+    import threading
+
+    from async_vapo.weights.dist import EngineGroup, plan_buckets, update_info, version_meta
+
+    group = EngineGroup("bench", timeout_s=300)
+    joiner = threading.Thread(target=group.connect)
+    joiner.start()
+    engine.join_weight_group(group.init_info)
+    joiner.join()
+    runs = []
+    try:
+        for i in range(pushes + 1):  # the first is the warm-up
+            state = states[i % 2]
+            version += 1
+            named = list(state.items())
+            buckets = plan_buckets(version_meta(named), bucket_bytes)
+            sent: dict = {}
+            t0 = time.perf_counter()
+            sender = threading.Thread(target=lambda: sent.update(send_s=group.send(buckets, named)))  # noqa: B023
+            sender.start()
+            engine.receive_weights_dist(update_info(buckets, version), version)
+            sender.join()
+            total = time.perf_counter() - t0
+            st = engine.last_load_stages
+            runs.append({"total_s": total, "send_s": sent["send_s"], "transfer_s": st["recv_s"],
+                         "reload_s": st["reload_s"], "rpc_s": total - st["recv_s"] - st["reload_s"]})
+    finally:
+        group.close()
+    gap = logprob_gap(engine, model, state, prompt)
+    timed = runs[1:]
+    med = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
+    result["paths"]["cluster_dist"] = {"median": med, "warmup": runs[0], "pushes": timed, "logprob_max_abs_diff": gap,
+                                       "bucket_bytes": bucket_bytes, "buckets": len(buckets)}
+    print(f"{'cluster_dist':<13} median {med['total_s']:.4f} s  (transfer {med['transfer_s']:.4f}, reload "
+          f"{med['reload_s']:.4f}, rpc {med['rpc_s']:.4f}; {len(buckets)} buckets)  logprob gap {gap:.2e}", flush=True)
+    if not gap < TOLERANCE:
+        raise AssertionError(f"cluster_dist: engine log-probs differ from torch by {gap:.3g} after a push")
+    return version
+
+
+def bare_gloo_seconds(state: dict, bucket_bytes: int, pushes: int) -> list[float]:
+    """The same bytes in the same buckets, broadcast to a receiving process and acknowledged (warm-up dropped)."""
+    import datetime
+    import subprocess
+
+    import torch
+    import torch.distributed as dist
+
+    from async_vapo.weights.dist import plan_buckets, version_meta
+
+    sizes = [b.nbytes for b in plan_buckets(version_meta(list(state.items())), bucket_bytes)]
+    timeout = datetime.timedelta(seconds=300)
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timeout)
+    proc = subprocess.Popen([sys.executable, "-c", BARE_RECEIVER, str(store.port), ",".join(map(str, sizes)),
+                             str(pushes + 1)])
+    try:
+        g = dist.ProcessGroupGloo(store, 0, 2, timeout)
+        bufs = {n: torch.randint(0, 255, (n,), dtype=torch.uint8) for n in set(sizes)}
+        ack = torch.zeros(1, dtype=torch.uint8)
+        times = []
+        for _ in range(pushes + 1):
+            t0 = time.perf_counter()
+            for n in sizes:
+                g.broadcast(bufs[n], 0).wait()
+            g.broadcast(ack, 1).wait()
+            times.append(time.perf_counter() - t0)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+    return times[1:]
+
+
+def bench_size(size: str, pushes: int, profile: bool, workdir: Path, bucket_bytes: int = 64 << 20) -> dict:
     import torch
 
     from async_vapo.rollout.engine import EngineSpec, VLLMEngine
@@ -250,6 +347,7 @@ def bench_size(size: str, pushes: int, profile: bool, workdir: Path) -> dict:
             if not gap < TOLERANCE:
                 raise AssertionError(f"{size}/{path}: engine log-probs differ from torch by {gap:.3g} after a push")
         version = bench_cluster(engine, model, states, prompt, pushes, version, workdir / f"cluster-{size}", result)
+        version = bench_dist(engine, model, states, prompt, pushes, version, bucket_bytes, result)
         if profile:
             engine.load_weights(states[0], version + 1)  # maps a kept buffer, as in the "shared" path
             path_, n_, layout = engine._shared.write(states[1])
@@ -267,6 +365,17 @@ def bench_size(size: str, pushes: int, profile: bool, workdir: Path) -> dict:
     for p in result["paths"].values():
         p["ratio_to_memcpy"] = p["median"]["total_s"] / mem
     print(f"memcpy        median {mem:.4f} s ({nbytes / mem / 1e9:.2f} GB/s)", flush=True)
+    bare = bare_gloo_seconds(states[0], bucket_bytes, pushes)
+    result["bare_gloo"] = {"median_s": statistics.median(bare), "runs_s": bare, "bucket_bytes": bucket_bytes,
+                           "gb_per_s": nbytes / statistics.median(bare) / 1e9}
+    d, sh = result["paths"]["cluster_dist"]["median"], result["paths"]["shared"]["median"]
+    result["dist_goals"] = {  # issue 15's goals on the CPU, each a ratio (goal in the name)
+        "transfer_over_bare_gloo_le_1.2": d["transfer_s"] / result["bare_gloo"]["median_s"],
+        "push_over_shm_push_le_1": d["total_s"] / result["paths"]["cluster_shm"]["median"]["total_s"],
+        "push_over_vllm_reload_weights_le_1.2": d["total_s"] / sh["reload_s"],
+    }
+    print(f"bare gloo     median {statistics.median(bare):.4f} s ({result['bare_gloo']['gb_per_s']:.2f} GB/s); "
+          + ", ".join(f"{k} {v:.2f}" for k, v in result["dist_goals"].items()), flush=True)
     del dst, states, model
     return result
 
@@ -276,6 +385,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="1m,30m,300m")
     ap.add_argument("--pushes", type=int, default=5, help="timed pushes per path (after one warm-up)")
     ap.add_argument("--profile", action="store_true", help="break reload_weights down inside the worker")
+    ap.add_argument("--bucket-mb", type=int, default=64, help="bucket of the torch.distributed path (MiB)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args()
     if args.profile:  # collective_rpc pickles the profiling function
@@ -299,14 +409,17 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory(prefix="weight-sync-bench-") as tmp:
         for size in args.sizes.split(","):
-            doc["sizes"][size] = bench_size(size, args.pushes, args.profile, Path(tmp))
+            doc["sizes"][size] = bench_size(size, args.pushes, args.profile, Path(tmp), args.bucket_mb << 20)
             doc["machine"]["loadavg"] = list(os.getloadavg())
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(doc, indent=2) + "\n")  # each size as it ends: a later one may not
 
     print(f"\n{'size':<6} {'params':>8} {'MB':>6} {'path':<13} {'push s':>8} {'x memcpy':>9} {'write':>7} "
           f"{'transf':>7} {'rpc':>7} {'read':>7} {'reload':>7}")
     for size, r in doc["sizes"].items():
         mem = r["memcpy"]["median_s"]
-        rows = [(p, v["median"]) for p, v in r["paths"].items()] + [("memcpy", {"total_s": mem})]
+        rows = [(p, v["median"]) for p, v in r["paths"].items()]
+        rows += [("memcpy", {"total_s": mem}), ("bare_gloo", {"total_s": r["bare_gloo"]["median_s"]})]
         for path, m in rows:
             stages = " ".join(f"{m[k]:>7.3f}" if k in m else f"{'':>7}" for k in ("write_s", "transfer_s", "rpc_s",
                                                                                "read_s", "reload_s"))

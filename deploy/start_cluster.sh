@@ -4,7 +4,7 @@
 #
 #   deploy/start_cluster.sh --config FILE [--config FILE2] [--run-dir DIR] [--hostfile FILE] [--resume CKPT|auto]
 #                           [--new-run] [--prometheus] [--prometheus-port P] [--scrape-interval 5s] [--no-pin] [--wait]
-#                           [-- key.sub=value ...]
+#                           [--gpus-per-host N] [--dry-run] [-- key.sub=value ...]
 #
 # The run directory (the config's train.output_dir, or --run-dir) follows async_vapo.learner.rundir's rule, and the
 # plan says which on the terminal: a run there that can be continued (same config, a checkpoint, not finished)
@@ -27,9 +27,16 @@
 # cluster.deploy.health_timeout_s (or its first process exits first), its log tail is printed, everything started is
 # stopped, exit 1.
 #
+# Placement with GPUs (async_vapo/cluster/placement.py): async.rollout_devices GPUs go to engines of
+# rollout.tensor_parallel_size GPUs each, async.learner_devices GPUs to the learner's ranks (one torchrun on the first
+# learner host, its lowest GPUs); each process gets its CUDA_VISIBLE_DEVICES, several engines may share a host.
+# --gpus-per-host N gives the GPUs of every host (default: nvidia-smi's count on this machine, 0 without it; hosts
+# are taken to be alike). A shape that does not fit is refused before anything starts.
 # Placement on one machine without GPUs: the cores are split between rollout engines and learner by the ratio
 # async.rollout_devices : async.learner_devices (taskset; each engine gets its own slice when there are enough
-# cores); replay and verifier are not pinned. --no-pin disables it. Learner ranks > 1 are launched with torchrun.
+# cores); replay and verifier are not pinned. --no-pin disables both. Learner ranks > 1 are launched with torchrun.
+# --dry-run: print the plan (host, CUDA_VISIBLE_DEVICES or cores, command of every process) and exit; nothing is
+# started or written.
 #
 # --hostfile FILE: lines "host role" (role: replay, verifier, rollout, learner; several rollout lines spread the
 # engines round-robin). Roles on other hosts (not localhost, 127.0.0.1 or this machine's name) are started over ssh,
@@ -52,7 +59,8 @@ set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-$REPO/.venv/bin/python}
 CONFIGS=() OVERRIDES=() RUN_DIR_ARG="" HOSTFILE="" RESUME="" NEW_RUN=0 PROM=0 PROM_PORT=9090 INTERVAL=5s PIN=1 WAIT=0
-usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+GPUS_PER_HOST="" DRY_RUN=0
+usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --config) CONFIGS+=(--config "$(realpath "$2")"); shift 2 ;;
@@ -65,6 +73,8 @@ while [ $# -gt 0 ]; do
     --scrape-interval) INTERVAL=$2; shift 2 ;;
     --no-pin) PIN=0; shift ;;
     --wait) WAIT=1; shift ;;
+    --gpus-per-host) GPUS_PER_HOST=$2; shift 2 ;;
+    --dry-run) DRY_RUN=1; shift ;;
     --) shift; OVERRIDES+=("$@"); break ;;
     -h|--help) usage ;;
     *) echo "start_cluster: unknown argument $1" >&2; usage ;;
@@ -74,7 +84,10 @@ done
 
 # -- hostfile: role -> hosts, and the overrides that make services find each other -------------------------
 declare -A ROLE_HOSTS=()
-is_local() { case "$1" in localhost|127.0.0.1|"$(hostname)"|"$(hostname -f 2>/dev/null)") return 0 ;; esac; return 1; }
+is_local() {
+  case "$1" in localhost|127.0.0.1|"$(hostname)"|"$(hostname -f 2>/dev/null)"|"$(hostname -s 2>/dev/null)") return 0 ;; esac
+  return 1
+}
 SSH_CMD=${ASYNC_VAPO_SSH:-ssh -o BatchMode=yes}
 read -ra SSH <<< "$SSH_CMD"
 q() { local s=$1; printf "'%s'" "${s//\'/\'\\\'\'}"; }  # one word, single-quoted for the remote shell
@@ -104,24 +117,63 @@ print(s.getsockname()[0])' "$first_remote" 2>/dev/null || hostname -f 2>/dev/nul
     is_local "$h" && h=$LOCAL_ADDR
     OVERRIDES+=("cluster.hosts.${role}_host=$h")
   done
-  rh=()
-  for h in ${ROLE_HOSTS[rollout]:-localhost}; do
-    is_local "$h" && h=$LOCAL_ADDR
-    rh+=("\"$h\"")
-  done
-  OVERRIDES+=("cluster.hosts.rollout_hosts=[$(IFS=,; echo "${rh[*]}")]")
+  # the engines' hosts (cluster.hosts.rollout_hosts) come from the placement below
 fi
-host_of() {  # host_of ROLE INDEX
-  local hosts=(${ROLE_HOSTS[$1]:-localhost})
-  echo "${hosts[$(( $2 % ${#hosts[@]} ))]}"
+if [ -z "$GPUS_PER_HOST" ]; then
+  GPUS_PER_HOST=0
+  if command -v nvidia-smi >/dev/null; then GPUS_PER_HOST=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); fi
+fi
+[[ $GPUS_PER_HOST =~ ^[0-9]+$ ]] || { echo "start_cluster: --gpus-per-host must be a count, got '$GPUS_PER_HOST'" >&2; exit 2; }
+[ "$PIN" = 1 ] || GPUS_PER_HOST=0
+host_of() {  # host_of NAME: the host of a service (the placement's HOST_<NAME>)
+  local var="HOST_${1^^}"
+  var=${var//-/_}
+  echo "${!var}"
+}
+gpus_of() {  # gpus_of NAME: its CUDA_VISIBLE_DEVICES, empty without GPU placement
+  local var="GPUS_${1^^}"
+  var=${var//-/_}
+  echo "${!var}"
 }
 
 # -- plan: resolved config -> run dir, counts, health URLs; writes RUN_DIR/prometheus/* -----------------------
 [ "$NEW_RUN" = 1 ] && [ -n "$RESUME" ] && { echo "start_cluster: --new-run and --resume exclude each other" >&2; exit 2; }
+plan_args=(--gpus-per-host "$GPUS_PER_HOST" --local-name "$(hostname)" --local-addr "${LOCAL_ADDR:-127.0.0.1}")
+for h in "$(hostname -f 2>/dev/null)" "$(hostname -s 2>/dev/null)"; do [ -n "$h" ] && plan_args+=(--local-name "$h"); done
+[ -n "$HOSTFILE" ] && plan_args+=(--hostfile "$HOSTFILE")
+[ "$DRY_RUN" = 1 ] && plan_args+=(--dry-run)
+[ "$NEW_RUN" = 1 ] && plan_args+=(--new-run)
 PLAN=$("$PY" -m async_vapo.cluster.common plan "${CONFIGS[@]}" ${RUN_DIR_ARG:+--run-dir "$RUN_DIR_ARG"} \
-       ${RESUME:+--resume "$RESUME"} $([ "$NEW_RUN" = 1 ] && echo --new-run) --scrape-interval "$INTERVAL" \
-       -- "${OVERRIDES[@]}") || { echo "start_cluster: no plan (above: why)" >&2; exit 2; }
+       ${RESUME:+--resume "$RESUME"} --scrape-interval "$INTERVAL" "${plan_args[@]}" -- "${OVERRIDES[@]}") \
+  || { echo "start_cluster: no plan (above: why)" >&2; exit 2; }
 eval "$PLAN"
+[ -n "$ROLLOUT_HOSTS_OVERRIDE" ] && OVERRIDES+=("$ROLLOUT_HOSTS_OVERRIDE")
+
+# -- CPU placement (GPUs: the plan's GPUS_<NAME>) -----------------------------------------------------------------------------------------------------
+ROLLOUT_CPUS=() LEARNER_CPUS=""
+ncpu=$(nproc)
+if [ "$PIN" = 1 ] && [ -z "$HOSTFILE" ] && [ "$GPUS_PER_HOST" = 0 ] && command -v taskset >/dev/null \
+   && ! command -v nvidia-smi >/dev/null && [ "$ncpu" -ge 2 ]; then
+  r=$(( ncpu * N_ROLLOUT / (N_ROLLOUT + N_LEARNER) ))
+  [ "$r" -lt 1 ] && r=1
+  [ "$r" -ge "$ncpu" ] && r=$(( ncpu - 1 ))
+  LEARNER_CPUS="$r-$(( ncpu - 1 ))"
+  for ((i = 0; i < N_ROLLOUT; i++)); do
+    if [ "$r" -ge "$N_ROLLOUT" ]; then
+      lo=$(( i * r / N_ROLLOUT )); hi=$(( (i + 1) * r / N_ROLLOUT - 1 ))
+      ROLLOUT_CPUS+=("$lo-$hi")
+    else
+      ROLLOUT_CPUS+=("0-$(( r - 1 ))")
+    fi
+  done
+fi
+
+if [ "$DRY_RUN" = 1 ]; then
+  echo "# deploy/start_cluster.sh --dry-run: $N_ROLLOUT engine(s), $N_LEARNER learner rank(s), $GPUS_PER_HOST GPU(s) per host"
+  echo "$PLACEMENT_TABLE"
+  echo "# commands (RUN_DIR $RUN_DIR):"
+fi
+if [ "$DRY_RUN" = 0 ]; then
 mkdir -p "$RUN_DIR/logs" "$RUN_DIR/pids"
 # A cluster still running in RUN_DIR (remote groups checked over ssh, with the command the old run recorded
 # unless ASYNC_VAPO_SSH is set: as deploy/stop_cluster.sh does)
@@ -191,25 +243,7 @@ hand_keys() {  # hand_keys HOST ROLE: the role's secret key and every public key
 && chmod 700 $(q "$KEYS_DIR") && tar -C $(q "$KEYS_DIR") -xf - && chmod 600 $(q "$KEYS_DIR/$2.key_secret")")" \
     || fail_start "handing the keys of $2 to $1 over ssh failed (ASYNC_VAPO_SSH='$SSH_CMD')"
 }
-
-# -- placement -----------------------------------------------------------------------------------------------------
-ROLLOUT_CPUS=() LEARNER_CPUS=""
-ncpu=$(nproc)
-if [ "$PIN" = 1 ] && [ -z "$HOSTFILE" ] && command -v taskset >/dev/null && ! command -v nvidia-smi >/dev/null \
-   && [ "$ncpu" -ge 2 ]; then
-  r=$(( ncpu * N_ROLLOUT / (N_ROLLOUT + N_LEARNER) ))
-  [ "$r" -lt 1 ] && r=1
-  [ "$r" -ge "$ncpu" ] && r=$(( ncpu - 1 ))
-  LEARNER_CPUS="$r-$(( ncpu - 1 ))"
-  for ((i = 0; i < N_ROLLOUT; i++)); do
-    if [ "$r" -ge "$N_ROLLOUT" ]; then
-      lo=$(( i * r / N_ROLLOUT )); hi=$(( (i + 1) * r / N_ROLLOUT - 1 ))
-      ROLLOUT_CPUS+=("$lo-$hi")
-    else
-      ROLLOUT_CPUS+=("0-$(( r - 1 ))")
-    fi
-  done
-fi
+fi  # DRY_RUN = 0
 
 # -- start ---------------------------------------------------------------------------------------------------------
 STARTED=()
@@ -236,10 +270,10 @@ SUP="$RUN_DIR/supervisor"
 SUP_TAGS=()
 declare -A SUP_PROGS=() SUP_HOST=() SUP_TAG=()  # tag -> names, tag -> host, name -> tag
 sup_tag() { if is_local "$1"; then echo local; else printf '%s' "$1" | tr -c 'A-Za-z0-9_.-' _; fi; }
-rm -rf "$SUP"
-mkdir -p "$SUP"
+[ "$DRY_RUN" = 1 ] || { rm -rf "$SUP"; mkdir -p "$SUP"; }
 launcher() {  # launcher NAME TAG CPUS CMD...: writes RUN_DIR/supervisor/NAME.sh
-  local name=$1 tag=$2 cpus=$3; shift 3
+  local name=$1 tag=$2 cpus=$3 gpus; shift 3
+  gpus=$(gpus_of "$name")
   local words="" a
   for a in "$@"; do
     # a restarted learner resumes from the newest checkpoint of this run (argparse: the last --resume wins)
@@ -262,6 +296,7 @@ launcher() {  # launcher NAME TAG CPUS CMD...: writes RUN_DIR/supervisor/NAME.sh
       echo "fi"
     fi
     echo "echo \"[supervise] $name: start \$n, pid \$\$, \$(date -u +%Y-%m-%dT%H:%M:%S.%3NZ)\""
+    [ -n "$gpus" ] && echo "export CUDA_VISIBLE_DEVICES=$(q "$gpus")"
     if [ -n "$cpus" ]; then
       echo "VLLM_CPU_OMP_THREADS_BIND=$(q "$cpus") exec taskset -c $(q "$cpus")$words"
     else
@@ -277,6 +312,15 @@ sup_add() {  # sup_add NAME HOST: NAME runs under the supervisord of HOST's tag
 }
 start() {  # start NAME HOST CPUS CMD...: NAME will run under HOST's supervisord (launch_supervisors)
   local name=$1 host=$2 cpus=$3; shift 3
+  if [ "$DRY_RUN" = 1 ]; then
+    local env="" a
+    [ -n "$(gpus_of "$name")" ] && env="CUDA_VISIBLE_DEVICES=$(gpus_of "$name") "
+    [ -n "$cpus" ] && env="taskset -c $cpus "
+    printf '%s\t%s\t%s' "$name" "$host" "$env"
+    for a in "$@"; do printf ' %s' "$(q "$a")"; done
+    echo
+    return
+  fi
   sup_add "$name" "$host"
   SUP_PROGS[${SUP_TAG[$name]}]+=" $name"
   launcher "$name" "${SUP_TAG[$name]}" "$cpus" "$@"
@@ -330,21 +374,22 @@ launch_supervisors() {  # writes each host's RUN_DIR/supervisor/TAG.conf and sta
   done
 }
 svc_args=("${CONFIGS[@]}" --run-dir "$RUN_DIR")
-start replay "$(host_of replay 0)" "" "$PY" "$REPO/services/replay.py" "${svc_args[@]}" -- "${OVERRIDES[@]}"
-start verifier "$(host_of verifier 0)" "" "$PY" "$REPO/services/verifier.py" "${svc_args[@]}" -- "${OVERRIDES[@]}"
+start replay "$(host_of replay)" "" "$PY" "$REPO/services/replay.py" "${svc_args[@]}" -- "${OVERRIDES[@]}"
+start verifier "$(host_of verifier)" "" "$PY" "$REPO/services/verifier.py" "${svc_args[@]}" -- "${OVERRIDES[@]}"
 for ((i = 0; i < N_ROLLOUT; i++)); do
-  start "rollout-$i" "$(host_of rollout "$i")" "${ROLLOUT_CPUS[$i]:-}" "$PY" "$REPO/services/rollout.py" \
+  start "rollout-$i" "$(host_of "rollout-$i")" "${ROLLOUT_CPUS[$i]:-}" "$PY" "$REPO/services/rollout.py" \
     "${svc_args[@]}" --instance "$i" -- "${OVERRIDES[@]}"
 done
 learn_extra=()
 [ -n "$RESUME" ] && learn_extra=(--resume "$RESUME")
 if [ "$N_LEARNER" -gt 1 ]; then
-  start learner "$(host_of learner 0)" "$LEARNER_CPUS" "$PY" -m torch.distributed.run --standalone \
+  start learner "$(host_of learner)" "$LEARNER_CPUS" "$PY" -m torch.distributed.run --standalone \
     --nproc-per-node "$N_LEARNER" "$REPO/services/learner.py" "${svc_args[@]}" "${learn_extra[@]}" -- "${OVERRIDES[@]}"
 else
-  start learner "$(host_of learner 0)" "$LEARNER_CPUS" "$PY" "$REPO/services/learner.py" "${svc_args[@]}" \
+  start learner "$(host_of learner)" "$LEARNER_CPUS" "$PY" "$REPO/services/learner.py" "${svc_args[@]}" \
     "${learn_extra[@]}" -- "${OVERRIDES[@]}"
 fi
+[ "$DRY_RUN" = 1 ] && exit 0
 PROM_LAUNCHED=""
 if [ "$PROM" = 1 ]; then
   if command -v prometheus >/dev/null; then

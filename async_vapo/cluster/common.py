@@ -39,7 +39,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from async_vapo.cluster.placement import PlacementError, parse_hostfile, place, shell_assignments
 from async_vapo.config import Config, load_config, save_resolved
+from async_vapo.config.loader import ConfigError
 from async_vapo.metrics.prom import MetricsServer, ServiceMetrics, render_prometheus_config, write_file_sd_targets
 from async_vapo.transport import BackpressureFull, Decoder, Envelope, RejectCounter, Sender
 
@@ -291,19 +293,43 @@ def _plan(argv: Sequence[str]) -> int:
     p.add_argument("--scrape-interval", default="5s")
     p.add_argument("--resume", help="a checkpoint, or 'auto' (the run directory's newest)")
     p.add_argument("--new-run", action="store_true")
+    p.add_argument("--hostfile", help="lines 'host role' (async_vapo.cluster.placement)")
+    p.add_argument("--gpus-per-host", type=int, default=0, help="0: no GPU placement (CPU)")
+    p.add_argument("--local-name", action="append", default=[], help="a name of this machine in the hostfile")
+    p.add_argument("--local-addr", default="127.0.0.1", help="what the other hosts reach this machine at")
+    p.add_argument("--dry-run", action="store_true", help="write nothing")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
     if args.run_dir:
         cfg.train.output_dir = str(Path(args.run_dir).resolve())
-    cfg, resume = _choose_run_dir(cfg, args.resume, args.new_run)
+    cfg, resume = _choose_run_dir(cfg, args.resume, args.new_run, dry_run=args.dry_run)
     rd = cfg.run_dir().resolve()
     c = cfg.cluster
-    n_roll = cfg.async_.rollout_devices
+    n_roll = cfg.rollout_engines()
+    try:
+        hostfile = parse_hostfile(Path(args.hostfile).read_text(), args.hostfile) if args.hostfile else []
+        placement = place(cfg.async_.rollout_devices, cfg.async_.learner_devices,
+                          tensor_parallel_size=cfg.rollout.tensor_parallel_size, gpus_per_host=args.gpus_per_host,
+                          hostfile=hostfile)
+    except PlacementError as e:
+        print(f"placement: {e}", file=sys.stderr)
+        return 2
+    rollout_hosts_override = ""
+    if hostfile:
+        local = {"localhost", "127.0.0.1", *args.local_name}
+        c.hosts.rollout_hosts = [args.local_addr if e.host in local else e.host for e in placement.engines]
+        rollout_hosts_override = "cluster.hosts.rollout_hosts=[" + ",".join(
+            f'"{h}"' for h in c.hosts.rollout_hosts) + "]"
     targets = {s: [f"{service_host(cfg, s, i)}:{metrics_port(cfg, s, i)}"
                    for i in range(n_roll if s == "rollout" else 1)] for s in SERVICES}
     prom = rd / "prometheus"
-    write_file_sd_targets(prom / "targets.json", targets)
+    if not args.dry_run:
+        write_file_sd_targets(prom / "targets.json", targets)
     interval = args.scrape_interval
     # Prometheus durations are integers with a unit: 80 % of an interval in seconds, in milliseconds
     timeout = f"{max(500, int(float(interval[:-1]) * 800))}ms" if interval[-1:] == "s" and interval[-2:] != "ms" \
@@ -311,11 +337,13 @@ def _plan(argv: Sequence[str]) -> int:
     tmpl = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "prometheus.yml.tmpl"
     http = c.metrics_http
     ca_file, password_file = (_absolute(x) for x in (http.tls_ca_file, http.basic_auth_password_file))
-    render_prometheus_config(tmpl, prom / "prometheus.yml", scrape_interval=interval, scrape_timeout=timeout,
-                             run_name=cfg.train.name, tls=http.tls_cert is not None, tls_ca_file=ca_file,
-                             basic_auth_user=http.basic_auth_user, basic_auth_password_file=password_file)
+    if not args.dry_run:
+        render_prometheus_config(tmpl, prom / "prometheus.yml", scrape_interval=interval, scrape_timeout=timeout,
+                                 run_name=cfg.train.name, tls=http.tls_cert is not None, tls_ca_file=ca_file,
+                                 basic_auth_user=http.basic_auth_user, basic_auth_password_file=password_file)
     out = {"RUN_DIR": str(rd), "RESUME": resume, "TOTAL_STEPS": cfg.train.total_steps,
            "N_ROLLOUT": n_roll, "N_LEARNER": cfg.async_.learner_devices,
+           "ROLLOUT_HOSTS_OVERRIDE": rollout_hosts_override, "PLACEMENT_TABLE": placement.describe(),
            "HEALTH_TIMEOUT": int(math.ceil(c.deploy.health_timeout_s)),
            "STOP_GRACE": int(math.ceil(c.deploy.stop_grace_s)),
            "POLICY_PATH": cfg.model.path or "", "CURVE": int(c.security.curve), "KEYS_DIR": str(keys_dir(cfg, rd))}
@@ -325,6 +353,7 @@ def _plan(argv: Sequence[str]) -> int:
             out[f"HEALTH_{s.upper()}_{i}"] = f"{scheme}://{t}/health"
     for k, v in out.items():
         print(f"{k}={_shell_quote(str(v))}")
+    print("\n".join(shell_assignments(placement)))
     # wait-health's options for these services (a bash array: paths may hold spaces)
     opts = (["--ca-file", ca_file] if ca_file else ["--insecure"] if http.tls_cert is not None else []) + (
         ["--user", http.basic_auth_user, "--password-file", password_file] if password_file else [])
@@ -332,10 +361,10 @@ def _plan(argv: Sequence[str]) -> int:
     return 0
 
 
-def _choose_run_dir(cfg: Config, resume: str | None, new_run: bool) -> tuple[Config, str]:
+def _choose_run_dir(cfg: Config, resume: str | None, new_run: bool, *, dry_run: bool = False) -> tuple[Config, str]:
     """The run directory by ``async_vapo.learner.rundir``'s rule, said on stderr, and the checkpoint the learner
     resumes from ("" for none). A directory whose cluster still runs here is kept, so that start_cluster.sh
-    refuses to start a second one in it."""
+    refuses to start a second one in it. ``dry_run``: decide and say, but create and record nothing."""
     from async_vapo.learner.rundir import RunDirError, RunPlan, claim, plan_run, run_dirs
 
     rd = cfg.run_dir().resolve()
@@ -351,7 +380,12 @@ def _choose_run_dir(cfg: Config, resume: str | None, new_run: bool) -> tuple[Con
         except RunDirError as e:
             raise SystemExit(f"start_cluster: {e}") from None
     print(f"[start_cluster] {plan.message}", file=sys.stderr)
-    return claim(plan, cfg, "cluster"), "" if plan.resume is None else str(plan.resume)
+    resume_from = "" if plan.resume is None else str(plan.resume)
+    if dry_run:
+        cfg = cfg.model_copy(deep=True)
+        cfg.train.output_dir = str(plan.run_dir)
+        return cfg, resume_from
+    return claim(plan, cfg, "cluster"), resume_from
 
 
 def _cluster_alive(run_dir: Path) -> bool:

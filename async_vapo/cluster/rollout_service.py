@@ -71,6 +71,8 @@ from async_vapo.transport import (
     Transport,
     WeightsAck,
     WeightsAnnounce,
+    WeightsGroupJoin,
+    WeightsGroupOffer,
     make_envelope,
     split_groups,
 )
@@ -135,7 +137,7 @@ class RolloutService:
         self.engine_id = ctx.name
         # Each engine walks its own seeded order of the training problems.
         self.sampler = PromptSampler(train_set, cfg.train.seed + 7919 * ctx.instance)
-        n_engines = cfg.async_.rollout_devices
+        n_engines = cfg.rollout_engines()
         a = cfg.algo
         self.per_call = c.rollout.prompts_per_call or math.ceil(a.prompts_per_step / n_engines)
         self.admission = Admission(cfg.async_.max_staleness, a.prompts_per_step, n_engines,
@@ -146,9 +148,9 @@ class RolloutService:
         self.groups_out = self.transport.sender(ctx.endpoint(c.hosts.verifier_host, c.ports.verifier_port),
                                                 peer="verifier")
         self.acks = self.transport.sender(ctx.endpoint(c.hosts.learner_host, c.ports.acks_port), peer="learner")
+        weights_in = (WeightsAnnounce, WeightsGroupOffer, Heartbeat, Shutdown)
         self.sub = self.transport.subscriber(ctx.endpoint(c.hosts.learner_host, c.ports.weights_port),
-                                             decoder=ctx.decoder((WeightsAnnounce, Heartbeat, Shutdown), "weights"),
-                                             peer="learner")
+                                             decoder=ctx.decoder(weights_in, "weights"), peer="learner")
         self.m = ctx.metrics.rollout
         self.latest: WeightsAnnounce | None = None
         self.learner_version = 0
@@ -161,6 +163,12 @@ class RolloutService:
         self._last_beat = 0.0
         self._next_retry = 0.0
         self.m.served_version.set(engine.version)
+        self.dist = c.weights.transfer == "dist"
+        self.in_group = False
+        self._group_asked = -math.inf
+        self._streamed_version: int | None = None
+        """"dist": the version of the last WeightsAnnounce (not a heartbeat's copy) naming this engine: the learner
+        streams that one right after announcing it."""
 
     # -- weights --------------------------------------------------------------------------------------------
     def _on_announce(self, a: WeightsAnnounce) -> None:
@@ -181,12 +189,23 @@ class RolloutService:
             body = env.body
             if isinstance(body, WeightsAnnounce):
                 self._on_announce(body)
+                self._streamed_version = body.version if self.engine_id in body.dist_engines else None
+            elif isinstance(body, WeightsGroupOffer):
+                # an offer older than the learner's wait for it is closed already: ask again instead
+                fresh = time.time() - env.sent_at < self.ctx.cfg.cluster.weights.dist_join_timeout_s
+                if self.dist and body.engine_id == self.engine_id and fresh:
+                    self.join_group(body)
+                elif self.dist and body.engine_id == self.engine_id:
+                    self.ask_group()
             elif isinstance(body, Heartbeat) and body.weights is not None:
                 self._on_announce(body.weights)
             elif isinstance(body, Shutdown):
                 self.ctx.log.info("%s: shutdown announced by %s: %s", self.engine_id, env.sender, body.reason)
                 self.ctx.stop.set()
             env = self.sub.recv(0)
+        if self.dist and not self.in_group \
+                and time.monotonic() - self._group_asked > self.ctx.cfg.cluster.weights.dist_join_timeout_s:
+            self.ask_group()  # no offer came (or the join failed): ask again
         if self.latest is not None and self.latest.version != self.engine.version:
             if self.latest.version not in self.failed_versions or time.monotonic() >= self._next_retry:
                 self.load(self.latest)
@@ -214,13 +233,51 @@ class RolloutService:
         self.ack(a.version, ok, seconds, error)
 
     def _load(self, a: WeightsAnnounce) -> str:
-        """Load ``a`` into the engine; returns the way it came ("shm", "zmq" or "file")."""
+        """Load ``a`` into the engine; returns the way it came ("dist", "shm", "zmq" or "file")."""
         c = self.ctx.cfg.cluster
+        if self.in_group and self._streamed_version == a.version:
+            import torch
+
+            from async_vapo.weights.dist import plan_buckets, update_info
+
+            self._streamed_version = None
+            buckets = plan_buckets([(n, getattr(torch, d), tuple(sh)) for n, d, sh, _ in a.layout],
+                                   a.dist_bucket_bytes)
+            try:
+                self.engine.receive_weights_dist(update_info(buckets, a.version), a.version)
+                return "dist"
+            except Exception as exc:  # the group is broken: a mix of two versions may be loaded
+                self.engine.version = -1
+                self.in_group = False
+                self.ctx.log.warning("%s: version %d over the weight group failed (%s: %s); loading the slot and "
+                                     "asking for a new group", self.engine_id, a.version, type(exc).__name__, exc)
+                self.ask_group()
         return load_announced(self.engine, a, mode=c.weights.transfer,
                               fetch_endpoint=self.ctx.endpoint(c.hosts.learner_host, c.ports.weights_fetch_port),
                               chunk_bytes=c.weights.chunk_bytes, timeout_s=c.wire.batch_request_timeout_s,
                               engine_id=self.engine_id, max_bytes=c.wire.max_message_bytes,
                               security=getattr(self.transport, "security", None))
+
+    def ask_group(self) -> None:
+        """"dist": ask the learner for a torch.distributed group for weights (it answers with WeightsGroupOffer)."""
+        self._group_asked = time.monotonic()
+        self.ctx.send(self.acks, make_envelope(
+            WeightsGroupJoin(engine_id=self.engine_id, workers=self.ctx.cfg.rollout.tensor_parallel_size),
+            sender=self.engine_id, policy_version=self.engine.version), "group join")
+
+    def join_group(self, offer: WeightsGroupOffer) -> None:
+        """Join the offered group through vLLM's init_weight_transfer_engine (bounded by the offer's timeout)."""
+        self.in_group = False
+        info = {k: getattr(offer, k) for k in ("master_addr", "master_port", "world_size", "prefix", "timeout_s")}
+        try:
+            with self.ctx.busy("load_weights"):
+                self.engine.join_weight_group(info)
+        except Exception as exc:
+            self.ctx.log.warning("%s: joining the weight group failed (%s: %s); the slot serves meanwhile",
+                                 self.engine_id, type(exc).__name__, exc)
+            return
+        self.in_group = True
+        self.ctx.log.info("%s: in its weight group (%s:%d)", self.engine_id, offer.master_addr, offer.master_port)
 
     def ack(self, version: int, ok: bool, seconds: float, error: str = "") -> None:
         self.ctx.send(self.acks, make_envelope(WeightsAck(engine_id=self.engine_id, version=version, ok=ok,
@@ -291,6 +348,8 @@ class RolloutService:
     # -- loop -----------------------------------------------------------------------------------------------------
     def run(self) -> None:
         self.ack(self.engine.version, True, 0.0)
+        if self.dist:
+            self.ask_group()
         self.ctx.ready(served_version=self.engine.version)
         while not self.ctx.stop.is_set():
             self.poll_weights(0.0)

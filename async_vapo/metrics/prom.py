@@ -144,7 +144,7 @@ class RolloutMetrics:
     inflight_groups: Gauge
     served_version: Gauge
     weight_load_seconds: Histogram
-    weight_transfers_total: Counter  # labels: via = shm | zmq | file
+    weight_transfers_total: Counter  # labels: via = dist | shm | zmq | file
     admission_rejects_total: Counter  # labels: reason
 
     @classmethod

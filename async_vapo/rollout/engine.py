@@ -26,6 +26,9 @@ Weights reach the engine's workers (``worker_ext.py``) in one of these ways, all
 * ``receive_buffer(nbytes)`` then ``load_received(layout, version)`` (the cluster, an engine on another
   host): the caller fills the engine's own shared buffer (fetched over ZeroMQ) and it is loaded as above.
 * ``load_weights_from_file(path, version)``: a safetensors file (``cluster.weights.transfer = "file"``).
+* ``join_weight_group(init_info)`` then ``receive_weights_dist(update_info, version)`` per version: streamed by the
+  learner over a torch.distributed group through vLLM's own weight-transfer API (``async_vapo.weights.dist``;
+  ``cluster.weights.transfer = "dist"``), loaded by vLLM's layerwise reload rather than ``reload_weights``.
 
 ``benchmarks/weight_sync.py`` measures them against a plain memcpy of the same bytes; vLLM's
 ``reload_weights`` (which rebuilds each layer and, on the CPU backend, repacks every linear weight
@@ -47,6 +50,7 @@ from typing import Literal
 
 import torch
 
+from async_vapo.weights.dist import GLOO_BACKEND
 from async_vapo.weights.layout import Layout, SharedWeightBuffer, shm_dir, tensor_nbytes, unshared_state
 
 
@@ -69,6 +73,7 @@ class EngineSpec:
     gpu_memory_utilization: float = 0.85
     enforce_eager: bool = True
     max_num_seqs: int = 256
+    tensor_parallel_size: int = 1
     weights_timeout_s: float = 600.0
     """Limit of one weight load in the workers; past it the load raises TimeoutError instead of hanging."""
 
@@ -80,7 +85,7 @@ class EngineSpec:
         return cls(model_path=str(model_path), dtype=cfg.model.dtype, seed=r.seed + instance,
                    kv_cache_gib=r.kv_cache_gib, max_model_len=longest_prompt + r.max_response_tokens + 1,
                    gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
-                   max_num_seqs=r.max_num_seqs)
+                   max_num_seqs=r.max_num_seqs, tensor_parallel_size=r.tensor_parallel_size)
 
 
 class VLLMEngine:
@@ -100,8 +105,10 @@ class VLLMEngine:
             skip_tokenizer_init=True,
             gpu_memory_utilization=spec.gpu_memory_utilization,
             max_num_seqs=spec.max_num_seqs,
+            tensor_parallel_size=spec.tensor_parallel_size,
             logprobs_mode="processed_logprobs",  # of the tempered distribution sampled from (module docstring)
             worker_extension_cls="async_vapo.rollout.worker_ext.WeightSyncExtension",
+            weight_transfer_config={"backend": GLOO_BACKEND},  # async_vapo.weights.dist, registered by worker_ext
         )
         self.start_seconds = time.perf_counter() - t0
         self.version = version
@@ -179,6 +186,25 @@ class VLLMEngine:
         self._rpc("async_vapo_load_shared", path, nbytes, layout)
         self.last_load_stages["write_s"] = 0.0
         self.version = version
+
+    def join_weight_group(self, init_info: dict) -> None:
+        """Join the learner's torch.distributed group for this engine (``async_vapo.weights.dist``); blocks until the
+        learner is in it too, at most ``init_info["timeout_s"]``. A new group replaces the previous one."""
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def receive_weights_dist(self, update_info: dict, version: int) -> None:
+        """Receive one version over the group through vLLM's weight-transfer API while the learner sends it. A
+        failure part-way leaves a mix of two versions loaded: load a whole version another way before serving."""
+        t0 = time.perf_counter()
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": update_info})
+        self.llm.finish_weight_update()
+        self.version = version
+        self.last_load_seconds = time.perf_counter() - t0
+        stats = max(self.llm.collective_rpc("async_vapo_dist_stats"), key=lambda s: s.get("recv_s", 0.0))
+        self.last_load_stages = {"recv_s": stats.get("recv_s", 0.0),
+                                 "reload_s": sum(stats.get(k, 0.0) for k in ("start_s", "load_s", "finish_s"))}
+        self.last_load_stages["rpc_s"] = self.last_load_seconds - sum(self.last_load_stages.values())
 
     def receive_buffer(self, nbytes: int) -> memoryview:
         """This engine's own shared buffer, grown to ``nbytes``, to be filled by the caller (the bytes of a

@@ -13,6 +13,9 @@ are not restarted):
   learner writes its versions into a few such files (slots, ``async_vapo.weights``) that the
   workers of every engine on its host map once each.
 
+Importing this module also registers the gloo weight-transfer engine with vLLM (``async_vapo.weights.dist``), the
+third way in, which vLLM drives itself; ``async_vapo_dist_stats()`` reports its last receive.
+
 Both return ``{"tensors": n, "read_s": s, "reload_s": s}``: the time to get tensors out of the file
 (for the shared buffer, to make the views) and the time ``reload_weights`` took.
 """
@@ -23,11 +26,20 @@ import mmap
 import os
 import time
 
+from async_vapo.weights.dist import register as _register_gloo_engine
+
+_register_gloo_engine()  # the torch.distributed way in (async_vapo.weights.dist), before vLLM creates its engine
+
 MAX_MAPPINGS = 8
 """Shared weight files a worker keeps mapped (the engine's own buffer plus the learner's slots)."""
 
 
 class WeightSyncExtension:
+    def async_vapo_dist_stats(self) -> dict[str, float]:
+        """Stages of the last version received over torch.distributed (``async_vapo.weights.dist``)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        return dict(getattr(engine, "stats", {}))
+
     def async_vapo_load_weights(self, path: str) -> dict[str, float]:
         from safetensors.torch import load_file
 

@@ -41,6 +41,8 @@ from async_vapo.transport.messages import (
     WeightsAck,
     WeightsAnnounce,
     WeightsFetch,
+    WeightsGroupJoin,
+    WeightsGroupOffer,
     encode,
     group_wire_bytes,
     groups_per_request,
@@ -65,7 +67,8 @@ __all__ = [
     "Heartbeat", "HeartbeatMonitor", "InprocTransport", "PeerDead", "PeerTimeout", "ProtocolError",
     "Publisher", "Ready", "Receiver", "RejectCounter", "Replier", "Requester", "Sender", "Shutdown",
     "Subscriber", "TensorHeader", "Transport", "TransportError", "WeightsAck", "WeightsAnnounce",
-    "WeightsFetch", "ZmqTransport", "bind_to_random_port", "blob_checksum", "connect_with_handshake",
+    "WeightsFetch", "WeightsGroupJoin", "WeightsGroupOffer", "ZmqTransport", "bind_to_random_port", "blob_checksum",
+    "connect_with_handshake",
     "encode", "make_envelope", "new_message_id", "recv_tensor_blob", "send_tensor_blob", "shared_context",
     "verify_checksum",
 ]  # fmt: skip

@@ -70,7 +70,7 @@ class ProtocolError(TransportError):
         self.reason = reason
         self.detail = detail
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Version of the envelope and every body below; a peer speaking another version is rejected.
 
 2: token ids and log-probs in groups are packed bytes (int32 / float32 LE) instead of msgpack arrays.
@@ -78,7 +78,9 @@ PROTOCOL_VERSION = 5
    chunks over ZeroMQ by engines on other hosts (``WeightsFetch.index``).
 4: unknown fields are rejected (nesting bounded by the schema); ``WeightsAnnounce.min_version`` (the
    learner's staleness floor).
-5: ``BatchRequest.received_cursor`` (groups served after it are stored again: a restarted learner loses none)."""
+5: ``BatchRequest.received_cursor`` (groups served after it are stored again: a restarted learner loses none).
+6: weights over torch.distributed ("dist"): ``WeightsGroupJoin``, ``WeightsGroupOffer``,
+   ``WeightsAnnounce.dist_engines`` and ``dist_bucket_bytes``."""
 
 DEFAULT_MAX_BYTES = 256 * 2**20
 """Default size limit of one frame (a socket carrying batches of long responses may need more)."""
@@ -181,6 +183,11 @@ class WeightsAnnounce(_Body, tag="weights_announce"):
     min_version: int = -1
     """The learner's staleness floor at this version: the oldest weights its next batch may come from (the
     learner owns the bound; engines admit generation by it). -1: not stated."""
+    dist_engines: list[str] = []
+    """``cluster.weights.transfer = "dist"``: engines the learner streams this version to over their
+    torch.distributed groups right after this announce (``async_vapo.weights.dist``), in ``layout`` order and
+    in buckets of ``dist_bucket_bytes``; the others (and one whose receive fails) load the slot."""
+    dist_bucket_bytes: int = 0
 
 
 # rollout -> learner: "send me chunk `index` of weights `version`" (answered by TensorHeader + raw chunk, or
@@ -212,6 +219,25 @@ class WeightsAck(_Body, tag="weights_ack"):
     error: str = ""
 
 
+# rollout -> learner (acks socket): "give me a torch.distributed group for weights" ("dist"; at start and after a
+# failed receive)
+class WeightsGroupJoin(_Body, tag="weights_group_join"):
+    engine_id: str
+    workers: int = 1
+    """vLLM workers of the engine (its tensor-parallel size): ranks 1..workers of the group."""
+
+
+# learner -> rollouts (weights PUB): the group made for ``engine_id`` (the others ignore it); the engine passes
+# these fields to vLLM's init_weight_transfer_engine
+class WeightsGroupOffer(_Body, tag="weights_group_offer"):
+    engine_id: str
+    master_addr: str
+    master_port: int
+    world_size: int
+    prefix: str
+    timeout_s: float
+
+
 # any -> any: liveness; the learner's heartbeat repeats its latest announce so a dropped PUB is recovered
 class Heartbeat(_Body, tag="heartbeat"):
     service: str
@@ -234,7 +260,7 @@ class Shutdown(_Body, tag="shutdown"):
 
 Body = Union[  # noqa: UP007 - msgspec needs a runtime union object
     GroupsMsg, BatchRequest, BatchMsg, Ack, WeightsAnnounce, WeightsFetch, TensorHeader, WeightsAck,
-    Heartbeat, Ready, Shutdown,
+    WeightsGroupJoin, WeightsGroupOffer, Heartbeat, Ready, Shutdown,
 ]
 ALL_MESSAGES: tuple[type, ...] = Body.__args__
 MESSAGE_TAGS: dict[str, type] = {msgspec.inspect.type_info(t).tag: t for t in ALL_MESSAGES}

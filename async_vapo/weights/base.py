@@ -93,7 +93,7 @@ def make_publisher(transfer: str, directory: Path, *, keep_versions: int, fetch_
     directory.mkdir(parents=True, exist_ok=True)
     if transfer == "file":
         return FilePublisher(directory, keep_versions)
-    if transfer not in ("auto", "shm", "zmq"):
-        raise ValueError(f"unknown weight transfer {transfer!r} (auto, shm, zmq, file)")
+    if transfer not in ("auto", "shm", "zmq", "dist"):  # "dist" keeps the slots of "auto" as its fallback
+        raise ValueError(f"unknown weight transfer {transfer!r} (auto, shm, zmq, file, dist)")
     return SlotPublisher(directory, max(2, keep_versions), fetch_endpoint=None if transfer == "shm" else fetch_endpoint,
                          **server_args)

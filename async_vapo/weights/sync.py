@@ -14,6 +14,14 @@ for ``cluster.wire.peer_dead_s`` (the liveness policy: any envelope on the acks 
 load the latest). The learner never waits for acks: they are serviced between batch requests, so a dead
 engine costs nothing but its share of the groups; its groups need no special treatment (once older than
 the replay's floor they are dropped as stale).
+
+``cluster.weights.transfer = "dist"`` (``async_vapo.weights.dist``): an engine asks for a group (WeightsGroupJoin on
+the acks socket), the learner makes one, offers it on the weights socket (WeightsGroupOffer) and forms it in a
+thread while the engine joins. Each version is then written to its slot as with "auto", announced with the
+engines whose groups are formed (``dist_engines``), and streamed to them one after another, each within
+``cluster.weights.dist_timeout_s``. An engine whose send fails or times out loses its group (torn down, counted in
+``weight_dist_failures_total``) and loads the slot instead; it asks for a new group. Acks and rotation are the
+same for every way.
 """
 
 from __future__ import annotations
@@ -26,8 +34,18 @@ from pathlib import Path
 
 import msgspec
 
-from async_vapo.transport import Heartbeat, HeartbeatMonitor, WeightsAck, WeightsAnnounce, make_envelope
+from async_vapo.metrics.prom import TRANSFER_BUCKETS
+from async_vapo.transport import (
+    Heartbeat,
+    HeartbeatMonitor,
+    WeightsAck,
+    WeightsAnnounce,
+    WeightsGroupJoin,
+    WeightsGroupOffer,
+    make_envelope,
+)
 from async_vapo.weights.base import NamedTensors, make_publisher
+from async_vapo.weights.layout import named_tensors
 
 
 @dataclass
@@ -101,7 +119,8 @@ class WeightBroadcast:
         self.pub = transport.publisher(pub_endpoint or ctx.endpoint(c.hosts.bind_host, c.ports.weights_port),
                                        peer="rollout")
         self.acks = transport.receiver(acks_endpoint or ctx.endpoint(c.hosts.bind_host, c.ports.acks_port),
-                                       decoder=ctx.decoder((WeightsAck, Heartbeat), "acks"), bind=True, peer="rollout")
+                                       decoder=ctx.decoder((WeightsAck, WeightsGroupJoin, Heartbeat), "acks"),
+                                       bind=True, peer="rollout")
         self.dir = weights_dir or default_weights_dir(ctx)
         self.rotation = Rotation(c.weights.ack_timeout_s)
         self.liveness = HeartbeatMonitor(c.wire.peer_dead_s)
@@ -114,6 +133,16 @@ class WeightBroadcast:
                               "Engines taken out of rotation for silence (cluster.wire.peer_dead_s).")
         self.rejoined = m.counter("engines_rejoined_total", "Engines back in rotation after acking the latest.")
         self.failed_loads = m.counter("weight_load_failures_total", "Acks reporting a failed weight load.")
+        self.dist = c.weights.transfer == "dist"
+        self.groups: dict = {}
+        """"dist": engine id -> its EngineGroup (formed once its ``group`` is set)."""
+        if self.dist:
+            self.dist_failures = m.counter("weight_dist_failures_total",
+                                           "Versions an engine did not receive over its torch.distributed group "
+                                           "(its group torn down).")
+            self.dist_seconds = m.histogram("weight_dist_send_seconds",
+                                            "Seconds to stream one version to one engine over its group.",
+                                            TRANSFER_BUCKETS)
         self.publisher = make_publisher(
             c.weights.transfer, self.dir, keep_versions=c.weights.keep_versions,
             fetch_endpoint=fetch_endpoint or ctx.endpoint(c.hosts.bind_host, c.ports.weights_fetch_port),
@@ -130,10 +159,64 @@ class WeightBroadcast:
         """Make ``tensors`` version ``version`` and announce it with the learner's staleness floor
         ``min_version``; returns the seconds spent."""
         t0 = time.perf_counter()
-        self.latest = msgspec.structs.replace(self.publisher.publish(version, tensors), min_version=min_version)
+        if self.dist:
+            tensors = named_tensors(tensors)  # read again for each engine's stream
+        announce = self.publisher.publish(version, tensors)
+        streamed = sorted(e for e, g in self.groups.items() if g.group is not None) if self.dist else []
+        self.latest = msgspec.structs.replace(
+            announce, min_version=min_version, dist_engines=streamed,
+            dist_bucket_bytes=self.ctx.cfg.cluster.weights.dist_bucket_bytes if self.dist else 0)
         self.rotation.published(version, time.monotonic())
         self.pub.publish(make_envelope(self.latest, sender=self.ctx.name, policy_version=version))
+        if streamed:
+            self._stream(self.latest, tensors, streamed)
         return time.perf_counter() - t0
+
+    # -- "dist": one torch.distributed group per engine ---------------------------------------------------------
+    def _offer_group(self, engine: str, workers: int) -> None:
+        import threading
+
+        from async_vapo.weights.dist import EngineGroup
+
+        c = self.ctx.cfg.cluster
+        old = self.groups.pop(engine, None)
+        if old is not None:
+            old.close()
+        g = EngineGroup(engine, workers=workers, bind_host=c.hosts.bind_host, advertise_host=c.hosts.learner_host,
+                        timeout_s=c.weights.dist_timeout_s, join_timeout_s=c.weights.dist_join_timeout_s)
+        self.groups[engine] = g
+        self.pub.publish(make_envelope(WeightsGroupOffer(engine_id=engine, **g.init_info), sender=self.ctx.name))
+        threading.Thread(target=self._form, args=(g,), daemon=True, name=f"dist-join-{engine}").start()
+        self.ctx.log.info("learner: offered %s a weight group (%s:%d)", engine, g.init_info["master_addr"],
+                          g.init_info["master_port"])
+
+    def _form(self, g) -> None:
+        from async_vapo.weights.dist import EngineSyncTimeout
+
+        try:
+            g.connect()
+            self.ctx.log.info("learner: %s joined its weight group", g.engine_id)
+        except EngineSyncTimeout as e:
+            self.ctx.log.warning("learner: %s", e)
+
+    def _stream(self, a: WeightsAnnounce, tensors: dict, engines: list[str]) -> None:
+        import torch
+
+        from async_vapo.weights.dist import EngineSyncFailed, EngineSyncTimeout, plan_buckets
+
+        buckets = plan_buckets([(n, getattr(torch, d), tuple(sh)) for n, d, sh, _ in a.layout], a.dist_bucket_bytes)
+        names = [n for n, *_ in a.layout]
+        timeout_s = self.ctx.cfg.cluster.weights.dist_timeout_s
+        for e in engines:
+            g = self.groups.get(e)
+            try:
+                seconds = g.send(buckets, ((n, tensors[n]) for n in names), deadline=time.monotonic() + timeout_s)
+                self.dist_seconds.observe(seconds)
+            except (EngineSyncTimeout, EngineSyncFailed) as err:
+                self.dist_failures.inc()
+                self.groups.pop(e, None)
+                self.ctx.log.warning("learner: version %d not streamed to %s (%s): its group is torn down, it loads "
+                                     "the slot", a.version, e, err)
 
     def heartbeat(self, version: int) -> None:
         now = time.monotonic()
@@ -160,7 +243,10 @@ class WeightBroadcast:
             self.liveness.observe(env)
             body = env.body
             now = time.monotonic()
-            if isinstance(body, WeightsAck):
+            if isinstance(body, WeightsGroupJoin):
+                if self.dist:
+                    self._offer_group(body.engine_id, body.workers)
+            elif isinstance(body, WeightsAck):
                 if not body.ok:
                     self.failed_loads.inc()
                     self.ctx.log.warning("learner: %s failed to load version %d: %s", body.engine_id,
@@ -184,5 +270,8 @@ class WeightBroadcast:
         self.in_rotation.set(len(self.rotation.members))
 
     def close(self) -> None:
+        for g in self.groups.values():
+            g.close()
+        self.groups.clear()
         self.publisher.close()
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -24,10 +24,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_pipeline_in_one_process_over_the_inproc_transport(tiny_cfg, tiny_base, vllm_engine, tmp_path):
-    """Budget: about a minute (3 updates of 4 prompts x 4 samples, one held-out evaluation). Frames are limited to
-    8 KiB, about a step's groups in one message: they travel in chunks of at most 4 KiB, and the learner asks the
-    replay for fewer groups than a step per request."""
+@pytest.mark.parametrize("transfer", ["shm", "dist"])
+def test_pipeline_in_one_process_over_the_inproc_transport(tiny_cfg, tiny_base, vllm_engine, tmp_path, transfer):
+    """Budget: about a minute each (3 updates of 4 prompts x 4 samples, one held-out evaluation). Frames are limited
+    to 8 KiB, about a step's groups in one message: they travel in chunks of at most 4 KiB, and the learner asks the
+    replay for fewer groups than a step per request. With "dist" every version reaches the engine over its
+    torch.distributed group (async_vapo.weights.dist)."""
     from transformers import AutoTokenizer
 
     from async_vapo.cluster.learner_service import LearnerService
@@ -41,9 +43,9 @@ def test_pipeline_in_one_process_over_the_inproc_transport(tiny_cfg, tiny_base, 
     total = 3
     cfg = load_config([], [*TINY_TEST_OVERRIDES, f"model.cache_dir={tiny_cfg.model.cache_dir}",
                            f"train.total_steps={total}", f"train.eval_every={total}", "train.checkpoint_every=0",
-                           "async.max_staleness=1", "cluster.weights.transfer=shm", "cluster.replay.fsync=never",
-                           "cluster.wire.batch_poll_s=0.05", "cluster.wire.heartbeat_s=0.2",
-                           "cluster.wire.max_message_bytes=8192"])
+                           "async.max_staleness=1", f"cluster.weights.transfer={transfer}",
+                           "cluster.replay.fsync=never", "cluster.wire.batch_poll_s=0.05",
+                           "cluster.wire.heartbeat_s=0.2", "cluster.wire.max_message_bytes=8192"])
     run_dir = tmp_path / "run"
     tok = AutoTokenizer.from_pretrained(str(tiny_base))
     base_state = load_policy(tiny_base).state_dict()
@@ -77,6 +79,7 @@ def test_pipeline_in_one_process_over_the_inproc_transport(tiny_cfg, tiny_base, 
             time.sleep(0.2)
         served = vllm_engine.version
         per_request = learner.replay.per_request
+        via = {k: v for k, v in _samples(ctxs["rollout"], "weight_transfers_total").items() if v}
     finally:
         for ctx in ctxs.values():
             ctx.stop.set()
@@ -94,9 +97,21 @@ def test_pipeline_in_one_process_over_the_inproc_transport(tiny_cfg, tiny_base, 
     assert {r["version"] for r in got if r["kind"] == "eval"} >= {0, total}
     assert served == total
     assert per_request < cfg.algo.prompts_per_step  # the step's groups came in several replies
+    assert via == {(("via", transfer),): total}, via  # every version came the configured way
     ckpt = run_dir / "checkpoints" / f"step_{total}"
     assert_engine_serves(vllm_engine, load_policy(ckpt / "policy"), tok)  # the engine serves the last version
     vllm_engine.load_weights(base_state, 0)
+
+
+def _samples(ctx, name: str) -> dict:
+    """Samples of the service's metric ``name`` by their labels (the process's own registry)."""
+    full = ctx.metrics.full_name(name)
+    out = {}
+    for metric in ctx.metrics.registry.collect():
+        for sample in metric.samples:
+            if sample.name == full:
+                out[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
 
 
 def _scrape(port: int) -> dict[str, float]:

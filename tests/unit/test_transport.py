@@ -45,6 +45,8 @@ from async_vapo.transport import (
     WeightsAck,
     WeightsAnnounce,
     WeightsFetch,
+    WeightsGroupJoin,
+    WeightsGroupOffer,
     ZmqTransport,
     bind_to_random_port,
     blob_checksum,
@@ -88,6 +90,9 @@ BODIES = [
     TensorHeader(version=5, name="model.layers.0.mlp.up_proj.weight", dtype="bfloat16", shape=[384, 128],
                  nbytes=98304, checksum="crc32:01234567", index=3, count=29),
     WeightsAck(engine_id="rollout-1", version=5, ok=True, load_seconds=0.42),
+    WeightsGroupJoin(engine_id="rollout-1", workers=4),
+    WeightsGroupOffer(engine_id="rollout-1", master_addr="10.0.0.1", master_port=41000, world_size=5,
+                      prefix="rollout-1/0f", timeout_s=60.0),
     Heartbeat(service="learner", instance="0", served_version=5, status="busy", weights=ANNOUNCE),
     Ready(service="replay", instance="0"),
     Shutdown(reason="total_steps reached"),
@@ -95,7 +100,8 @@ BODIES = [
 WIRE_TAGS = {
     GroupsMsg: "groups", BatchRequest: "batch_request", BatchMsg: "batch", Ack: "ack",
     WeightsAnnounce: "weights_announce", WeightsFetch: "weights_fetch", TensorHeader: "tensor_header",
-    WeightsAck: "weights_ack", Heartbeat: "heartbeat", Ready: "ready", Shutdown: "shutdown",
+    WeightsAck: "weights_ack", WeightsGroupJoin: "weights_group_join", WeightsGroupOffer: "weights_group_offer",
+    Heartbeat: "heartbeat", Ready: "ready", Shutdown: "shutdown",
 }  # fmt: skip
 
 

@@ -31,6 +31,8 @@ from async_vapo.transport import (
     WeightsAck,
     WeightsAnnounce,
     WeightsFetch,
+    WeightsGroupJoin,
+    WeightsGroupOffer,
 )
 from async_vapo.transport.messages import MAX_DEPTH, msgpack_depth
 
@@ -39,8 +41,8 @@ SOCKETS = {
     "verifier.in / replay.in": (GroupsMsg, Heartbeat),
     "replay.batches": (BatchRequest, Ready),
     "learner.batches": (BatchMsg, Ready),
-    "learner.acks": (WeightsAck, Heartbeat),
-    "rollout.weights": (WeightsAnnounce, Heartbeat, Shutdown),
+    "learner.acks": (WeightsAck, WeightsGroupJoin, Heartbeat),
+    "rollout.weights": (WeightsAnnounce, WeightsGroupOffer, Heartbeat, Shutdown),
     "learner.weights_fetch": (WeightsFetch,),
     "rollout.fetch_reply": (TensorHeader, Ack),
 }

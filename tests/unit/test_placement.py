@@ -1,0 +1,158 @@
+"""GPU placement by async.rollout_devices : async.learner_devices, tensor parallelism and the hostfile."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from async_vapo.cluster.placement import PlacementError, parse_hostfile, place, shell_assignments
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def hosts(learner: str, rollout: list[str]) -> list[tuple[str, str]]:
+    return [(learner, "learner"), (learner, "replay"), (learner, "verifier")] + [(h, "rollout") for h in rollout]
+
+
+def gpus_by_host(p) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for proc in p.processes:
+        out.setdefault(proc.host, []).extend(proc.gpus)
+    return out
+
+
+def test_four_hosts_of_eight_at_three_to_one_tp4():
+    p = place(24, 8, tensor_parallel_size=4, gpus_per_host=8,
+              hostfile=hosts("n1", ["n2", "n3", "n4"]))
+    assert p.get("learner").host == "n1" and p.get("learner").gpus == tuple(range(8))
+    got = [(e.name, e.host, e.cuda_visible_devices) for e in p.engines]
+    assert got == [("rollout-0", "n2", "0,1,2,3"), ("rollout-1", "n3", "0,1,2,3"), ("rollout-2", "n4", "0,1,2,3"),
+                   ("rollout-3", "n2", "4,5,6,7"), ("rollout-4", "n3", "4,5,6,7"), ("rollout-5", "n4", "4,5,6,7")]
+    assert p.get("replay").gpus == () and p.get("verifier").gpus == ()
+    assert p.idle == {}
+
+
+def test_learner_shares_its_host_with_engines():
+    # 1 host x 8 GPUs, 6:2 at TP 2: learner on 0,1, three engines on the rest
+    p = place(6, 2, tensor_parallel_size=2, gpus_per_host=8, hostfile=hosts("a", ["a"]))
+    assert p.get("learner").gpus == (0, 1)
+    assert [e.gpus for e in p.engines] == [(2, 3), (4, 5), (6, 7)]
+    # no hostfile: everything on this machine, the same split
+    q = place(6, 2, tensor_parallel_size=2, gpus_per_host=8)
+    assert [(x.host, x.gpus) for x in q.processes] == [("localhost", x.gpus) for x in p.processes]
+
+
+def test_several_engines_per_host_and_idle_gpus_are_reported():
+    # 2 hosts x 8 at 3:1 with only 12 devices asked: 6 TP-1 engines + 2 learner ranks on n1, the rest idle
+    p = place(6, 2, gpus_per_host=8, hostfile=hosts("n1", ["n1", "n2"]))
+    assert [(e.host, e.gpus) for e in p.engines] == [("n1", (2,)), ("n2", (0,)), ("n1", (3,)), ("n2", (1,)),
+                                                     ("n1", (4,)), ("n2", (2,))]
+    assert p.idle == {"n1": (5, 6, 7), "n2": (3, 4, 5, 6, 7)}
+    assert "(idle)" in p.describe() and "GPUs 3,4,5,6,7 unused" in p.describe()
+
+
+def test_tp8_engines_take_whole_hosts():
+    p = place(16, 8, tensor_parallel_size=8, gpus_per_host=8, hostfile=hosts("n0", ["n1", "n2"]))
+    assert [(e.host, e.cuda_visible_devices) for e in p.engines] == [("n1", "0,1,2,3,4,5,6,7"),
+                                                                     ("n2", "0,1,2,3,4,5,6,7")]
+
+
+def test_no_gpu_is_given_twice_over_many_shapes():
+    for n_hosts, gph, tp, learner in itertools.product((1, 2, 4), (1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8)):
+        for rollout in range(tp, n_hosts * gph + 1, tp):
+            hf = hosts("h0", [f"h{i}" for i in range(n_hosts)])
+            try:
+                p = place(rollout, learner, tensor_parallel_size=tp, gpus_per_host=gph, hostfile=hf)
+            except PlacementError:
+                assert tp > gph or learner > gph or rollout + learner > n_hosts * gph or gph % tp, \
+                    (n_hosts, gph, tp, learner, rollout)
+                continue
+            for h, g in gpus_by_host(p).items():
+                assert len(g) == len(set(g)) and all(0 <= i < gph for i in g), (h, g)
+                assert sorted(g + list(p.idle.get(h, ()))) == list(range(gph)) or h not in p.idle
+            assert len(p.engines) == rollout // tp and all(len(e.gpus) == tp for e in p.engines)
+            assert all(e.gpus == tuple(range(e.gpus[0], e.gpus[0] + tp)) for e in p.engines)  # adjacent
+
+
+def test_without_gpus_engines_go_round_robin_over_rollout_lines():
+    hf = parse_hostfile("# comment\nl learner\n\nr1 rollout\nr2 rollout\nr1 rollout\n")
+    p = place(4, 1, hostfile=hf)
+    assert [e.host for e in p.engines] == ["r1", "r2", "r1", "r1"]
+    assert all(x.gpus == () for x in p.processes) and p.get("learner").host == "l"
+    assert p.get("replay").host == "localhost"
+
+
+@pytest.mark.parametrize("args, match", [
+    (dict(rollout_devices=6, learner_devices=2, tensor_parallel_size=4, gpus_per_host=8),
+     r"rollout_devices = 6 is not a multiple of rollout.tensor_parallel_size = 4"),
+    (dict(rollout_devices=16, learner_devices=2, tensor_parallel_size=16, gpus_per_host=8),
+     r"tensor_parallel_size = 16 does not fit a host of 8 GPUs: a tensor-parallel engine runs within one host"),
+    (dict(rollout_devices=8, learner_devices=16, gpus_per_host=8),
+     r"learner_devices = 16 does not fit one host \(8 GPUs on n1\).*at most 8"),
+    (dict(rollout_devices=28, learner_devices=4, tensor_parallel_size=4, gpus_per_host=8),
+     r"7 engine\(s\) of 4 GPU\(s\).*n2: 2, n3: 2, n4: 2 \(6 in all.*4 GPU\(s\) left on n1 take engines only with a "
+     r"rollout line"),
+])
+def test_refusals_say_why(args, match):
+    hf = hosts("n1", ["n2", "n3", "n4"])
+    with pytest.raises(PlacementError, match=match):
+        place(hostfile=hf, **args)
+
+
+def test_bad_hostfile_line_names_file_and_line():
+    with pytest.raises(PlacementError, match=r"hosts:2: expected 'host role'.*'n2 gpu'"):
+        parse_hostfile("n1 learner\nn2 gpu\n", "hosts")
+
+
+def test_shell_assignments():
+    p = place(4, 2, tensor_parallel_size=2, gpus_per_host=4, hostfile=hosts("a", ["a", "b"]))
+    lines = shell_assignments(p)
+    assert "HOST_ROLLOUT_0=a" in lines and "GPUS_ROLLOUT_0=2,3" in lines
+    assert "HOST_ROLLOUT_1=b" in lines and "GPUS_ROLLOUT_1=0,1" in lines
+    assert "GPUS_LEARNER=0,1" in lines and "GPUS_REPLAY=''" in lines
+
+
+def dry_run(tmp_path, *args, overrides=()):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHON": sys.executable}
+    cmd = ["bash", str(REPO / "deploy/start_cluster.sh"), "--config", str(REPO / "configs/tiny_cpu.toml"),
+           "--run-dir", str(tmp_path / "run"), "--dry-run", *args, "--", *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_start_cluster_dry_run_prints_the_plan_and_starts_nothing(tmp_path):
+    hf = tmp_path / "hosts"
+    hf.write_text("n1 learner\nn1 replay\nn1 verifier\nn2 rollout\nn3 rollout\nn4 rollout\n")
+    r = dry_run(tmp_path, "--hostfile", str(hf), "--gpus-per-host", "8",
+                overrides=["async.rollout_devices=24", "async.learner_devices=8", "rollout.tensor_parallel_size=4"])
+    assert r.returncode == 0, r.stderr
+    assert "6 engine(s), 8 learner rank(s), 8 GPU(s) per host" in r.stdout
+    cmds = {ln.split("\t")[0]: ln.split("\t") for ln in r.stdout.splitlines() if "\t" in ln}
+    assert cmds["rollout-4"][1] == "n3" and cmds["rollout-4"][2].startswith("CUDA_VISIBLE_DEVICES=4,5,6,7 ")
+    assert "'--instance' '4'" in cmds["rollout-4"][2]
+    assert """cluster.hosts.rollout_hosts=["n2","n3","n4","n2","n3","n4"]""" in cmds["rollout-4"][2]
+    assert cmds["learner"][2].startswith("CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 ")
+    assert "'--nproc-per-node' '8'" in cmds["learner"][2]
+    assert not (tmp_path / "run").exists()
+
+
+def test_start_cluster_refuses_a_shape_that_does_not_fit(tmp_path):
+    r = dry_run(tmp_path, "--gpus-per-host", "4",
+                overrides=["async.rollout_devices=4", "async.learner_devices=2", "rollout.tensor_parallel_size=2"])
+    assert r.returncode == 2
+    assert "2 engine(s) of 2 GPU(s)" in r.stderr and "localhost: 1" in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_config_refuses_devices_that_do_not_divide_into_engines():
+    from async_vapo.config import ConfigError, load_config
+
+    cfg = load_config([], ["async.rollout_devices=8", "rollout.tensor_parallel_size=4"])
+    assert cfg.rollout_engines() == 2
+    with pytest.raises(ConfigError, match=r"async.rollout_devices \(6\) is not a multiple of "
+                                          r"rollout.tensor_parallel_size \(4\)"):
+        load_config([], ["async.rollout_devices=6", "rollout.tensor_parallel_size=4"])
