@@ -10,6 +10,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/setup.sh
+# On a loaded machine one engine step can wait minutes for a core; vLLM kills an engine after 300 s by default.
+export VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=${VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS:-3600}
 .venv/bin/async-vapo make-base --config configs/tiny_long_cpu.toml
 exec .venv/bin/async-vapo experiment run --vapo-config configs/tiny_long_cpu.toml --arms-dir configs/long \
   --ablations no_value_pretrain,no_decoupled_gae,no_length_adaptive_gae \

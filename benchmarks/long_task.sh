@@ -7,6 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/setup.sh
+# On a loaded machine one engine step can wait minutes for a core; vLLM kills an engine after 300 s by default.
+export VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=${VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS:-3600}
 name=${BENCH_NAME:-long_task}
 out="benchmarks/results/$name"
 mkdir -p "$out"
