@@ -43,27 +43,48 @@ PAPER = {"vapo": 60.4, "dapo": 50, "ppo": 5, "grpo": 47}
 
 
 @dataclass(frozen=True)
+class Arms:
+    """Where each arm's config lives: VAPO's file, the baselines in ``ROOT/baselines/`` and the ablation rows in
+    ``ROOT/ablations/`` (the defaults are the embedded task's; ``configs/long`` holds the long task's)."""
+
+    vapo: str = COMPARISON["vapo"]
+    root: str = "configs"
+
+    def config(self, name: str) -> str:
+        if name == "vapo":
+            return self.vapo
+        return f"{self.root}/{'baselines' if name in COMPARISON else 'ablations'}/{name}.toml"
+
+
+@dataclass(frozen=True)
 class Run:
     name: str  # vapo, dapo, ..., no_clip_higher
     seed: int
+    config: str = ""
 
-    @property
-    def config(self) -> str:
-        return COMPARISON.get(self.name) or f"configs/ablations/{self.name}.toml"
+    def __post_init__(self) -> None:
+        if not self.config:
+            object.__setattr__(self, "config", Arms().config(self.name))
 
     @property
     def dirname(self) -> str:
         return f"{self.name}_s{self.seed}"
 
 
-def plan(which: str, seeds: list[int], ablation_seeds: list[int]) -> list[Run]:
+def plan(which: str, seeds: list[int], ablation_seeds: list[int], arms: Arms = Arms(),
+         ablations: list[str] | None = None) -> list[Run]:
+    """The runs of ``which`` (all, comparison, ablation); ``ablations`` picks rows of :data:`ABLATIONS` (all)."""
+    rows = list(ABLATIONS) if ablations is None else ablations
+    unknown = [a for a in rows if a not in ABLATIONS]
+    if unknown:
+        raise ValueError(f"unknown ablation rows {unknown}; known: {', '.join(ABLATIONS)}")
     runs: list[Run] = []
     if which in ("all", "comparison"):
-        runs += [Run(n, s) for s in seeds for n in COMPARISON]
+        runs += [Run(n, s, arms.config(n)) for s in seeds for n in COMPARISON]
     if which in ("all", "ablation"):
         if which == "ablation":
-            runs += [Run("vapo", s) for s in ablation_seeds]
-        runs += [Run(n, s) for s in ablation_seeds for n in ABLATIONS]
+            runs += [Run("vapo", s, arms.config("vapo")) for s in ablation_seeds]
+        runs += [Run(n, s, arms.config(n)) for s in ablation_seeds for n in rows]
     return list(dict.fromkeys(runs))
 
 
@@ -235,11 +256,13 @@ def report(out: Path) -> dict:
                         "accuracy_at_common_budget": at_common, "common_budget": common}
             rows.append(f"| {k} | {len(runs)} | {init:.3f} | {m:.3f} ± {sd:.3f} | {best:.3f} | {generated:,.0f} | "
                         f"{at_common:.3f} ± {at_sd:.3f} | {reach_s} | {mins:.1f} | {PAPER.get(k, '–')} |")
+        updates = max(json.loads((d / "config.resolved.json").read_text())["train"]["total_steps"]
+                      for runs in comp.values() for d in runs)
         (out / "comparison.md").write_text(
-            "Final = mean held-out accuracy of the last two evaluations (40 updates each); DAPO's final (mean over "
-            f"seeds) = {dapo_final if dapo_final is None else round(dapo_final, 3)}. Responses generated include "
-            "value pretraining (VAPO) and dynamic-sampling resamples (DAPO); 'at N responses' compares every method "
-            "at the smallest budget any of them used.\n\n" + "\n".join(rows) + "\n")
+            f"Final = mean held-out accuracy of the last two evaluations ({updates} updates each); DAPO's final "
+            f"(mean over seeds) = {dapo_final if dapo_final is None else round(dapo_final, 3)}. Responses generated "
+            "include value pretraining (VAPO) and dynamic-sampling resamples (DAPO); 'at N responses' compares every "
+            "method at the smallest budget any of them used.\n\n" + "\n".join(rows) + "\n")
         result["comparison"] = table
     if "vapo" in done and any(k in done for k in ABLATIONS):
         vapo_m, vapo_sd = _mean_sd([_final(d) for d in done["vapo"]])
@@ -286,6 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("--steps", type=int, default=40)
     pr.add_argument("--eval-every", type=int, default=5)
     pr.add_argument("--parallel", type=int, default=2)
+    pr.add_argument("--vapo-config", default=Arms.vapo, help="VAPO's config (the comparison's reference arm)")
+    pr.add_argument("--arms-dir", default=Arms.root,
+                    help="folder with baselines/{ppo,grpo,dapo}.toml and ablations/no_*.toml (configs/long: long task)")
+    pr.add_argument("--ablations", default=None, help="comma-separated ablation rows (default: all seven)")
     pr.add_argument("--out", default="benchmarks/results/algorithms")
     pr.add_argument("overrides", nargs="*", help="key.sub=value overrides for every run")
     rp = sub.add_parser("report", help="tables and plots from finished runs")
@@ -294,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     if args.cmd == "run":
         seeds = [int(s) for s in args.seeds.split(",")]
-        runs = plan(args.plan, seeds, [int(s) for s in args.ablation_seeds.split(",")])
+        runs = plan(args.plan, seeds, [int(s) for s in args.ablation_seeds.split(",")],
+                    Arms(args.vapo_config, args.arms_dir), args.ablations.split(",") if args.ablations else None)
         failed = run_plan(runs, out, steps=args.steps, parallel=args.parallel, eval_every=args.eval_every,
                           extra=args.overrides)
         if failed:

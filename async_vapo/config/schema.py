@@ -27,10 +27,11 @@ class TaskConfig(_Section):
     """`arith`: the built-in chain-arithmetic generator; `files`: local JSONL/Parquet problem files."""
     seed: int = 1234
     """Seed of the problem generator (train and held-out splits never share a problem)."""
-    min_ops: int = Field(1, ge=1, le=12)
-    """Fewest operations in a generated problem (short responses)."""
-    max_ops: int = Field(6, ge=1, le=12)
-    """Most operations in a generated problem (long responses)."""
+    min_ops: int = Field(1, ge=1, le=64)
+    """Fewest operations in a generated problem (short responses; a correct response has ~8 characters per
+    operation)."""
+    max_ops: int = Field(6, ge=1, le=64)
+    """Most operations in a generated problem (long responses: up to 8 * max_ops + 10 characters)."""
     num_train: int = Field(4000, ge=1)
     """Number of training problems generated."""
     num_eval: int = Field(240, ge=1)
@@ -695,6 +696,17 @@ class Config(_Section):
                     f"rollout.max_response_tokens ({self.rollout.max_response_tokens}) is below the longest "
                     f"correct arith response for task.max_ops={self.task.max_ops} ({need} characters)"
                 )
+            if not self.model.path:
+                # The engine's max_model_len is the longest prompt + a full response + 1, and vLLM refuses one
+                # longer than the model's positions. The character tokenizer makes one token per character.
+                prompt = len(self.task.prompt_template.replace("{prompt}", "")) + 2 * self.task.max_ops + 2
+                total = prompt + self.rollout.max_response_tokens + 1
+                if total > self.base_model.max_position_embeddings:
+                    raise ValueError(
+                        f"base_model.max_position_embeddings ({self.base_model.max_position_embeddings}) is below the "
+                        f"longest prompt ({prompt} tokens at task.max_ops={self.task.max_ops}) + "
+                        f"rollout.max_response_tokens ({self.rollout.max_response_tokens}) + 1 = {total}"
+                    )
         if self.algo.overlong_buffer >= self.rollout.max_response_tokens:
             raise ValueError("algo.overlong_buffer must be smaller than rollout.max_response_tokens")
         if self.async_.rollout_devices % self.rollout.tensor_parallel_size:

@@ -90,7 +90,8 @@ class EngineSpec:
 
 class VLLMEngine:
     def __init__(self, spec: EngineSpec, version: int = 0):
-        if not torch.cuda.is_available():
+        on_cpu = not torch.cuda.is_available()
+        if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(spec.kv_cache_gib))))
         from vllm import LLM
 
@@ -109,6 +110,12 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",  # of the tempered distribution sampled from (module docstring)
             worker_extension_cls="async_vapo.rollout.worker_ext.WeightSyncExtension",
             weight_transfer_config={"backend": GLOO_BACKEND},  # async_vapo.weights.dist, registered by worker_ext
+            # With chunked prefill, vLLM rewinds the generator of a seeded request whose prefill was split
+            # (gpu_model_runner: gen.set_offset), which a CPU generator cannot do ("CPU Generator does not use
+            # offset"): the engine died evaluating the long task's held-out split (138 prompts x 2 seeded
+            # samples, the 4-layer base model); the same run with this flag completed. On the CPU every prompt is
+            # prefilled whole. (A one-layer test model on the same prompts did not hit the split.)
+            **({"enable_chunked_prefill": False} if on_cpu else {}),
         )
         self.start_seconds = time.perf_counter() - t0
         self.version = version

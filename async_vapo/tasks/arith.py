@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import random
 import re
+import sys
 from collections.abc import Sequence
 from functools import cache
 
@@ -155,6 +156,16 @@ def _sample_indices(rng: random.Random, population: int, k: int, exclude: frozen
     The first ``k`` non-excluded entries of a uniform ``(k + |exclude|)``-sample are a uniform
     ``k``-subset of the complement in uniform random order.
     """
+    if population > sys.maxsize:
+        # random.sample cannot take a range this long (long chains: ~10^50 problems of 48 operations);
+        # draw with rejection of repeats and excluded ones, which are vanishingly rare at such sizes.
+        seen, out = set(exclude), []
+        while len(out) < k:
+            i = rng.randrange(population)
+            if i not in seen:
+                seen.add(i)
+                out.append(i)
+        return out
     drawn = rng.sample(range(population), k + len(exclude))
     return [i for i in drawn if i not in exclude][:k]
 

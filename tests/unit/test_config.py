@@ -5,13 +5,16 @@ import pytest
 
 from async_vapo.config import Config, ConfigError, load_config, parse_override, save_resolved
 
-CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").rglob("*.toml"))
+ROOT = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = sorted(ROOT.rglob("*.toml"))
 
 
 def test_configs_folder_is_not_empty():
     names = {p.name for p in CONFIGS}
-    assert {"tiny_cpu.toml", "qwen2.5-32b_vapo.toml", "ppo.toml", "grpo.toml", "dapo.toml"} <= names
-    assert len([p for p in CONFIGS if p.parent.name == "ablations"]) == 7
+    assert {"tiny_cpu.toml", "tiny_long_cpu.toml", "qwen2.5-32b_vapo.toml", "ppo.toml", "grpo.toml",
+            "dapo.toml"} <= names
+    assert len([p for p in CONFIGS if p.parent.name == "ablations" and p.parents[1].name == "configs"]) == 7
+    assert len([p for p in CONFIGS if p.parent.name == "ablations" and p.parents[1].name == "long"]) == 7
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(p.parents[1])))
@@ -30,8 +33,9 @@ def test_paper_settings_in_qwen_config():
     assert a.batch_size // a.mini_batch_size == 16  # optimiser steps per rollout step, as in the paper
 
 
-def test_baselines_and_ablations_flip_exactly_their_switch():
-    base = load_config([p for p in CONFIGS if p.name == "tiny_cpu.toml"]).algo.model_dump()
+@pytest.mark.parametrize(("vapo", "arms", "per_step"), [("tiny_cpu.toml", "", 128), ("tiny_long_cpu.toml", "long", 64)])
+def test_baselines_and_ablations_flip_exactly_their_switch(vapo, arms, per_step):
+    base = load_config([ROOT / vapo]).algo.model_dump()
     flips = {
         "no_value_pretrain": {"value_pretrain_steps": 0},
         "no_decoupled_gae": {"decoupled_gae": False},
@@ -39,17 +43,46 @@ def test_baselines_and_ablations_flip_exactly_their_switch():
         "no_clip_higher": {"clip_higher": False},
         "no_token_level_loss": {"token_level_loss": False},
         "no_pos_lm_loss": {"pos_lm_coef": 0.0},
-        "no_group_sampling": {"group_size": 1, "prompts_per_step": 128},
+        "no_group_sampling": {"group_size": 1, "prompts_per_step": per_step},
     }
     for name, expected in flips.items():
-        algo = load_config([p for p in CONFIGS if p.stem == name]).algo
+        algo = load_config([ROOT / arms / "ablations" / f"{name}.toml"]).algo
         changed = {k: v for k, v in algo.model_dump().items() if base[k] != v}
         assert changed == expected, name
-        assert algo.batch_size == 128  # same samples per step
-    ppo = load_config([p for p in CONFIGS if p.stem == "ppo"]).algo
+        assert algo.batch_size == per_step  # same samples per step
+    for name in ("ppo", "grpo", "dapo"):
+        assert load_config([ROOT / arms / "baselines" / f"{name}.toml"]).algo.batch_size == per_step, name
+    ppo = load_config([ROOT / arms / "baselines" / "ppo.toml"]).algo
     assert (ppo.lam_policy, ppo.effective_eps_high, ppo.token_level_loss, ppo.value_pretrain_steps) == (
         0.95, 0.2, False, 0)
     assert not ppo.decoupled_gae and not ppo.length_adaptive_gae
+
+
+def test_long_config_rescales_alpha_to_its_lengths():
+    """tiny_long_cpu.toml: the paper's alpha * l >= 10 (lambda_policy 0.90-0.96 here) on every correct held-out
+    response, which are 150-400 tokens, and DAPO's overlong zone starts past the longest."""
+    from async_vapo.tasks import arith
+
+    cfg = load_config([ROOT / "tiny_long_cpu.toml"])
+    _, held_out = arith.make_splits(0, cfg.task.num_eval, cfg.task.seed, cfg.task.min_ops, cfg.task.max_ops)
+    lengths = [len(arith.solution(p)) + 1 for p in held_out]  # + EOS
+    assert 150 <= min(lengths) and max(lengths) <= 400
+    lam = [1 - 1 / (cfg.algo.alpha * n) for n in lengths]
+    assert 0.90 <= min(lam) and max(lam) <= 0.96
+    assert max(lengths) <= cfg.rollout.max_response_tokens - cfg.algo.overlong_buffer
+    dapo = load_config([ROOT / "long" / "baselines" / "dapo.toml"])
+    assert max(lengths) <= dapo.rollout.max_response_tokens - dapo.algo.overlong_buffer
+
+
+def test_model_positions_must_hold_prompt_and_response():
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        load_config(overrides=["task.min_ops=20", "task.max_ops=44", "rollout.max_response_tokens=416"])
+    cfg = load_config(overrides=["task.min_ops=20", "task.max_ops=44", "rollout.max_response_tokens=416",
+                                 "base_model.max_position_embeddings=507"])  # 90 + 416 + 1
+    assert cfg.base_model.max_position_embeddings == 507
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        load_config(overrides=["task.min_ops=20", "task.max_ops=44", "rollout.max_response_tokens=416",
+                               "base_model.max_position_embeddings=506"])
 
 
 def _write(tmp_path: Path, name: str, text: str) -> Path:

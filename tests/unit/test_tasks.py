@@ -90,6 +90,7 @@ def test_make_splits_deterministic_in_seed():
         (2460, 300, 1, 2),  # every one of the 155 + 2605 distinct problems is used
         (500, 50, 3, 4),
         (1, 1, 1, 1),
+        (4000, 138, 22, 44),  # the long config: more problems per length than random.sample can index
     ],
 )
 def test_splits_are_disjoint_and_distinct(seed, num_train, num_eval, min_ops, max_ops):
@@ -115,6 +116,16 @@ def test_held_out_does_not_depend_on_num_train():
     _, small = arith.make_splits(10, 120, seed=9)
     _, large = arith.make_splits(5000, 120, seed=9)
     assert small == large
+
+
+def test_long_chain_splits_are_deterministic_and_stratified():
+    assert arith.count_problems(44) > sys.maxsize
+    train, held_out = arith.make_splits(300, 46, seed=3, min_ops=22, max_ops=44)
+    assert (train, held_out) == arith.make_splits(300, 46, seed=3, min_ops=22, max_ops=44)
+    assert arith.make_splits(10, 46, seed=3, min_ops=22, max_ops=44)[1] == held_out
+    assert set(Counter(p.meta["n_ops"] for p in held_out).values()) == {2}
+    for p in held_out[:5]:
+        assert arith.solution(p).endswith(f"\\boxed{{{p.answer}}}")
 
 
 def test_train_uses_all_lengths_evenly_until_one_runs_out():
