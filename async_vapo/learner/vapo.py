@@ -158,6 +158,8 @@ class Learner:
         self.version = 0  # policy updates published so far
         self.optimizer_steps = 0  # policy optimiser steps
         self.critic_steps = 0  # critic optimiser steps, value pretraining included
+        self.reuse_first_logprobs = True
+        """Take the first mini-batch's old log-probs from its own first forward (exact; see ``update``)."""
 
     # ---------------------------------------------------------------- helpers
     def _lr_scale(self, steps_done: int) -> float:
@@ -184,17 +186,20 @@ class Learner:
         return [idx[i: i + k] for i in range(0, len(idx), k)]
 
     @torch.no_grad()
-    def _forward_old(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs of the policy that generated the batch and the critic's values, before any update."""
+    def _forward_old(self, batch: RolloutBatch, skip: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs of the policy that generated the batch and the critic's values, before any update. The
+        log-probs of the rows in ``skip`` are left 0 (the update takes them from its first gradient step)."""
         n, t = batch.tokens.response_mask.shape
         old_lp = torch.zeros(n, t)
         values = torch.zeros(n, t) if self.critic is not None else None
-        for idx in self._micro(list(range(n))):
+        skipped = set(skip)
+        rows = [i for i in range(n) if i not in skipped]
+        for idx in self._micro(rows):
             tb = batch.tokens.select(idx)
-            w = tb.response_ids.shape[1]
-            old_lp[idx, :w] = logprobs_from_logits(self._logits(tb), tb.response_ids)
-            if values is not None:
-                values[idx, :w] = self._values(tb)
+            old_lp[idx, : tb.response_ids.shape[1]] = logprobs_from_logits(self._logits(tb), tb.response_ids)
+        for idx in self._micro(list(range(n))) if values is not None else ():
+            tb = batch.tokens.select(idx)
+            values[idx, : tb.response_ids.shape[1]] = self._values(tb)
         mask = batch.tokens.response_mask.bool()
         return old_lp.masked_fill(~mask, 0.0), None if values is None else values.masked_fill(~mask, 0.0)
 
@@ -232,7 +237,7 @@ class Learner:
         if self.critic is None:
             raise RuntimeError(f"algorithm {self.algo.name!r} has no critic to pretrain")
         mask = batch.tokens.response_mask
-        _, values = self._forward_old(batch)
+        _, values = self._forward_old(batch, skip=range(len(mask)))  # the critic's values only
         _, returns = compute_gae(self._token_rewards(batch), values, mask, 1.0, self.algo.gamma)
         rows = [self._critic_minibatch(batch, idx, returns, values) for idx in self._minibatches(len(mask))]
         return _mean_metrics(rows)
@@ -284,22 +289,21 @@ class Learner:
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """One rollout step's worth of policy (and critic) optimisation; publishes version + 1."""
         mask = batch.tokens.response_mask
-        old_lp, values = self._forward_old(batch)
+        plan = [self._minibatches(len(mask)) for _ in range(self.algo.ppo_epochs)]
+        # The first mini-batch's old log-probs are its first gradient step's own log-probs (same weights, same
+        # tokens): they are taken, detached, from that forward instead of a separate pass (ratio exactly 1 there).
+        reuse = set(plan[0][0]) if self.reuse_first_logprobs and data_parallel_world()[1] == 1 else set()
+        old_lp, values = self._forward_old(batch, skip=sorted(reuse))
         adv, returns, stats = self.advantages(batch, values)
-        # tokens without an engine log-prob count as on-policy (weight 1)
-        behavior = torch.where(torch.isnan(batch.behavior_logprobs), old_lp, batch.behavior_logprobs)
-        stats["behavior_logprob_gap"] = float(masked_mean((old_lp - behavior).abs(), mask))
-        bw = None
-        if self.algo.behavior_correction:
-            bw, bstats = behavior_weights(old_lp, behavior, mask, self.algo.behavior_weight_cap)
-            stats.update({f"actor/{k}": float(v) for k, v in bstats.items()})
+        nan_behavior = torch.isnan(batch.behavior_logprobs)
         if values is not None:
             stats.update(critic_error_by_age(values, returns, mask, self.version - batch.versions))
         token_level = self.algo.token_level_loss
         eps_high = self.algo.effective_eps_high
         rows: list[dict[str, float]] = []
-        for _ in range(self.algo.ppo_epochs):
-            for idx in self._minibatches(len(mask)):
+        fresh = reuse  # rows whose old log-probs the next forward provides: the first mini-batch's, once
+        for epoch in plan:
+            for idx in epoch:
                 total = loss_normalizer(mask[idx], token_level)
                 pos_mask_all = mask[idx].bool() & batch.correct[idx, None]
                 pos_total = loss_normalizer(pos_mask_all, True)
@@ -311,9 +315,11 @@ class Learner:
                     lp = logprobs_from_logits(logits, tb.response_ids)
                     with torch.no_grad():
                         ent = entropy_from_logits(logits)
+                        if fresh:
+                            old_lp[mi, :w] = lp.masked_fill(~tb.response_mask.bool(), 0.0)
+                        bw_mi = self._behavior_weights(batch, old_lp, nan_behavior, mi, w)
                     pl, m = policy_loss(lp, old_lp[mi, :w], adv[mi, :w], tb.response_mask, self.algo.eps_low,
-                                        eps_high, token_level=token_level, entropy=ent,
-                                        behavior_weights=None if bw is None else bw[mi, :w])
+                                        eps_high, token_level=token_level, entropy=ent, behavior_weights=bw_mi)
                     loss = microbatch_weight(tb.response_mask, total, token_level) * pl
                     row = {"actor/pg_loss": float(pl.detach()), **{f"actor/{k}": float(x) for k, x in m.items()}}
                     if self.algo.pos_lm_coef > 0:
@@ -335,10 +341,27 @@ class Learner:
                     out.update(self._critic_minibatch(batch, idx, returns, values))
                 self.optimizer_steps += 1
                 rows.append(out)
+                fresh = set()
         self.version += 1
         metrics = _mean_metrics(rows)
         metrics.update(stats)
+        # tokens without an engine log-prob count as on-policy (weight 1)
+        behavior = torch.where(nan_behavior, old_lp, batch.behavior_logprobs)
+        metrics["behavior_logprob_gap"] = float(masked_mean((old_lp - behavior).abs(), mask))
+        if self.algo.behavior_correction:
+            _, bstats = behavior_weights(old_lp, behavior, mask, self.algo.behavior_weight_cap)
+            metrics.update({f"actor/{k}": float(v) for k, v in bstats.items()})
         return metrics
+
+    def _behavior_weights(self, batch: RolloutBatch, old_lp: torch.Tensor, nan_behavior: torch.Tensor,
+                          rows: list[int], w: int) -> torch.Tensor | None:
+        """Decoupled-PPO weights of ``rows`` (the first ``w`` response columns), None when the correction is off.
+        Tokens without an engine log-prob count as on-policy (weight 1)."""
+        if not self.algo.behavior_correction:
+            return None
+        old = old_lp[rows, :w]
+        behavior = torch.where(nan_behavior[rows, :w], old, batch.behavior_logprobs[rows, :w])
+        return behavior_weights(old, behavior, batch.tokens.response_mask[rows, :w], self.algo.behavior_weight_cap)[0]
 
     # ---------------------------------------------------------------- weights and checkpoints
     def empty_update(self) -> dict[str, float]:

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The peer's own virtual environment: TRL 1.16 beside the project's torch and transformers pins, never in .venv
+# (TRL is a benchmark extra, not a dependency; .ci/run never installs it). Usage: benchmarks/peers/setup_trl.sh [DIR]
+set -euo pipefail
+DIR=${1:-.venv-trl}
+TRANSFORMERS=$(.venv/bin/python -c 'import transformers; print(transformers.__version__)')
+python3 -m venv "$DIR"
+"$DIR/bin/pip" install -q "torch==2.13.0" "transformers==$TRANSFORMERS" "trl==1.16.0"
+"$DIR/bin/python" -c 'import trl, torch, transformers; print("trl", trl.__version__, "torch", torch.__version__,
+"transformers", transformers.__version__)'
