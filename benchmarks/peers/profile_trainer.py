@@ -8,7 +8,7 @@
   itself (one core for the worker, one reserved) or to every core (``rollout.engine.engine_cpu_env``). The binding
   is fixed when an engine starts, so the variants alternate ``--repeats`` times, one engine at a time.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/peers/profile.py --rounds 5 --out benchmarks/results/peers
+    PYTHONPATH=. .venv/bin/python benchmarks/peers/profile_trainer.py --rounds 5 --out benchmarks/results/peers
 """
 
 from __future__ import annotations
