@@ -43,9 +43,11 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
     from async_vapo.learner.vapo import Learner
 
     t_start = time.perf_counter()
-    # Generation and learning alternate here: each may use every core of this process while the other waits
-    # (the learner's torch threads, and the engine's OpenMP threads unless VLLM_CPU_OMP_THREADS_BIND says otherwise).
+    # Generation and learning alternate here, so with train.threads = 0 each uses every core of this process while
+    # the other waits: the learner's torch threads, and the engine's OpenMP threads (unless
+    # VLLM_CPU_OMP_THREADS_BIND says otherwise). vLLM by itself binds its worker to one core and reserves the rest.
     cpus = sorted(os.sched_getaffinity(0))
+    every_core = cfg.train.threads == 0
     torch.set_num_threads(cfg.train.threads or len(cpus))
     run_dir = cfg.run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -68,7 +70,7 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
     spec = EngineSpec.from_config(cfg, policy_path, longest_prompt=encoder.longest(train_set + eval_set))
     own_engine = engine is None
     if engine is None:
-        if not torch.cuda.is_available() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        if every_core and not torch.cuda.is_available() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             os.environ.update(engine_cpu_env(cpus))
         engine = VLLMEngine(spec, version=learner.version)
     else:

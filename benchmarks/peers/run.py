@@ -130,11 +130,11 @@ def trl_spec(seed: int, updates: int, every: int, threads: int) -> dict:
                         "temperature": cfg.rollout.temperature, "max_response_tokens": cfg.rollout.max_response_tokens}}
 
 
-def run_trl(seed: int, updates: int, every: int, work: Path, python: str) -> dict:
+def run_trl(seed: int, updates: int, every: int, work: Path, python: str, threads: int) -> dict:
     out = work / f"trl_s{seed}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    spec = trl_spec(seed, updates, every, len(os.sched_getaffinity(0)))
+    spec = trl_spec(seed, updates, every, threads)
     (out / "spec.json").write_text(json.dumps(spec))
     env = dict(os.environ, PYTHONPATH=str(REPO))
     t0 = time.perf_counter()
@@ -187,6 +187,8 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=5, help="evaluate / checkpoint every this many updates")
     ap.add_argument("--sides", default=",".join(SIDES))
     ap.add_argument("--trl-python", default=str(REPO / ".venv-trl/bin/python"))
+    ap.add_argument("--trl-threads", type=int, default=1,
+                    help="TRL's torch threads (1: on this loaded 2-core machine 2 threads took 4x longer per update)")
     ap.add_argument("--work", default=str(REPO / "runs/peers"))
     ap.add_argument("--out", default=str(REPO / "benchmarks/results/peers"))
     ap.add_argument("--report-only", action="store_true", help="rewrite the report from --out/runs.json")
@@ -205,7 +207,7 @@ def main() -> None:
                     continue
                 log(f"{side} seed {seed}")
                 if side == "trl":
-                    run = run_trl(seed, args.updates, args.every, work, args.trl_python)
+                    run = run_trl(seed, args.updates, args.every, work, args.trl_python, args.trl_threads)
                 elif side == "cluster":
                     run = run_cluster(seed, args.updates, args.every, work)
                 else:
