@@ -15,7 +15,8 @@ rotated from seed to seed so that a drift in the machine's load does not favour 
   ``async.max_staleness`` 1, engine and learner pinned to a core each).
 
 Each run records, per update k, its training clock t_k: seconds from the start of its first update (the first
-value-pretraining step for VAPO) to the end of update k, held-out evaluations excluded. Held-out accuracy is our
+value-pretraining step for VAPO; on the services, the learner's first batch, after the engine's start) to the end of
+update k, held-out evaluations and process start-up excluded. Held-out accuracy is our
 evaluator's (``rollout.generate.evaluate``: 240 problems x 2 samples, temperature 1, the seeded engine): the
 one-process runs evaluate themselves every ``--every`` updates; TRL's and the cluster's checkpoints (same cadence)
 are evaluated after all runs by one engine loading each checkpoint's weights. Results go to ``--out``:
@@ -87,9 +88,8 @@ def run_ours(side: str, seed: int, updates: int, every: int, work: Path) -> dict
 
 
 def run_cluster(seed: int, updates: int, every: int, work: Path) -> dict:
-    """The services; its clock runs from the start of the learner's first update (``wall_s`` - ``time/step_s`` of
-    update 1) to the end of each update. Rollout 0's own evaluation is off (it would hold the engine): checkpoints
-    every ``every`` updates are evaluated afterwards."""
+    """The services; its clock runs from the learner's first batch (:func:`cluster_clock`). Rollout 0's own
+    evaluation is off (it would hold the engine): checkpoints every ``every`` updates are evaluated afterwards."""
     run_dir = work / f"cluster_s{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
     names = ["verifier_port", "replay_port", "replay_batch_port", "weights_port", "acks_port", "weights_fetch_port",
@@ -101,13 +101,23 @@ def run_cluster(seed: int, updates: int, every: int, work: Path) -> dict:
     t0 = time.perf_counter()
     with open(work / f"{run_dir.name}.log", "w") as f:
         subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, check=True)
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if r["kind"] == "train"]
-    start = train[0]["wall_s"] - train[0]["time/step_s"]
+    train = cluster_train_rows(run_dir)
     ckpts = {int(p.name.split("_")[1]): str(p / "policy") for p in (run_dir / "checkpoints").glob("step_*")}
-    return {"side": "cluster", "seed": seed, "t": {r["step"]: r["wall_s"] - start for r in train},
-            "checkpoints": ckpts, "learn_s_mean": sum(r["time/learn_s"] for r in train) / len(train),
-            "process_s": time.perf_counter() - t0}
+    return {"side": "cluster", "seed": seed, "t": cluster_clock(train), "checkpoints": ckpts, "run_dir": str(run_dir),
+            "learn_s_mean": sum(r["time/learn_s"] for r in train) / len(train), "process_s": time.perf_counter() - t0}
+
+
+def cluster_train_rows(run_dir: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["kind"] == "train"]
+
+
+def cluster_clock(train: list[dict]) -> dict[int, float]:
+    """Seconds from the moment the learner had its first batch (the end of update 1's wait for it, which holds the
+    engine's start) to the end of each update."""
+    first = train[0]
+    start = first["wall_s"] - first["time/step_s"] + first["time/wait_batch_s"]
+    return {r["step"]: r["wall_s"] - start for r in train}
 
 
 def trl_spec(seed: int, updates: int, every: int, threads: int) -> dict:
@@ -220,6 +230,11 @@ def main() -> None:
         evaluate_checkpoints(runs)
         runs_path.write_text(json.dumps(runs, indent=1) + "\n")
     runs = json.loads(runs_path.read_text())
+    for run in runs:  # cluster clocks from their metrics (runs recorded before the clock started at the first batch)
+        run_dir = Path(run.get("run_dir", work / f"cluster_s{run['seed']}"))
+        if run["side"] == "cluster" and (run_dir / "metrics.jsonl").exists():
+            run["t"] = cluster_clock(cluster_train_rows(run_dir))
+    runs_path.write_text(json.dumps(runs, indent=1) + "\n")
     summary = summarize(runs, updates=args.updates)
     write_report(summary, out)
     print((out / "peers.md").read_text())
