@@ -12,7 +12,8 @@ Per run:
 * ``accuracy_at_equal_wall`` = the accuracy of the last evaluation reached by ``equal_wall_s`` (update k with
   t[k] <= equal_wall_s, or the base model), where ``equal_wall_s`` is the smallest of the sides' mean ``time_to_n_s``:
   every side is compared at the moment the fastest one has finished.
-Per side: the mean over seeds, with min and max; ``x_trl`` is the side's mean ``updates_per_s`` over TRL's.
+Per side: the mean over seeds, with min and max; ``x_trl`` is the side's mean ``updates_per_s`` over TRL's, and
+``x_trl_same_seed`` the ratio run by run against TRL's run of the same seed (mean, min, max).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import statistics
 from pathlib import Path
 
 SIDES = ["trl", "grpo", "vapo", "cluster"]
-LABELS = {"trl": "TRL 1.16 GRPOTrainer (HF generate, 2 torch threads)",
+LABELS = {"trl": "TRL 1.16 GRPOTrainer (HF generate, 1 torch thread)",
           "grpo": "async-vapo train, configs/baselines/grpo.toml (one process)",
           "vapo": "async-vapo train, configs/tiny_cpu.toml (VAPO, one process)",
           "cluster": "deploy/start_cluster.sh, configs/baselines/grpo.toml (services, max_staleness 1)"}
@@ -64,8 +65,12 @@ def summarize(runs: list[dict], *, updates: int) -> dict:
         out["sides"][s] = side
     if "trl" in out["sides"]:
         trl = out["sides"]["trl"]["updates_per_s"]["mean"]
+        trl_by_seed = {p["seed"]: p["updates_per_s"] for p in out["sides"]["trl"]["runs"]}
         for side in out["sides"].values():
             side["x_trl"] = side["updates_per_s"]["mean"] / trl
+            paired = [p["updates_per_s"] / trl_by_seed[p["seed"]] for p in side["runs"] if p["seed"] in trl_by_seed]
+            if paired:
+                side["x_trl_same_seed"] = _spread(paired)
     return out
 
 
@@ -78,11 +83,12 @@ def markdown(summary: dict) -> str:
     lines = [f"# TRL beside async-vapo: {n} GRPO-sized updates (16 prompts x 8 samples, 2 optimiser steps each)", "",
              "Mean over seeds (min–max). Updates/s are steady-state: (N − 1) / (t_N − t_1). Held-out accuracy is our "
              "evaluator's (240 problems x 2 samples, temperature 1).", "",
-             f"| side | seeds | updates/s | × TRL | samples/s | s to {n} updates | accuracy at update {n} "
-             f"| accuracy at {wall:.0f} s |", "|---|---|---|---|---|---|---|---|"]
+             f"| side | seeds | updates/s | × TRL | × TRL, same seed | samples/s | s to {n} updates "
+             f"| accuracy at update {n} | accuracy at {wall:.0f} s |", "|---|---|---|---|---|---|---|---|---|"]
     for side in summary["sides"].values():
         x = f"{side['x_trl']:.2f}" if "x_trl" in side else "—"
-        lines.append(f"| {side['label']} | {len(side['seeds'])} | {_fmt(side['updates_per_s'], 3)} | {x} | "
+        xs = _fmt(side["x_trl_same_seed"]) if "x_trl_same_seed" in side else "—"
+        lines.append(f"| {side['label']} | {len(side['seeds'])} | {_fmt(side['updates_per_s'], 3)} | {x} | {xs} | "
                      f"{_fmt(side['samples_per_s'], 1)} | {_fmt(side['time_to_n_s'], 0)} | "
                      f"{_fmt(side['accuracy_at_n'], 3)} | {_fmt(side['accuracy_at_equal_wall'], 3)} |")
     lines += ["", f"Equal wall-clock: {wall:.0f} s, the fastest side's mean time to {n} updates; each run is "

@@ -40,6 +40,8 @@ def test_rates_ratios_and_equal_wall_clock_on_hand_made_runs():
     assert grpo["updates_per_s"]["mean"] == pytest.approx(1.0)
     assert grpo["samples_per_s"]["mean"] == pytest.approx(128.0)
     assert grpo["x_trl"] == pytest.approx(1.0 / 0.375) and trl["x_trl"] == pytest.approx(1.0)
+    # run by run against TRL's run of the same seed: 1.0 / 0.5 and 1.0 / 0.25
+    assert grpo["x_trl_same_seed"] == pytest.approx({"mean": 3.0, "min": 2.0, "max": 4.0})
     # time to 3 updates: TRL 6 and 12 (mean 9), GRPO 12 and 12: equal wall-clock is 9 s
     assert s["equal_wall_s"] == pytest.approx(9.0)
     # at 9 s TRL seed 0 had finished (update 3: 0.7) and seed 1 had done update 2 (t 8: 0.5); GRPO had done none
@@ -48,7 +50,7 @@ def test_rates_ratios_and_equal_wall_clock_on_hand_made_runs():
     assert [p["accuracy_at_equal_wall"] for p in grpo["runs"]] == [0.4, 0.4]
     assert trl["accuracy_at_n"] == pytest.approx({"mean": 0.6, "min": 0.5, "max": 0.7})
     md = r.markdown(s)
-    assert "| 2 | 0.375 (0.250–0.500) | 1.00 |" in md and "accuracy at 9 s" in md
+    assert "| 2 | 0.375 (0.250–0.500) | 1.00 | 1.00 (1.00–1.00) |" in md and "accuracy at 9 s" in md
 
 
 @pytest.mark.skipif(not (RESULTS / "runs.json").exists(), reason="no committed peer results")
