@@ -14,6 +14,7 @@ optimisers, version, prompt cursor) and ``samples.jsonl`` (a few decoded respons
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from async_vapo.config import Config, save_resolved
 from async_vapo.metrics.jsonl import JsonlWriter
 from async_vapo.models.base import ensure_base_model
 from async_vapo.models.reward import resolve_critic_path
-from async_vapo.rollout.engine import EngineSpec, VLLMEngine
+from async_vapo.rollout.engine import EngineSpec, VLLMEngine, engine_cpu_env
 from async_vapo.rollout.generate import PromptEncoder, Rollout, evaluate
 from async_vapo.tasks import PromptSampler, load_task
 from async_vapo.verify.sandbox import VerifierPool
@@ -42,8 +43,12 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
     from async_vapo.learner.vapo import Learner
 
     t_start = time.perf_counter()
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+    # Generation and learning alternate here, so with train.threads = 0 each uses every core of this process while
+    # the other waits: the learner's torch threads, and the engine's OpenMP threads (unless
+    # VLLM_CPU_OMP_THREADS_BIND says otherwise). vLLM by itself binds its worker to one core and reserves the rest.
+    cpus = sorted(os.sched_getaffinity(0))
+    every_core = cfg.train.threads == 0
+    torch.set_num_threads(cfg.train.threads or len(cpus))
     run_dir = cfg.run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     save_resolved(cfg, run_dir)
@@ -65,6 +70,8 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
     spec = EngineSpec.from_config(cfg, policy_path, longest_prompt=encoder.longest(train_set + eval_set))
     own_engine = engine is None
     if engine is None:
+        if every_core and not torch.cuda.is_available() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            os.environ.update(engine_cpu_env(cpus))
         engine = VLLMEngine(spec, version=learner.version)
     else:
         engine.load_weights(learner.policy_state(), learner.version)

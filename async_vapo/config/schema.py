@@ -658,7 +658,8 @@ class TrainConfig(_Section):
     seed: int = 0
     """Seed of prompt sampling and learner initialisation."""
     threads: int = Field(0, ge=0)
-    """torch intra-op threads of the learner (0 = torch's default)."""
+    """torch intra-op threads of the learner. 0 = every core the process may run on (its CPU affinity); the
+    one-process trainer then also binds its vLLM CPU engine's OpenMP threads to every core, none reserved."""
     max_minutes: float | None = Field(None, gt=0)
     """Stop training after this much wall-clock time (after the step in progress)."""
 

@@ -204,6 +204,8 @@ class Learner:
         self.version = 0  # policy updates published so far
         self.optimizer_steps = 0  # policy optimiser steps
         self.critic_steps = 0  # critic optimiser steps, value pretraining included
+        self.reuse_first_logprobs = True
+        """Take the first mini-batch's old log-probs from its own first forward (exact; see ``update``)."""
 
     def _load(self, build, load_full) -> torch.nn.Module:
         """A float32 model on this rank's device (eval mode: no dropout anywhere); sharded with FSDP2 when there is
@@ -302,22 +304,28 @@ class Learner:
         return batch.tokens.attention_mask.sum(-1).tolist()
 
     @torch.no_grad()
-    def _forward_old(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward_old(self, batch: RolloutBatch, skip: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs of the policy that generated the batch and the critic's values, before any update. Each rank
-        computes its share of the rows and the shares are summed over ranks (every other row is zero)."""
+        computes its share of the rows and the shares are summed over ranks (every other row is zero). The
+        log-probs of the rows in ``skip`` are left 0 (the update takes them from its first gradient step; every
+        rank must pass the same ``skip``)."""
         n, t = batch.tokens.response_mask.shape
         dev = batch.tokens.response_mask.device
         old_lp = torch.zeros(n, t, device=dev)
         values = torch.zeros(n, t, device=dev) if self.critic is not None else None
-        for idx, real in self._my_micro(list(range(n)), self._seq_tokens(batch)):
+        seq_tokens = self._seq_tokens(batch)
+        skipped = set(skip)
+        rows = [i for i in range(n) if i not in skipped]
+        for idx, real in self._my_micro(rows, seq_tokens) if rows else ():
             tb = batch.tokens.select(idx)
-            w = tb.response_ids.shape[1]
             lp, _ = self._logprobs(tb)
-            v = self._values(tb) if values is not None else None
             if real:
-                old_lp[idx, :w] = lp
-                if values is not None:
-                    values[idx, :w] = v
+                old_lp[idx, : tb.response_ids.shape[1]] = lp
+        for idx, real in self._my_micro(list(range(n)), seq_tokens) if values is not None else ():
+            tb = batch.tokens.select(idx)
+            v = self._values(tb)
+            if real:
+                values[idx, : tb.response_ids.shape[1]] = v
         all_reduce_sum_(old_lp)
         if values is not None:
             all_reduce_sum_(values)
@@ -359,7 +367,7 @@ class Learner:
         batch = batch.to(self.device)
         mask = batch.tokens.response_mask
         seq_tokens = self._seq_tokens(batch)
-        _, values = self._forward_old(batch)
+        _, values = self._forward_old(batch, skip=range(len(mask)))  # the critic's values only
         _, returns = compute_gae(self._token_rewards(batch), values, mask, 1.0, self.algo.gamma)
         rows = [self._critic_minibatch(batch, idx, seq_tokens, returns, values)
                 for idx in self._minibatches(len(mask))]
@@ -416,22 +424,22 @@ class Learner:
         batch = batch.to(self.device)
         mask = batch.tokens.response_mask
         seq_tokens = self._seq_tokens(batch)
-        old_lp, values = self._forward_old(batch)
+        plan = [self._minibatches(len(mask)) for _ in range(self.algo.ppo_epochs)]
+        # The first mini-batch's old log-probs are its first gradient step's own log-probs (same weights, same
+        # tokens): they are taken, detached, from that forward instead of a separate pass (ratio exactly 1 there).
+        # One unsharded process only: sharded ranks split micro-batches differently in the two passes.
+        reuse = set(plan[0][0]) if self.reuse_first_logprobs and not self.sharded else set()
+        old_lp, values = self._forward_old(batch, skip=sorted(reuse))
         adv, returns, stats = self.advantages(batch, values)
-        # tokens without an engine log-prob count as on-policy (weight 1)
-        behavior = torch.where(torch.isnan(batch.behavior_logprobs), old_lp, batch.behavior_logprobs)
-        stats["behavior_logprob_gap"] = float(masked_mean((old_lp - behavior).abs(), mask))
-        bw = None
-        if self.algo.behavior_correction:
-            bw, bstats = behavior_weights(old_lp, behavior, mask, self.algo.behavior_weight_cap)
-            stats.update({f"actor/{k}": float(v) for k, v in bstats.items()})
+        nan_behavior = torch.isnan(batch.behavior_logprobs)
         if values is not None:
             stats.update(critic_error_by_age(values, returns, mask, self.version - batch.versions))
         token_level = self.algo.token_level_loss
         eps_high = self.algo.effective_eps_high
         rows: list[dict[str, float]] = []
-        for _ in range(self.algo.ppo_epochs):
-            for idx in self._minibatches(len(mask)):
+        fresh = reuse  # rows whose old log-probs the next forward provides: the first mini-batch's, once
+        for epoch in plan:
+            for idx in epoch:
                 total = loss_normalizer(mask[idx], token_level)
                 pos_mask_all = mask[idx].bool() & batch.correct[idx, None]
                 pos_total = loss_normalizer(pos_mask_all, True)
@@ -440,9 +448,12 @@ class Learner:
                     tb = batch.tokens.select(mi)
                     w = tb.response_ids.shape[1]
                     lp, ent = self._logprobs(tb, entropy_grad=self.algo.entropy_coef > 0)
+                    with torch.no_grad():
+                        if fresh:
+                            old_lp[mi, :w] = lp.detach().masked_fill(~tb.response_mask.bool(), 0.0)
+                        bw_mi = self._behavior_weights(batch, old_lp, nan_behavior, mi, w)
                     pl, m = policy_loss(lp, old_lp[mi, :w], adv[mi, :w], tb.response_mask, self.algo.eps_low,
-                                        eps_high, token_level=token_level, entropy=ent,
-                                        behavior_weights=None if bw is None else bw[mi, :w])
+                                        eps_high, token_level=token_level, entropy=ent, behavior_weights=bw_mi)
                     loss = microbatch_weight(tb.response_mask, total, token_level) * pl
                     row = {"actor/pg_loss": float(pl.detach()), **{f"actor/{k}": float(x) for k, x in m.items()}}
                     if self.algo.pos_lm_coef > 0:
@@ -464,10 +475,27 @@ class Learner:
                     out.update(self._critic_minibatch(batch, idx, seq_tokens, returns, values))
                 self.optimizer_steps += 1
                 rows.append(out)
+                fresh = set()
         self.version += 1
         metrics = _mean_metrics(rows)
         metrics.update(stats)
+        # tokens without an engine log-prob count as on-policy (weight 1)
+        behavior = torch.where(nan_behavior, old_lp, batch.behavior_logprobs)
+        metrics["behavior_logprob_gap"] = float(masked_mean((old_lp - behavior).abs(), mask))
+        if self.algo.behavior_correction:
+            _, bstats = behavior_weights(old_lp, behavior, mask, self.algo.behavior_weight_cap)
+            metrics.update({f"actor/{k}": float(v) for k, v in bstats.items()})
         return metrics
+
+    def _behavior_weights(self, batch: RolloutBatch, old_lp: torch.Tensor, nan_behavior: torch.Tensor,
+                          rows: list[int], w: int) -> torch.Tensor | None:
+        """Decoupled-PPO weights of ``rows`` (the first ``w`` response columns), None when the correction is off.
+        Tokens without an engine log-prob count as on-policy (weight 1)."""
+        if not self.algo.behavior_correction:
+            return None
+        old = old_lp[rows, :w]
+        behavior = torch.where(nan_behavior[rows, :w], old, batch.behavior_logprobs[rows, :w])
+        return behavior_weights(old, behavior, batch.tokens.response_mask[rows, :w], self.algo.behavior_weight_cap)[0]
 
     # ---------------------------------------------------------------- weights and checkpoints
     def empty_update(self) -> dict[str, float]:

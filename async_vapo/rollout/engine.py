@@ -88,6 +88,15 @@ class EngineSpec:
                    max_num_seqs=r.max_num_seqs, tensor_parallel_size=r.tensor_parallel_size)
 
 
+def engine_cpu_env(cpus: Sequence[int]) -> dict[str, str]:
+    """Environment that binds a CPU engine's OpenMP threads to ``cpus``, all of them, with none reserved.
+
+    vLLM's automatic binding keeps one core per worker free for its scheduler process; on this 2-core machine that
+    leaves the worker one thread. The one-process trainer alternates generation and learning, so while the engine
+    generates nothing else needs a core (the scheduler mostly waits), and the worker may take every one."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cpus), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
 class VLLMEngine:
     def __init__(self, spec: EngineSpec, version: int = 0):
         on_cpu = not torch.cuda.is_available()

@@ -26,8 +26,9 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("model-cache")
 
 
-def make(cache, *overrides: str) -> tuple[Learner, object]:
-    """A learner on the tiny base model and one rollout batch of 2 groups x 4 responses (one mini-batch)."""
+def make(cache, *overrides: str, behavior: float | None = None) -> tuple[Learner, object]:
+    """A learner on the tiny base model and one rollout batch of 2 groups x 4 responses (one mini-batch).
+    ``behavior``: the engine's log-prob of every response token (None: not reported)."""
     cfg = load_config([], FAST + [f"model.cache_dir={cache}", *overrides])
     base = ensure_base_model(cfg, progress=False)
     tok = AutoTokenizer.from_pretrained(str(base))
@@ -38,7 +39,8 @@ def make(cache, *overrides: str) -> tuple[Learner, object]:
         for k in range(4):
             ids = tok(f"{rng.randint(0, 9)}+{rng.randint(0, 9)}=" + "7" * rng.randint(1, 12)).input_ids
             ids.append(tok.eos_token_id)
-            samples.append(Trajectory(response_ids=ids, behavior_logprobs=[], finish_reason="stop",
+            blp = [] if behavior is None else [behavior] * len(ids)
+            samples.append(Trajectory(response_ids=ids, behavior_logprobs=blp, finish_reason="stop",
                                       reward=1.0 if k % 2 else -1.0, correct=bool(k % 2), verdict="x"))
         groups.append(Group(uid=f"g{g}", prompt="p", answer="7", prompt_ids=tok(f"{g}+1").input_ids, version=0,
                             samples=samples))
@@ -153,3 +155,43 @@ def test_a_checkpoint_of_the_format_before_dcp_still_resumes(cache, tmp_path):
     learner.update(batch)
     for k, v in learner.policy.state_dict().items():
         torch.testing.assert_close(again.policy.state_dict()[k], v, rtol=0, atol=0)
+
+
+def policy_forwards(learner: Learner) -> list[int]:
+    """Counts the policy's forward passes (one element per call)."""
+    calls: list[int] = []
+    learner.policy.register_forward_hook(lambda *_: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("algo", ["grpo", "vapo"])
+@pytest.mark.parametrize("mini_batch", [8, 4])
+def test_first_minibatch_takes_its_old_logprobs_from_its_own_forward(cache, algo, mini_batch):
+    """The separate old-log-prob pass is skipped for the first mini-batch of the first epoch: its old log-probs are
+    the log-probs of its own first forward, on the same weights. With one mini-batch (8 samples, 2 micro-batches of 4)
+    the update makes 2 policy forwards instead of 4; with two mini-batches 3 instead of 4 (the second mini-batch's
+    old log-probs still come from the pass, before the first step). Losses, ratios, behaviour weights (engine
+    log-probs of -1.5 per token) and the weights after two updates match the update that makes the separate pass."""
+    over = [f"algo.name={algo}", f"algo.mini_batch_size={mini_batch}", "algo.micro_batch_size=4"]
+    results = []
+    for reuse in (True, False):
+        learner, batch = make(cache, *over, behavior=-1.5)
+        learner.reuse_first_logprobs = reuse
+        calls = policy_forwards(learner)
+        m1 = learner.update(batch)
+        forwards = len(calls)
+        m2 = learner.update(batch)
+        results.append((m1, m2, forwards, learner.policy.state_dict()))
+    (a1, a2, fa, wa), (b1, b2, fb, wb) = results
+    assert fb == 4
+    assert fa == (2 if mini_batch == 8 else 3)
+    if mini_batch == 8:  # one mini-batch: every ratio of the first step is exactly 1
+        assert a1["actor/clipfrac"] == 0.0 and a1["actor/approx_kl"] == 0.0
+    assert a1.keys() == b1.keys() and a2.keys() == b2.keys()
+    for key in b1:
+        torch.testing.assert_close(a1[key], b1[key], rtol=1e-5, atol=1e-6, equal_nan=True, msg=key)
+    for key in b2:
+        torch.testing.assert_close(a2[key], b2[key], rtol=1e-4, atol=1e-5, equal_nan=True, msg=key)
+    assert a1["actor/behavior_weight_mean"] != 1.0  # the behaviour weights were exercised
+    for k, v in wb.items():
+        torch.testing.assert_close(wa[k], v, rtol=1e-5, atol=1e-6, msg=k)

@@ -1,0 +1,133 @@
+"""The peer benchmark's arithmetic and report (``benchmarks/peers/run.py`` writes the runs; this reads them).
+
+A run is ``{"side", "seed", "t": {update: seconds}, "accuracy": {update: held-out accuracy}}``, where ``t[k]`` is
+the training clock at the end of update k (from the start of the run's first update, or of its first
+value-pretraining step) and ``accuracy[0]`` is the base model's.
+
+Per run:
+* ``updates_per_s`` = (N - 1) / (t[N] - t[1]): the steady rate, without the first update (warm-up; on the services,
+  batches generated while the learner started);
+* ``samples_per_s`` = ``updates_per_s`` x samples per update (16 x 8 on every side);
+* ``time_to_n_s`` = t[N], and ``accuracy_at_n`` = accuracy[N] (equal updates);
+* ``accuracy_at_equal_wall`` = the accuracy of the last evaluation reached by ``equal_wall_s`` (update k with
+  t[k] <= equal_wall_s, or the base model), where ``equal_wall_s`` is the smallest of the sides' mean ``time_to_n_s``:
+  every side is compared at the moment the fastest one has finished.
+Per side: the mean over seeds, with min and max; ``x_trl`` is the side's mean ``updates_per_s`` over TRL's, and
+``x_trl_same_seed`` the ratio run by run against TRL's run of the same seed (mean, min, max).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+SIDES = ["trl", "grpo", "vapo", "cluster"]
+LABELS = {"trl": "TRL 1.16 GRPOTrainer (HF generate, 1 torch thread)",
+          "grpo": "async-vapo train, configs/baselines/grpo.toml (one process)",
+          "vapo": "async-vapo train, configs/tiny_cpu.toml (VAPO, one process)",
+          "cluster": "deploy/start_cluster.sh, configs/baselines/grpo.toml (services, max_staleness 1)"}
+SAMPLES_PER_UPDATE = 128
+METRICS = ["updates_per_s", "samples_per_s", "time_to_n_s", "accuracy_at_n", "accuracy_at_equal_wall"]
+
+
+def _ints(d: dict) -> dict[int, float]:
+    return {int(k): float(v) for k, v in d.items()}
+
+
+def run_figures(run: dict, n: int, equal_wall_s: float | None = None) -> dict[str, float]:
+    t, acc = _ints(run["t"]), _ints(run["accuracy"])
+    ups = (n - 1) / (t[n] - t[1])
+    out = {"updates_per_s": ups, "samples_per_s": ups * SAMPLES_PER_UPDATE, "time_to_n_s": t[n],
+           "accuracy_at_n": acc[n]}
+    if equal_wall_s is not None:
+        reached = [k for k in acc if k == 0 or (k in t and t[k] <= equal_wall_s)]
+        out["accuracy_at_equal_wall"] = acc[max(reached)]
+        out["update_at_equal_wall"] = float(max(reached))
+    return out
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
+
+
+def summarize(runs: list[dict], *, updates: int) -> dict:
+    sides = [s for s in SIDES if any(r["side"] == s for r in runs)]
+    by_side = {s: [r for r in runs if r["side"] == s] for s in sides}
+    mean_time = {s: statistics.fmean(run_figures(r, updates)["time_to_n_s"] for r in rs) for s, rs in by_side.items()}
+    equal_wall_s = min(mean_time.values())
+    out: dict = {"updates": updates, "samples_per_update": SAMPLES_PER_UPDATE, "equal_wall_s": equal_wall_s,
+                 "sides": {}}
+    for s, rs in by_side.items():
+        per_run = [{"seed": r["seed"], **run_figures(r, updates, equal_wall_s)} for r in rs]
+        side = {"label": LABELS[s], "seeds": [r["seed"] for r in rs], "runs": per_run}
+        side.update({m: _spread([p[m] for p in per_run]) for m in METRICS})
+        out["sides"][s] = side
+    if "trl" in out["sides"]:
+        trl = out["sides"]["trl"]["updates_per_s"]["mean"]
+        trl_by_seed = {p["seed"]: p["updates_per_s"] for p in out["sides"]["trl"]["runs"]}
+        for side in out["sides"].values():
+            side["x_trl"] = side["updates_per_s"]["mean"] / trl
+            paired = [p["updates_per_s"] / trl_by_seed[p["seed"]] for p in side["runs"] if p["seed"] in trl_by_seed]
+            if paired:
+                side["x_trl_same_seed"] = _spread(paired)
+    return out
+
+
+def _fmt(s: dict, digits: int = 2) -> str:
+    return f"{s['mean']:.{digits}f} ({s['min']:.{digits}f}–{s['max']:.{digits}f})"
+
+
+def markdown(summary: dict) -> str:
+    n, wall = summary["updates"], summary["equal_wall_s"]
+    lines = [f"# TRL beside async-vapo: {n} GRPO-sized updates (16 prompts x 8 samples, 2 optimiser steps each)", "",
+             "Mean over seeds (min–max). Updates/s are steady-state: (N − 1) / (t_N − t_1). Held-out accuracy is our "
+             "evaluator's (240 problems x 2 samples, temperature 1).", "",
+             f"| side | seeds | updates/s | × TRL | × TRL, same seed | samples/s | s to {n} updates "
+             f"| accuracy at update {n} | accuracy at {wall:.0f} s |", "|---|---|---|---|---|---|---|---|---|"]
+    for side in summary["sides"].values():
+        x = f"{side['x_trl']:.2f}" if "x_trl" in side else "—"
+        xs = _fmt(side["x_trl_same_seed"]) if "x_trl_same_seed" in side else "—"
+        lines.append(f"| {side['label']} | {len(side['seeds'])} | {_fmt(side['updates_per_s'], 3)} | {x} | {xs} | "
+                     f"{_fmt(side['samples_per_s'], 1)} | {_fmt(side['time_to_n_s'], 0)} | "
+                     f"{_fmt(side['accuracy_at_n'], 3)} | {_fmt(side['accuracy_at_equal_wall'], 3)} |")
+    lines += ["", f"Equal wall-clock: {wall:.0f} s, the fastest side's mean time to {n} updates; each run is "
+              "taken at its last evaluation reached by then."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict, runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    colors = dict(zip(SIDES, ["tab:gray", "tab:blue", "tab:green", "tab:orange"], strict=True))
+    for s, side in summary["sides"].items():
+        for i, r in enumerate(x for x in runs if x["side"] == s):
+            t, acc = _ints(r["t"]), _ints(r["accuracy"])
+            ks = sorted(acc)
+            lab = s if i == 0 else None
+            axes[0].plot(ks, [acc[k] for k in ks], "o-", color=colors[s], alpha=0.7, label=lab)
+            axes[1].plot([0.0 if k == 0 else t[k] for k in ks], [acc[k] for k in ks], "o-", color=colors[s],
+                         alpha=0.7, label=lab)
+        u = side["updates_per_s"]
+        axes[2].bar(s, u["mean"], color=colors[s], yerr=[[u["mean"] - u["min"]], [u["max"] - u["mean"]]], capsize=4)
+    axes[1].axvline(summary["equal_wall_s"], color="k", ls=":", lw=1)
+    axes[0].set(xlabel="update", ylabel="held-out accuracy", title="accuracy at equal updates")
+    axes[1].set(xlabel="training seconds", ylabel="held-out accuracy", title="accuracy at equal wall-clock")
+    axes[2].set(ylabel="updates / s (steady)", title="throughput (mean, min–max over seeds)")
+    for ax in axes[:2]:
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(summary: dict, out: Path) -> None:
+    runs = json.loads((out / "runs.json").read_text())
+    (out / "peers.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (out / "peers.md").write_text(markdown(summary))
+    plot(summary, runs, out / "peers.png")

@@ -1,0 +1,115 @@
+"""TRL's GRPOTrainer on the embedded task, as a TRL user would run it: the peer side of ``benchmarks/peers/run.py``.
+
+Runs in a virtual environment of its own with TRL installed (``benchmarks/peers/setup_trl.sh``), never in the
+project's: TRL is a benchmark extra, not a dependency. It imports from ``async_vapo`` only the pure answer check
+(``async_vapo.verify.check``, through ``PYTHONPATH``), so the reward rule is ours, graded in-process (no sandbox:
+to TRL's advantage).
+
+Input (``--spec``, written by ``run.py``): the base model directory, the training prompts in the order our
+``PromptSampler`` takes them (so TRL sees the same 16 prompts per update as ``async-vapo train``), and the
+hyper-parameters. Output (``--out``): ``step_N/`` (policy weights, tokenizer) every ``save_every`` updates and
+``timing.json``: per update the training seconds since the first step started, saves excluded.
+
+One update here is what one update is in ``async-vapo train``: 16 prompts x 8 samples generated, then two optimiser
+steps on mini-batches of 64 (``steps_per_generation = 2``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--spec", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    spec = json.loads(Path(args.spec).read_text())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from async_vapo.verify.check import check_answer
+
+    h = spec["hparams"]
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    data = Dataset.from_list([{"prompt": p, "answer": a}
+                              for p, a in zip(spec["prompts"], spec["answers"], strict=True)])
+
+    def reward(prompts, completions, answer, **_):
+        return [h["reward_correct"] if check_answer(c, a)[0] else h["reward_incorrect"]
+                for c, a in zip(completions, answer, strict=True)]
+
+    mini = h["mini_batch_size"]
+    steps_per_update = h["prompts_per_step"] * h["group_size"] // mini
+    config = GRPOConfig(**trl_settings(h, spec["seed"], steps_per_update, spec["updates"], str(out / "trl")))
+
+    class Clock(TrainerCallback):
+        """Training seconds per update (every ``steps_per_update`` optimiser steps), saves excluded."""
+
+        def __init__(self):
+            self.t0 = self.paused = None
+            self.rows = []
+
+        def on_step_begin(self, a, state, control, **kw):
+            if self.t0 is None:
+                self.t0, self.paused = time.perf_counter(), 0.0
+
+        def on_step_end(self, a, state, control, **kw):
+            if state.global_step % steps_per_update:
+                return
+            update = state.global_step // steps_per_update
+            self.rows.append({"update": update, "train_s": time.perf_counter() - self.t0 - self.paused})
+            if update % spec["save_every"] == 0 or update == spec["updates"]:
+                t = time.perf_counter()
+                kw["model"].save_pretrained(out / f"step_{update}", safe_serialization=True)
+                tokenizer.save_pretrained(out / f"step_{update}")
+                self.paused += time.perf_counter() - t
+
+    clock = Clock()
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data,
+                          processing_class=tokenizer, callbacks=[clock])
+    trainer.train()
+    logs = [r for r in trainer.state.log_history if "loss" in r]
+    (out / "timing.json").write_text(json.dumps({"updates": clock.rows, "settings": config_summary(config),
+                                                 "log_history": logs}, indent=1) + "\n")
+
+
+def trl_settings(h: dict, seed: int, steps_per_update: int, updates: int, output_dir: str) -> dict:
+    """GRPOConfig arguments matched to our GRPO baseline (README of benchmarks/peers, line by line)."""
+    return dict(
+        output_dir=output_dir, use_cpu=True, use_vllm=False, seed=seed, data_seed=seed,
+        report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
+        shuffle_dataset=False,  # prompts in our PromptSampler's order
+        num_generations=h["group_size"], per_device_train_batch_size=h["mini_batch_size"],
+        gradient_accumulation_steps=1, steps_per_generation=steps_per_update, num_iterations=1,
+        max_steps=updates * steps_per_update,
+        learning_rate=h["actor_lr"], lr_scheduler_type="constant", warmup_steps=0,
+        adam_beta1=h["beta1"], adam_beta2=h["beta2"], weight_decay=h["weight_decay"], max_grad_norm=h["grad_clip"],
+        beta=0.0, epsilon=h["eps_low"], epsilon_high=h["eps_low"], loss_type="grpo", scale_rewards="group",
+        temperature=h["temperature"], top_p=1.0, top_k=0, max_completion_length=h["max_response_tokens"],
+        mask_truncated_completions=False, dataloader_num_workers=0, bf16=False, fp16=False,
+    )
+
+
+def config_summary(config) -> dict:
+    keys = ["num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
+            "generation_batch_size", "num_iterations", "max_steps", "learning_rate", "lr_scheduler_type", "beta",
+            "epsilon", "epsilon_high", "loss_type", "scale_rewards", "temperature", "top_p", "top_k",
+            "max_completion_length", "mask_truncated_completions", "max_grad_norm", "adam_beta1", "adam_beta2",
+            "weight_decay", "shuffle_dataset", "use_vllm", "seed"]
+    return {k: getattr(config, k, None) for k in keys}
+
+
+if __name__ == "__main__":
+    main()
