@@ -89,6 +89,13 @@ class VLLMEngine:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(spec.kv_cache_gib))))
         from vllm import LLM
 
+        extra = {}
+        if not torch.cuda.is_available():
+            # A seeded request whose prompt is prefilled in chunks kills the CPU engine: vLLM rewinds the request's
+            # generator with set_offset, which a CPU generator does not support ("CPU Generator does not use
+            # offset"). Real prompts (a chat template, ~100 tokens) in a batch of hundreds exceed one step's token
+            # budget and get chunked; without chunked prefill a prompt waits for a step with room for all of it.
+            extra["enable_chunked_prefill"] = False
         t0 = time.perf_counter()
         self.spec = spec
         self.llm = LLM(
@@ -102,6 +109,7 @@ class VLLMEngine:
             max_num_seqs=spec.max_num_seqs,
             logprobs_mode="processed_logprobs",  # of the tempered distribution sampled from (module docstring)
             worker_extension_cls="async_vapo.rollout.worker_ext.WeightSyncExtension",
+            **extra,
         )
         self.start_seconds = time.perf_counter() - t0
         self.version = version
