@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=str(ROOT / "models" / "smollm2-135m-instruct"))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "smollm2"))
     ap.add_argument("--run-dir", default=str(ROOT / "runs" / "bench_smollm2"))
+    ap.add_argument("overrides", nargs="*", help="key.sub=value overrides of configs/smollm2_cpu.toml")
     args = ap.parse_args(argv)
 
     from transformers import AutoTokenizer
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir)
     cfg = load_config([str(ROOT / "configs" / "smollm2_cpu.toml")],
                       [f"model.path={model}", f"train.total_steps={args.steps}", f"train.eval_every={args.eval_every}",
-                       f"train.output_dir={run_dir.parent}/{{name}}", f"train.name={run_dir.name}"])
+                       f"train.output_dir={run_dir.parent}/{{name}}", f"train.name={run_dir.name}", *args.overrides])
     tok = AutoTokenizer.from_pretrained(model)
     train_set, eval_set = load_task(cfg)
     ci_set = load_problems(ROOT / "tests" / "data" / "wordprob_ci.jsonl")
@@ -141,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         pool.close()
         print(json.dumps({k: v for k, v in result.items() if k.startswith("base_") and k != "base_examples"},
                          indent=1), flush=True)
+        (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")  # kept if training dies
 
         summary = train(cfg, progress=True, engine=engine)
     finally:
