@@ -190,8 +190,8 @@ def _write_md(res: dict, path: Path) -> None:
     t = res["time_per_update_mean_s"]
     lines += ["| per update (mean) | seconds |", "|---|---|"]
     lines += [f"| {k.split('/')[1]} | {v:.1f} |" for k, v in t.items()]
-    lines += ["", f"Engine start {res['engine_start_s']:.0f} s; import "
-              f"{res.get('import_s', float('nan')):.0f} s (nan: the model directory was there already).", ""]
+    lines += ["", f"Engine start {res['engine_start_s']:.0f} s; the import took {res['import']['seconds']:.0f} s "
+              "(async_vapo_import.json).", ""]
     path.write_text("\n".join(lines))
 
 
