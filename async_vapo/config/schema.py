@@ -23,15 +23,19 @@ class _Section(BaseModel):
 
 
 class TaskConfig(_Section):
-    kind: Literal["arith", "files"] = "arith"
-    """`arith`: the built-in chain-arithmetic generator; `files`: local JSONL/Parquet problem files."""
+    kind: Literal["arith", "wordprob", "files"] = "arith"
+    """`arith`: the built-in chain-arithmetic generator; `wordprob`: generated grade-school word problems (the real
+    model's task, ``async_vapo.tasks.wordprob``); `files`: local JSONL/Parquet problem files."""
     seed: int = 1234
     """Seed of the problem generator (train and held-out splits never share a problem)."""
     min_ops: int = Field(1, ge=1, le=64)
     """Fewest operations in a generated problem (short responses; a correct response has ~8 characters per
-    operation)."""
+    operation); `wordprob`: its easiest level (1-4)."""
     max_ops: int = Field(6, ge=1, le=64)
-    """Most operations in a generated problem (long responses: up to 8 * max_ops + 10 characters)."""
+    """Most operations in a generated problem (long responses: up to 8 * max_ops + 10 characters); `wordprob`: its
+    hardest level (1-4)."""
+    few_shot: int = Field(1, ge=0, le=2)
+    """`wordprob` only: worked examples (question and answer turns) before each question in its chat."""
     num_train: int = Field(4000, ge=1)
     """Number of training problems generated."""
     num_eval: int = Field(240, ge=1)
@@ -54,6 +58,8 @@ class TaskConfig(_Section):
     def _check(self) -> TaskConfig:
         if self.min_ops > self.max_ops:
             raise ValueError(f"min_ops ({self.min_ops}) must be <= max_ops ({self.max_ops})")
+        if self.kind == "wordprob" and self.max_ops > 4:
+            raise ValueError(f"kind='wordprob' has levels 1-4, got max_ops={self.max_ops}")
         if self.kind == "files" and not (self.train_path and self.eval_path):
             raise ValueError("kind='files' needs both train_path and eval_path")
         if "{prompt}" not in self.prompt_template:

@@ -40,7 +40,8 @@ def ensure_base_model(cfg: Config, *, progress: bool = True) -> Path:
     if cfg.model.path:
         path = Path(cfg.model.path).expanduser()
         if not (path / "config.json").exists():
-            raise FileNotFoundError(f"model.path {path} has no config.json (expected an HF model directory)")
+            raise FileNotFoundError(f"model.path {path} has no config.json (expected an HF model directory; a GGUF "
+                                    f"file becomes one with `async-vapo import-gguf FILE {path}`)")
         return path
     if cfg.task.kind != "arith":
         raise ValueError("the embedded base model is built for task.kind='arith'; set model.path for other tasks")

@@ -121,9 +121,9 @@ class VLLMEngine:
             weight_transfer_config={"backend": GLOO_BACKEND},  # async_vapo.weights.dist, registered by worker_ext
             # With chunked prefill, vLLM rewinds the generator of a seeded request whose prefill was split
             # (gpu_model_runner: gen.set_offset), which a CPU generator cannot do ("CPU Generator does not use
-            # offset"): the engine died evaluating the long task's held-out split (138 prompts x 2 seeded
-            # samples, the 4-layer base model); the same run with this flag completed. On the CPU every prompt is
-            # prefilled whole. (A one-layer test model on the same prompts did not hit the split.)
+            # offset"). It killed the engine evaluating the long task's held-out split (138 prompts x 2 seeded
+            # samples) and on chat-template prompts of the real model in batches of a few dozen; the same runs
+            # with this flag completed. On the CPU every prompt is prefilled whole.
             **({"enable_chunked_prefill": False} if on_cpu else {}),
         )
         self.start_seconds = time.perf_counter() - t0

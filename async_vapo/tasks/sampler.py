@@ -6,7 +6,7 @@ import random
 from collections.abc import Sequence
 
 from async_vapo.config import Config
-from async_vapo.tasks import arith
+from async_vapo.tasks import arith, wordprob
 from async_vapo.tasks.base import Problem
 from async_vapo.tasks.files import load_problems
 
@@ -16,6 +16,8 @@ def load_task(cfg: Config) -> tuple[list[Problem], list[Problem]]:
     t = cfg.task
     if t.kind == "arith":
         return arith.make_splits(t.num_train, t.num_eval, t.seed, t.min_ops, t.max_ops)
+    if t.kind == "wordprob":
+        return wordprob.make_splits(t.num_train, t.num_eval, t.seed, t.min_ops, t.max_ops, t.few_shot)
     return load_problems(t.train_path), load_problems(t.eval_path)
 
 
