@@ -385,7 +385,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="1m,30m,300m")
     ap.add_argument("--pushes", type=int, default=5, help="timed pushes per path (after one warm-up)")
     ap.add_argument("--profile", action="store_true", help="break reload_weights down inside the worker")
-    ap.add_argument("--bucket-mb", type=int, default=64, help="bucket of the torch.distributed path (MiB)")
+    ap.add_argument("--bucket-mb", type=int, default=16, help="bucket of the torch.distributed path (MiB)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args()
     if args.profile:  # collective_rpc pickles the profiling function

@@ -426,8 +426,9 @@ class WeightsConfig(_Section):
     engine gets a torch.distributed (gloo) group of its own and the learner streams every version to the engines
     in rotation through vLLM's weight-transfer API (``async_vapo.weights.dist``); the slots of "auto" stay, for
     an engine not yet in a group or whose receive failed."""
-    dist_bucket_bytes: int = Field(64 * 2**20, ge=4096)
-    """"dist": most bytes in one broadcast (a bigger tensor goes alone)."""
+    dist_bucket_bytes: int = Field(16 * 2**20, ge=4096)
+    """"dist": most bytes in one broadcast (a bigger tensor goes alone). The engine receives the next bucket while
+    it loads one, so smaller buckets overlap more (benchmarks/results/weight_sync_dist/)."""
     dist_timeout_s: float = Field(60.0, gt=0)
     """"dist": limit of an engine's join and of each broadcast, and the deadline of one version's send to one
     engine; past it the engine's group is torn down and the engine falls back to the slot."""

@@ -39,7 +39,9 @@ import torch
 
 GLOO_BACKEND = "async_vapo_gloo"
 """Name of the gloo engine in vLLM's WeightTransferEngineFactory."""
-DEFAULT_BUCKET_BYTES = 64 << 20
+DEFAULT_BUCKET_BYTES = 16 << 20
+"""Bucket size: the engine receives the next bucket while it loads one, so smaller buckets overlap more. At 30 M
+parameters on this CPU, 16 MiB (8 buckets) pushed in 0.111 s against 0.188 s with 64 MiB (2 buckets)."""
 
 
 class EngineSyncTimeout(TimeoutError):
@@ -182,11 +184,19 @@ def _build_engine_classes() -> None:
         def receive_weights(self, update_info) -> None:
             if self.group is None:
                 raise RuntimeError("update_weights before init_weight_transfer_engine: no gloo group")
-            for spec in update_info.buckets:
-                b = Bucket(**spec)
-                t0 = time.perf_counter()
+            buckets = [Bucket(**spec) for spec in update_info.buckets]
+
+            def post(b: Bucket):  # the receive of a bucket, in flight on gloo's thread
                 flat = torch.empty(b.nbytes, dtype=torch.uint8)
-                self.group.broadcast(flat, 0).wait()
+                return flat, self.group.broadcast(flat, 0)
+
+            nxt = post(buckets[0]) if buckets else None
+            for i, b in enumerate(buckets):
+                t0 = time.perf_counter()
+                flat, work = nxt
+                work.wait()
+                # The next bucket is received while this one loads, so the sender never waits on vLLM's load.
+                nxt = post(buckets[i + 1]) if i + 1 < len(buckets) else None
                 t1 = time.perf_counter()
                 self.model.load_weights(list(_views(flat, b)))
                 del flat
@@ -257,18 +267,27 @@ class EngineGroup:
             self.connect()
         t0 = time.perf_counter()
         it = iter(tensors)
-        flat = torch.empty(max((b.nbytes for b in buckets), default=0), dtype=torch.uint8)
+        # Two buffers: the next bucket is packed (and its shards gathered) while the previous one is in flight.
+        size = max((b.nbytes for b in buckets), default=0)
+        flats = [torch.empty(size, dtype=torch.uint8) for _ in range(min(2, len(buckets)))]
+        works: list = [None] * len(flats)
         try:
-            for b in buckets:
+            for i, b in enumerate(buckets):
                 if deadline is not None and time.monotonic() > deadline:
                     raise EngineSyncTimeout(f"{self.engine_id}: sync deadline passed")
-                part = flat[: b.nbytes]
+                k = i % len(flats)
+                if works[k] is not None:
+                    works[k].wait()  # this buffer's previous bucket has gone
+                part = flats[k][: b.nbytes]
                 for (name, dst) in _views(part, b):
                     got, src = next(it)
                     if got != name:
                         raise ValueError(f"tensor {got!r} came where the bucket plan has {name!r}")
                     dst.copy_(_materialize(src).detach().reshape(dst.shape))
-                self.group.broadcast(part, 0).wait()
+                works[k] = self.group.broadcast(part, 0)
+            for w in works:
+                if w is not None:
+                    w.wait()
         except EngineSyncTimeout:
             self.close()
             raise
