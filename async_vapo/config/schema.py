@@ -34,6 +34,10 @@ class TaskConfig(_Section):
     max_ops: int = Field(6, ge=1, le=64)
     """Most operations in a generated problem (long responses: up to 8 * max_ops + 10 characters); `wordprob`: its
     hardest level (1-4)."""
+    labels: bool = False
+    """`arith` only: name each operation with a letter, in the prompt and in the step that uses it
+    (``7a+3b-5c+2=`` -> ``7a+3=10;10b-5=5;...``), so that a small model can follow chains of tens of operations
+    (at most 52): the long-response task's writing (``async_vapo.tasks.arith``)."""
     few_shot: int = Field(1, ge=0, le=2)
     """`wordprob` only: worked examples (question and answer turns) before each question in its chat."""
     num_train: int = Field(4000, ge=1)
@@ -60,6 +64,11 @@ class TaskConfig(_Section):
             raise ValueError(f"min_ops ({self.min_ops}) must be <= max_ops ({self.max_ops})")
         if self.kind == "wordprob" and self.max_ops > 4:
             raise ValueError(f"kind='wordprob' has levels 1-4, got max_ops={self.max_ops}")
+        if self.labels and self.kind != "arith":
+            raise ValueError(f"task.labels is for kind='arith' only, got kind={self.kind!r}")
+        if self.labels and self.max_ops > 52:
+            raise ValueError(f"labelled chains have at most 52 operations (one letter each), "
+                             f"got max_ops={self.max_ops}")
         if self.kind == "files" and not (self.train_path and self.eval_path):
             raise ValueError("kind='files' needs both train_path and eval_path")
         if "{prompt}" not in self.prompt_template:
@@ -697,8 +706,9 @@ class Config(_Section):
     @model_validator(mode="after")
     def _check(self) -> Config:
         if self.task.kind == "arith":
-            # longest arith response: (len("99+9=99;") * max_ops) + len("\\boxed{99}")
-            need = 8 * self.task.max_ops + 10
+            # longest arith response: (len("99+9=99;") * max_ops) + len("\\boxed{99}"); a label adds one per step
+            per_op = 9 if self.task.labels else 8
+            need = per_op * self.task.max_ops + 10
             if self.rollout.max_response_tokens < need:
                 raise ValueError(
                     f"rollout.max_response_tokens ({self.rollout.max_response_tokens}) is below the longest "
@@ -707,7 +717,8 @@ class Config(_Section):
             if not self.model.path:
                 # The engine's max_model_len is the longest prompt + a full response + 1, and vLLM refuses one
                 # longer than the model's positions. The character tokenizer makes one token per character.
-                prompt = len(self.task.prompt_template.replace("{prompt}", "")) + 2 * self.task.max_ops + 2
+                per_op = 3 if self.task.labels else 2
+                prompt = len(self.task.prompt_template.replace("{prompt}", "")) + per_op * self.task.max_ops + 2
                 total = prompt + self.rollout.max_response_tokens + 1
                 if total > self.base_model.max_position_embeddings:
                     raise ValueError(

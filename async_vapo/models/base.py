@@ -20,14 +20,16 @@ import torch
 
 from async_vapo.config import Config
 from async_vapo.models.tiny import build_char_tokenizer, build_tiny_qwen2, save_hf
-from async_vapo.tasks import arith
+from async_vapo.tasks import arith, load_task
 
 BUILD_VERSION = 1  # bump when the recipe changes, so cached models are rebuilt
 
 
 def base_model_key(cfg: Config) -> str:
-    spec = {"v": BUILD_VERSION, "base": cfg.base_model.model_dump(),
-            "task": {k: getattr(cfg.task, k) for k in ("seed", "min_ops", "max_ops", "num_train", "num_eval")}}
+    task = {k: getattr(cfg.task, k) for k in ("seed", "min_ops", "max_ops", "num_train", "num_eval")}
+    if cfg.task.labels:  # only when set, so that the unlabelled task's keys (and shipped builds) stay as they were
+        task["labels"] = True
+    spec = {"v": BUILD_VERSION, "base": cfg.base_model.model_dump(), "task": task}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -85,8 +87,7 @@ def make_base(cfg: Config, out: Path, *, progress: bool = True) -> Path:
         num_kv_heads=bm.num_kv_heads, intermediate_size=bm.intermediate_size,
         max_position_embeddings=bm.max_position_embeddings, pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id, seed=bm.seed)
-    train, _ = arith.make_splits(cfg.task.num_train, cfg.task.num_eval, cfg.task.seed, cfg.task.min_ops,
-                                 cfg.task.max_ops)
+    train, _ = load_task(cfg)
     prompt_ids = {p.uid: tok(cfg.task.prompt_template.format(prompt=p.prompt)).input_ids for p in train}
     opt = torch.optim.AdamW(model.parameters(), lr=bm.sft_lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = max(1, bm.sft_steps // 20)

@@ -23,7 +23,7 @@ import torch
 from async_vapo.config import Config
 from async_vapo.models.base import base_model_key, use_shipped
 from async_vapo.models.rl import load_critic, make_token_batch, response_values
-from async_vapo.tasks import arith
+from async_vapo.tasks import arith, load_task
 from async_vapo.verify.check import check_answer
 
 BUILD_VERSION = 1
@@ -80,8 +80,7 @@ def make_reward_critic(cfg: Config, base_path: Path, out: Path, *, progress: boo
     torch.manual_seed(rm.seed)
     rng = random.Random(rm.seed)
     tok = AutoTokenizer.from_pretrained(str(base_path))
-    train, held = arith.make_splits(cfg.task.num_train, cfg.task.num_eval, cfg.task.seed, cfg.task.min_ops,
-                                    cfg.task.max_ops)
+    train, held = load_task(cfg)
     critic = load_critic(base_path, cfg.model.dtype)
     opt = torch.optim.AdamW(critic.parameters(), lr=rm.lr, weight_decay=0.01)
     t0 = time.perf_counter()

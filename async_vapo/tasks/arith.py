@@ -9,6 +9,18 @@ Responses therefore grow with ``n_ops`` (7 characters for ``0+0=``, up to ``8 * 
 gives the heterogeneous lengths VAPO's length-adaptive GAE is about. Every character a prompt or a
 response can contain is in :data:`ALPHABET`.
 
+*Labelled* chains (``labels=True``, the long-response task) name each operation with a letter, in the
+prompt and in the step that uses it::
+
+    7a+3b-5c+2=   ->   7a+3=10;10b-5=5;5c+2=7;\\boxed{7}
+
+The chains are the same; only the writing differs. Without labels, the k-th step has to find the k-th
+operation by its position in the prompt, which a small model does not learn for chains of tens of
+operations; with labels it copies the two characters that follow the step's label in the prompt (the
+next label is the letter after the previous step's), so a chain of any length is local work, and the
+answer still depends on every step. :data:`LABELS` holds the 52 labels, so labelled chains have at
+most 52 operations.
+
 Invariants:
 
 * The running total stays in ``[0, 99]`` after every operation (first operand included), so every
@@ -42,7 +54,9 @@ from functools import cache
 
 from async_vapo.tasks.base import Problem, prompt_uid
 
-ALPHABET = "0123456789+-=;\\boxed{}"
+LABELS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+"""The operation labels of labelled chains, in order: the k-th operation is ``LABELS[k - 1]``."""
+ALPHABET = "0123456789+-=;\\boxed{}" + "".join(c for c in LABELS if c not in "\\boxed{}")
 """Every character that a prompt, a solution or a demonstration can contain (no duplicates)."""
 
 MIN_TOTAL = 0
@@ -51,6 +65,7 @@ MAX_TOTAL = 99
 _DIGITS = range(10)
 _MOVES: tuple[tuple[str, int], ...] = tuple(("+", d) for d in _DIGITS) + tuple(("-", d) for d in _DIGITS)
 _PROMPT_RE = re.compile(r"(\d)((?:[+-]\d)+)=")
+_LABELLED_RE = re.compile(r"(\d)((?:[a-zA-Z][+-]\d)+)=")
 _ERROR_OFFSETS = (-2, -1, 1, 2)
 
 Step = tuple[int, str, int, int]
@@ -118,8 +133,8 @@ def _steps(start: int, ops: Sequence[tuple[str, int]]) -> tuple[Step, ...]:
     return tuple(steps)
 
 
-def _problem(start: int, ops: Sequence[tuple[str, int]]) -> Problem:
-    prompt = f"{start}" + "".join(f"{op}{d}" for op, d in ops) + "="
+def _problem(start: int, ops: Sequence[tuple[str, int]], labels: bool = False) -> Problem:
+    prompt = f"{start}" + "".join(f"{LABELS[i] if labels else ''}{op}{d}" for i, (op, d) in enumerate(ops)) + "="
     steps = _steps(start, ops)
     return Problem(
         uid=prompt_uid(prompt),
@@ -129,25 +144,33 @@ def _problem(start: int, ops: Sequence[tuple[str, int]]) -> Problem:
     )
 
 
-def _parse(prompt: str) -> tuple[int, list[tuple[str, int]]]:
-    match = _PROMPT_RE.fullmatch(prompt)
-    if match is None:
-        raise ValueError(f"not a chain-arithmetic prompt: {prompt!r}")
-    tail = match.group(2)
-    return int(match.group(1)), [(tail[i], int(tail[i + 1])) for i in range(0, len(tail), 2)]
+def _parse(prompt: str) -> tuple[int, list[tuple[str, int]], bool]:
+    """``(first operand, [(op, d), ...], labelled)`` of a prompt in either writing."""
+    if match := _PROMPT_RE.fullmatch(prompt):
+        tail = match.group(2)
+        return int(match.group(1)), [(tail[i], int(tail[i + 1])) for i in range(0, len(tail), 2)], False
+    if match := _LABELLED_RE.fullmatch(prompt):
+        tail = match.group(2)
+        if tail[::3] != LABELS[: len(tail) // 3]:
+            raise ValueError(f"labelled chain-arithmetic prompt with labels out of order: {prompt!r}")
+        return int(match.group(1)), [(tail[i + 1], int(tail[i + 2])) for i in range(0, len(tail), 3)], True
+    raise ValueError(f"not a chain-arithmetic prompt: {prompt!r}")
 
 
-def _check_ops(min_ops: int, max_ops: int) -> None:
+def _check_ops(min_ops: int, max_ops: int, labels: bool = False) -> None:
     if not 1 <= min_ops <= max_ops:
         raise ValueError(f"need 1 <= min_ops <= max_ops, got min_ops={min_ops}, max_ops={max_ops}")
+    if labels and max_ops > len(LABELS):
+        raise ValueError(f"labelled chains have at most {len(LABELS)} operations (one letter each), "
+                         f"got max_ops={max_ops}")
 
 
-def generate_problem(rng: random.Random, min_ops: int = 1, max_ops: int = 6) -> Problem:
+def generate_problem(rng: random.Random, min_ops: int = 1, max_ops: int = 6, labels: bool = False) -> Problem:
     """One problem: ``n_ops`` uniform in ``[min_ops, max_ops]``, then a chain uniform among the valid
     chains of that length. ``meta``: ``n_ops`` and ``steps`` (tuple of ``(acc, op, operand, result)``)."""
-    _check_ops(min_ops, max_ops)
+    _check_ops(min_ops, max_ops, labels)
     n_ops = rng.randint(min_ops, max_ops)
-    return _problem(*_unrank(n_ops, rng.randrange(count_problems(n_ops))))
+    return _problem(*_unrank(n_ops, rng.randrange(count_problems(n_ops))), labels=labels)
 
 
 def _sample_indices(rng: random.Random, population: int, k: int, exclude: frozenset[int]) -> list[int]:
@@ -202,7 +225,7 @@ def _stream(split: str, seed: int, *parts: int) -> random.Random:
 
 
 def make_splits(
-    num_train: int, num_eval: int, seed: int, min_ops: int = 1, max_ops: int = 6
+    num_train: int, num_eval: int, seed: int, min_ops: int = 1, max_ops: int = 6, labels: bool = False
 ) -> tuple[list[Problem], list[Problem]]:
     """Deterministic ``(train, held_out)`` splits of distinct problems that share no prompt.
 
@@ -210,9 +233,10 @@ def make_splits(
     count per value (the larger counts go to the longer chains when ``num_eval`` does not divide).
     The train split is drawn from what remains, as evenly over ``n_ops`` as capacity allows. Both
     come back shuffled. Raises ValueError when the sizes exceed the distinct problems available
-    (see :func:`count_problems`).
+    (see :func:`count_problems`). ``labels`` writes the same chains labelled (the splits hold the
+    same chains either way).
     """
-    _check_ops(min_ops, max_ops)
+    _check_ops(min_ops, max_ops, labels)
     if num_train < 0 or num_eval < 0:
         raise ValueError(f"split sizes must be >= 0, got num_train={num_train}, num_eval={num_eval}")
     levels = list(range(min_ops, max_ops + 1))
@@ -243,20 +267,23 @@ def make_splits(
         for n in levels
     }
 
-    held_out = [_problem(*_unrank(n, i)) for n in levels for i in eval_index[n]]
-    train = [_problem(*_unrank(n, i)) for n in levels for i in train_index[n]]
+    held_out = [_problem(*_unrank(n, i), labels=labels) for n in levels for i in eval_index[n]]
+    train = [_problem(*_unrank(n, i), labels=labels) for n in levels for i in train_index[n]]
     _stream("eval-order", seed).shuffle(held_out)
     _stream("train-order", seed).shuffle(train)
     return train, held_out
 
 
-def _render(steps: Sequence[Step]) -> str:
-    return "".join(f"{acc}{op}{d}={new};" for acc, op, d, new in steps) + f"\\boxed{{{steps[-1][3]}}}"
+def _render(steps: Sequence[Step], labels: bool = False) -> str:
+    return "".join(f"{acc}{LABELS[i] if labels else ''}{op}{d}={new};" for i, (acc, op, d, new) in enumerate(steps)) \
+        + f"\\boxed{{{steps[-1][3]}}}"
 
 
 def solution(problem: Problem) -> str:
-    """The correct response for an arith problem (computed from the prompt, not from ``meta``)."""
-    return _render(_steps(*_parse(problem.prompt)))
+    """The correct response for an arith problem (computed from the prompt, not from ``meta``), labelled
+    when the prompt is."""
+    start, ops, labels = _parse(problem.prompt)
+    return _render(_steps(start, ops), labels)
 
 
 def demonstration(problem: Problem, rng: random.Random, step_error_rate: float) -> str:
@@ -271,7 +298,8 @@ def demonstration(problem: Problem, rng: random.Random, step_error_rate: float) 
     """
     if not 0.0 <= step_error_rate <= 1.0:
         raise ValueError(f"step_error_rate must be in [0, 1], got {step_error_rate}")
-    true_steps = _steps(*_parse(problem.prompt))
+    start, ops, labels = _parse(problem.prompt)
+    true_steps = _steps(start, ops)
     true_totals = [new for _, _, _, new in true_steps]
     written: list[Step] = []
     deviation = 0
@@ -286,4 +314,4 @@ def demonstration(problem: Problem, rng: random.Random, step_error_rate: float) 
                 deviation = written[-1][3] - new
                 continue
         written.append((acc + deviation, op, d, new + deviation))
-    return _render(written)
+    return _render(written, labels)

@@ -61,13 +61,14 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def run_ours(side: str, seed: int, updates: int, every: int, work: Path) -> dict:
+def run_ours(side: str, seed: int, updates: int, every: int, work: Path, threads: int) -> dict:
     """One-process trainer; its clock is the sum of its steps' ``time/step_s`` (evaluations are outside them)."""
     run_dir = work / f"{side}_s{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [str(REPO / ".venv/bin/async-vapo"), "train", "--config", CONFIGS[side], f"train.seed={seed}",
            f"train.total_steps={updates}", f"train.eval_every={every}", "train.checkpoint_every=0",
-           "train.max_minutes=120", f"train.name={run_dir.name}", f"train.output_dir={work}/{{name}}"]
+           "train.max_minutes=120", f"train.name={run_dir.name}", f"train.output_dir={work}/{{name}}",
+           f"train.threads={threads}"]
     t0 = time.perf_counter()
     with open(work / f"{run_dir.name}.log", "w") as f:
         subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, check=True)
@@ -82,7 +83,7 @@ def run_ours(side: str, seed: int, updates: int, every: int, work: Path) -> dict
     acc = {r["step"]: r["eval/accuracy"] for r in rows if r["kind"] == "eval"}
     gen = [r["time/generate_s"] for r in rows if r["kind"] == "train"]
     learn = [r["time/learn_s"] for r in rows if r["kind"] == "train"]
-    return {"side": side, "seed": seed, "t": times, "accuracy": acc, "pretrain_s": pretrain_s,
+    return {"side": side, "seed": seed, "threads": threads, "t": times, "accuracy": acc, "pretrain_s": pretrain_s,
             "generate_s_mean": sum(gen) / len(gen), "learn_s_mean": sum(learn) / len(learn),
             "process_s": time.perf_counter() - t0}
 
@@ -197,8 +198,10 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=5, help="evaluate / checkpoint every this many updates")
     ap.add_argument("--sides", default=",".join(SIDES))
     ap.add_argument("--trl-python", default=str(REPO / ".venv-trl/bin/python"))
-    ap.add_argument("--trl-threads", type=int, default=1,
-                    help="TRL's torch threads (1: on this loaded 2-core machine 2 threads took 4x longer per update)")
+    ap.add_argument("--ours-threads", type=int, default=0,
+                    help="train.threads of our one-process sides (0: every core for the learner and the engine)")
+    ap.add_argument("--trl-threads", type=int, default=len(os.sched_getaffinity(0)),
+                    help="TRL's torch threads (default: every core; on a loaded machine 1 can be faster)")
     ap.add_argument("--work", default=str(REPO / "runs/peers"))
     ap.add_argument("--out", default=str(REPO / "benchmarks/results/peers"))
     ap.add_argument("--report-only", action="store_true", help="rewrite the report from --out/runs.json")
@@ -221,7 +224,7 @@ def main() -> None:
                 elif side == "cluster":
                     run = run_cluster(seed, args.updates, args.every, work)
                 else:
-                    run = run_ours(side, seed, args.updates, args.every, work)
+                    run = run_ours(side, seed, args.updates, args.every, work, args.ours_threads)
                 run["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
                 n = max(run["t"], key=int)
                 log(f"{side} seed {seed}: {run['t'][n]:.1f} s for {n} updates")

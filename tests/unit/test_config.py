@@ -64,8 +64,12 @@ def test_long_config_rescales_alpha_to_its_lengths():
     from async_vapo.tasks import arith
 
     cfg = load_config([ROOT / "tiny_long_cpu.toml"])
-    _, held_out = arith.make_splits(0, cfg.task.num_eval, cfg.task.seed, cfg.task.min_ops, cfg.task.max_ops)
+    assert cfg.task.labels
+    _, held_out = arith.make_splits(0, cfg.task.num_eval, cfg.task.seed, cfg.task.min_ops, cfg.task.max_ops,
+                                    labels=True)
     lengths = [len(arith.solution(p)) + 1 for p in held_out]  # + EOS
+    prompts = [len(p.prompt) for p in held_out]
+    assert max(prompts) + cfg.rollout.max_response_tokens + 1 <= cfg.base_model.max_position_embeddings
     assert 150 <= min(lengths) and max(lengths) <= 400
     lam = [1 - 1 / (cfg.algo.alpha * n) for n in lengths]
     assert 0.90 <= min(lam) and max(lam) <= 0.96
@@ -83,6 +87,21 @@ def test_model_positions_must_hold_prompt_and_response():
     with pytest.raises(ConfigError, match="max_position_embeddings"):
         load_config(overrides=["task.min_ops=20", "task.max_ops=44", "rollout.max_response_tokens=416",
                                "base_model.max_position_embeddings=506"])
+
+
+def test_labelled_chains_need_room_for_their_labels():
+    """A label adds one character per operation to the prompt and one to each written step."""
+    base = ["task.labels=true", "task.min_ops=20", "task.max_ops=40"]
+    with pytest.raises(ConfigError, match="longest correct arith response"):
+        load_config(overrides=[*base, "rollout.max_response_tokens=369", "base_model.max_position_embeddings=1024"])
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        load_config(overrides=[*base, "rollout.max_response_tokens=370", "base_model.max_position_embeddings=492"])
+    cfg = load_config(overrides=[*base, "rollout.max_response_tokens=370", "base_model.max_position_embeddings=493"])
+    assert cfg.task.labels  # 122 + 370 + 1
+    with pytest.raises(ConfigError, match="at most 52"):
+        load_config(overrides=["task.labels=true", "task.max_ops=53", "rollout.max_response_tokens=600"])
+    with pytest.raises(ConfigError, match="kind='arith' only"):
+        load_config(overrides=["task.labels=true", "task.kind=wordprob", "task.max_ops=4"])
 
 
 def _write(tmp_path: Path, name: str, text: str) -> Path:

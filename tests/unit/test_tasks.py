@@ -258,11 +258,56 @@ def test_alphabet_covers_every_generated_character():
     assert len(set(arith.ALPHABET)) == len(arith.ALPHABET)
     rng = random.Random(3)
     seen: set[str] = set()
-    for problem in _all_problems():
+    labelled = [arith.generate_problem(random.Random(i), 40, 52, labels=True) for i in range(20)]
+    for problem in _all_problems() + labelled:
         for text in (problem.prompt, arith.solution(problem), arith.demonstration(problem, rng, 0.5)):
             seen |= set(text)
     assert seen <= set(arith.ALPHABET)
     assert seen == set(arith.ALPHABET)  # and nothing in the alphabet is unused
+
+
+# ---------------------------------------------------------------- labelled chains
+
+
+def _unlabel(text: str) -> str:
+    return re.sub(r"[a-zA-Z](?=[+-]\d)", "", text)
+
+
+def test_labelled_splits_are_the_same_chains_written_with_labels():
+    plain = arith.make_splits(300, 46, seed=5, min_ops=18, max_ops=40)
+    labelled = arith.make_splits(300, 46, seed=5, min_ops=18, max_ops=40, labels=True)
+    for a_split, b_split in zip(plain, labelled, strict=True):
+        assert len(a_split) == len(b_split)
+        for a, b in zip(a_split, b_split, strict=True):
+            assert _unlabel(b.prompt) == a.prompt and b.answer == a.answer and b.meta == a.meta
+            n = a.meta["n_ops"]
+            # the k-th operation carries the k-th label, in order
+            assert re.fullmatch(r"\d" + "".join(f"{arith.LABELS[k]}[+-]\\d" for k in range(n)) + "=", b.prompt)
+            assert b.uid == prompt_uid(b.prompt) != a.uid
+
+
+def test_labelled_solution_and_demonstration_carry_each_steps_label():
+    rng = random.Random(9)
+    for problem in arith.make_splits(200, 46, seed=6, min_ops=18, max_ops=40, labels=True)[0]:
+        n = problem.meta["n_ops"]
+        text = arith.solution(problem)
+        steps = re.findall(r"(\d+)([a-zA-Z])([+-]\d)=(\d+);", text)
+        assert [s[1] for s in steps] == list(arith.LABELS[:n])
+        # each step copies the operation that follows its label in the prompt
+        assert all(f"{label}{op}" in problem.prompt for _, label, op, _ in steps)
+        unlabelled = _unlabel(text)
+        assert parse_response(unlabelled)[1] == int(problem.answer)
+        demo = arith.demonstration(problem, rng, 0.3)
+        assert [s[1] for s in re.findall(r"(\d+)([a-zA-Z])([+-]\d)=(\d+);", demo)] == list(arith.LABELS[:n])
+        wrong, _ = _step_errors(_unlabel(demo))
+        assert (parse_response(_unlabel(demo))[1] == int(problem.answer)) == (wrong == 0)
+
+
+def test_labelled_chains_are_at_most_52_operations_and_parse_strictly():
+    with pytest.raises(ValueError, match="at most 52"):
+        arith.make_splits(10, 2, seed=0, min_ops=50, max_ops=53, labels=True)
+    with pytest.raises(ValueError, match="out of order"):
+        arith.solution(Problem(uid="x", prompt="7a+3c-5=", answer="5"))
 
 
 def test_tasks_import_neither_torch_nor_pyarrow():
