@@ -32,7 +32,7 @@ def _spread(times: dict[str, list[float]]) -> dict[str, dict]:
     return {k: {"median": statistics.median(v), "min": min(v), "max": max(v), "all": v} for k, v in times.items()}
 
 
-def profile_learner(e: Embedded, rounds: int) -> dict:
+def profile_learner(e: Embedded, rounds: int, budgets: list[int]) -> dict:
     import torch
 
     from async_vapo.learner.vapo import Learner, make_rollout_batch
@@ -56,13 +56,16 @@ def profile_learner(e: Embedded, rounds: int) -> dict:
                    for i in range(0, len(tb), mb))
     learner0 = Learner(cfg, e.base)
     every = len(os.sched_getaffinity(0))
-    variants = {f"threads{t}_{'reuse' if r else 'separate'}": (t, r) for t in (1, every) for r in (False, True)}
+    variants = {f"threads{t}_{'reuse' if r else 'separate'}": (t, r, 0) for t in (1, every) for r in (False, True)}
+    # token-budget micro-batches (algo.max_tokens_per_micro_batch): rows sorted by length, less padding
+    variants |= {f"threads{t}_reuse_budget{b}": (t, True, b) for t in (1, every) for b in budgets}
     times: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(rounds):
-        for name, (threads, reuse) in variants.items():
+        for name, (threads, reuse, budget) in variants.items():
             torch.set_num_threads(threads)
             learner = copy.deepcopy(learner0)
             learner.reuse_first_logprobs = reuse
+            learner.algo = learner.algo.model_copy(update={"max_tokens_per_micro_batch": budget})
             t0 = time.perf_counter()
             learner.update(batch)
             times[name].append(time.perf_counter() - t0)
@@ -110,10 +113,12 @@ def main() -> None:
     ap.add_argument("--parts", default="learner,engine")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=2, help="engine starts per variant")
+    ap.add_argument("--budgets", default="", help="algo.max_tokens_per_micro_batch values to add, e.g. 1024,2048")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     e = embedded(args.config)
-    parts: dict[str, Callable[[], dict]] = {"learner": lambda: profile_learner(e, args.rounds),
+    budgets = [int(b) for b in args.budgets.split(",") if b]
+    parts: dict[str, Callable[[], dict]] = {"learner": lambda: profile_learner(e, args.rounds, budgets),
                                             "engine": lambda: profile_engine(e, args.rounds, args.repeats)}
     result: dict = {"config": args.config, "load_avg_before": os.getloadavg()}
     for part in args.parts.split(","):

@@ -23,7 +23,7 @@ import statistics
 from pathlib import Path
 
 SIDES = ["trl", "grpo", "vapo", "cluster"]
-LABELS = {"trl": "TRL 1.16 GRPOTrainer (HF generate, 1 torch thread)",
+LABELS = {"trl": "TRL 1.16 GRPOTrainer (HF generate)",
           "grpo": "async-vapo train, configs/baselines/grpo.toml (one process)",
           "vapo": "async-vapo train, configs/tiny_cpu.toml (VAPO, one process)",
           "cluster": "deploy/start_cluster.sh, configs/baselines/grpo.toml (services, max_staleness 1)"}
@@ -60,7 +60,9 @@ def summarize(runs: list[dict], *, updates: int) -> dict:
                  "sides": {}}
     for s, rs in by_side.items():
         per_run = [{"seed": r["seed"], **run_figures(r, updates, equal_wall_s)} for r in rs]
-        side = {"label": LABELS[s], "seeds": [r["seed"] for r in rs], "runs": per_run}
+        threads = sorted({r["threads"] for r in rs if "threads" in r})
+        label = LABELS[s] + (f", torch threads {'/'.join(map(str, threads))}" if threads else "")
+        side = {"label": label, "seeds": [r["seed"] for r in rs], "runs": per_run}
         side.update({m: _spread([p[m] for p in per_run]) for m in METRICS})
         out["sides"][s] = side
     if "trl" in out["sides"]:

@@ -83,7 +83,7 @@ def run_ours(side: str, seed: int, updates: int, every: int, work: Path, threads
     acc = {r["step"]: r["eval/accuracy"] for r in rows if r["kind"] == "eval"}
     gen = [r["time/generate_s"] for r in rows if r["kind"] == "train"]
     learn = [r["time/learn_s"] for r in rows if r["kind"] == "train"]
-    return {"side": side, "seed": seed, "threads": threads, "t": times, "accuracy": acc, "pretrain_s": pretrain_s,
+    return {"side": side, "seed": seed, "threads": threads or len(os.sched_getaffinity(0)), "t": times, "accuracy": acc, "pretrain_s": pretrain_s,
             "generate_s_mean": sum(gen) / len(gen), "learn_s_mean": sum(learn) / len(learn),
             "process_s": time.perf_counter() - t0}
 
@@ -154,7 +154,8 @@ def run_trl(seed: int, updates: int, every: int, work: Path, python: str, thread
                         "--out", str(out)], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, check=True)
     timing = json.loads((out / "timing.json").read_text())
     ckpts = {int(p.name.split("_")[1]): str(p) for p in out.glob("step_*")}
-    return {"side": "trl", "seed": seed, "t": {r["update"]: r["train_s"] for r in timing["updates"]},
+    return {"side": "trl", "seed": seed, "threads": threads,
+            "t": {r["update"]: r["train_s"] for r in timing["updates"]},
             "checkpoints": ckpts, "trl_settings": timing["settings"], "process_s": time.perf_counter() - t0}
 
 
