@@ -83,7 +83,8 @@ def run_ours(side: str, seed: int, updates: int, every: int, work: Path, threads
     acc = {r["step"]: r["eval/accuracy"] for r in rows if r["kind"] == "eval"}
     gen = [r["time/generate_s"] for r in rows if r["kind"] == "train"]
     learn = [r["time/learn_s"] for r in rows if r["kind"] == "train"]
-    return {"side": side, "seed": seed, "threads": threads or len(os.sched_getaffinity(0)), "t": times, "accuracy": acc, "pretrain_s": pretrain_s,
+    return {"side": side, "seed": seed, "threads": threads or len(os.sched_getaffinity(0)), "t": times,
+            "accuracy": acc, "pretrain_s": pretrain_s,
             "generate_s_mean": sum(gen) / len(gen), "learn_s_mean": sum(learn) / len(learn),
             "process_s": time.perf_counter() - t0}
 
