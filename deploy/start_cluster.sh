@@ -28,8 +28,9 @@
 # stopped, exit 1.
 #
 # Placement with GPUs (async_vapo/cluster/placement.py): async.rollout_devices GPUs go to engines of
-# rollout.tensor_parallel_size GPUs each, async.learner_devices GPUs to the learner's ranks (one torchrun on the first
-# learner host, its lowest GPUs); each process gets its CUDA_VISIBLE_DEVICES, several engines may share a host.
+# rollout.tensor_parallel_size GPUs each, async.learner_devices GPUs to the learner's ranks (one torchrun per learner
+# host, the ranks split evenly, each on its host's lowest GPUs); each process gets its CUDA_VISIBLE_DEVICES, several
+# engines may share a host.
 # --gpus-per-host N gives the GPUs of every host (default: nvidia-smi's count on this machine, 0 without it; hosts
 # are taken to be alike). A shape that does not fit is refused before anything starts.
 # Placement on one machine without GPUs: the cores are split between rollout engines and learner by the ratio
@@ -54,6 +55,23 @@
 #   ASYNC_VAPO_SSH: the ssh command of every remote call (start, liveness checks, log tails, stop), split on
 #   whitespace; default "ssh -o BatchMode=yes". E.g. ASYNC_VAPO_SSH="ssh -o BatchMode=yes -p 2222 -i KEY" or
 #   "ssh -F my_ssh_config". It is recorded in RUN_DIR/pids/cluster.env, so deploy/stop_cluster.sh uses the same one.
+# Learner on several hosts (several "HOST learner" lines): one torchrun agent per learner host, the service "learner"
+# on the first (node rank 0: global rank 0, which does all of the learner's I/O and alone writes metrics.jsonl,
+# checkpoints' learner_state.pt, summary.json and DONE) and "learner-I" on the I-th, each
+#   torchrun --nnodes H --node-rank I --nproc-per-node K --rdzv-backend c10d --rdzv-id RUN_ID
+#            --rdzv-endpoint FIRST:cluster.ports.learner_rdzv_port --local-addr HOST --max-restarts 0
+# (FIRST and HOST as the hostfile names them, this machine's as the address announced to the others; the first
+# agent hosts the rendezvous store). async.learner_devices = H x K (an uneven split is refused, --dry-run too); gloo
+# on CPU hosts, NCCL on GPUs. c10d numbers agents by address, not by --node-rank, so every rank takes global rank
+# I x K + local rank itself (services/learner.py --node-rank). RUN_DIR must be on a file system the learner hosts
+# share: every rank writes its shards of each checkpoint there. When one agent or rank dies, the group re-forms and
+# continues from the run's newest checkpoint: the dead agent's supervisord restarts it like any service (backoff,
+# crash-loop limit; a torchrun agent's ranks die with it); its arrival at the rendezvous makes the surviving agents
+# restart their ranks (torchrun's membership change), and a surviving agent whose ranks failed on the lost peer
+# (at once with gloo, after learner.dist_timeout_s with NCCL) exits and is restarted by its own supervisord. Every
+# learner rank, however restarted, resumes from the newest checkpoint written since this start (rank 0 decides:
+# --resume-since RUN_DIR/supervisor/TAG.conf), else from the one the cluster started with; the updates after that
+# checkpoint are made again. --wait ends when any learner agent is given up.
 # --wait: block until the learner writes RUN_DIR/DONE (or exits), then stop the cluster.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -148,6 +166,7 @@ PLAN=$("$PY" -m async_vapo.cluster.common plan "${CONFIGS[@]}" ${RUN_DIR_ARG:+--
   || { echo "start_cluster: no plan (above: why)" >&2; exit 2; }
 eval "$PLAN"
 [ -n "$ROLLOUT_HOSTS_OVERRIDE" ] && OVERRIDES+=("$ROLLOUT_HOSTS_OVERRIDE")
+read -ra LEARNERS <<< "$LEARNER_AGENTS"  # the learner's torchrun agents by node rank: learner, learner-1, ...
 
 # -- CPU placement (GPUs: the plan's GPUS_<NAME>) -----------------------------------------------------------------------------------------------------
 ROLLOUT_CPUS=() LEARNER_CPUS=""
@@ -382,7 +401,20 @@ for ((i = 0; i < N_ROLLOUT; i++)); do
 done
 learn_extra=()
 [ -n "$RESUME" ] && learn_extra=(--resume "$RESUME")
-if [ "$N_LEARNER" -gt 1 ]; then
+if [ ${#LEARNERS[@]} -gt 1 ]; then  # one torchrun agent per learner host (header: "Learner on several hosts")
+  T0=${ASYNC_VAPO_T0:-$(date +%s)}
+  rdzv=(--nnodes ${#LEARNERS[@]} --nproc-per-node "$LEARNER_RANKS_PER_HOST" --rdzv-backend c10d
+        --rdzv-endpoint "$ADDR_LEARNER:$LEARNER_RDZV_PORT" --rdzv-id "async-vapo-$(basename "$RUN_DIR")-${T0%%.*}"
+        --max-restarts 0)
+  for i in "${!LEARNERS[@]}"; do
+    name=${LEARNERS[$i]} addr_var="ADDR_${LEARNERS[$i]^^}"
+    addr_var=${addr_var//-/_}
+    start "$name" "$(host_of "$name")" "" "$PY" -m torch.distributed.run "${rdzv[@]}" --node-rank "$i" \
+      --local-addr "${!addr_var}" --rdzv-conf "is_host=$([ "$i" = 0 ] && echo 1 || echo 0)" \
+      "$REPO/services/learner.py" "${svc_args[@]}" "${learn_extra[@]}" --node-rank "$i" \
+      --resume-since "$SUP/$(sup_tag "$(host_of "$name")").conf" -- "${OVERRIDES[@]}"
+  done
+elif [ "$N_LEARNER" -gt 1 ]; then
   start learner "$(host_of learner)" "$LEARNER_CPUS" "$PY" -m torch.distributed.run --standalone \
     --nproc-per-node "$N_LEARNER" "$REPO/services/learner.py" "${svc_args[@]}" "${learn_extra[@]}" -- "${OVERRIDES[@]}"
 else
@@ -434,8 +466,26 @@ wait_health_remote() {  # wait_health_remote NAME URL TIMEOUT_S: wait-health in 
     [ "$SECONDS" -lt "$deadline" ] || { echo "$2 not healthy after $3 s" >&2; return 1; }
   done
 }
+wait_health_learners() {  # wait_health_learners URL TIMEOUT_S: rank 0's health in short rounds, while every agent runs
+  local deadline=$(( SECONDS + $2 )) a
+  while :; do
+    "$PY" -m async_vapo.cluster.common wait-health "${HEALTH_OPTS[@]}" "$1" 5 2>/dev/null && return 0
+    for a in "${LEARNERS[@]}"; do
+      alive "$a" || { echo "$a ($(host_of "$a")) exited before $1 became healthy" >&2; name=$a; return 1; }
+    done
+    [ "$SECONDS" -lt "$deadline" ] || { echo "$1 not healthy after $2 s" >&2; return 1; }
+  done
+}
 for name in "${STARTED[@]}"; do
-  if [ -e "$RUN_DIR/pids/$name.host" ]; then
+  if [ ${#LEARNERS[@]} -gt 1 ] && [[ $name = learner* ]]; then
+    # rank 0 answers /health once every agent joined its group; the other agents serve no health of their own
+    if [ "$name" = learner ]; then
+      wait_health_learners "$(health_url learner)" "$HEALTH_TIMEOUT" && ok=1 || ok=0
+    else
+      alive "$name" && ok=1 || ok=0
+      [ "$ok" = 1 ] && { echo "[start_cluster] $name runs in the learner's group ($(host_of "$name"))" >&2; continue; }
+    fi
+  elif [ -e "$RUN_DIR/pids/$name.host" ]; then
     wait_health_remote "$name" "$(health_url "$name")" "$HEALTH_TIMEOUT" && ok=1 || ok=0
   else
     "$PY" -m async_vapo.cluster.common wait-health "${HEALTH_OPTS[@]}" "$(health_url "$name")" "$HEALTH_TIMEOUT" \
@@ -481,8 +531,12 @@ if [ "$WAIT" = 1 ]; then
     [ -n "$line" ] && [ "$line" != "$shown" ] && { echo "[start_cluster] $line" >&2; shown=$line; }
     return 0
   }
+  learners_supervised() {  # every learner agent runs or will be restarted
+    local a
+    for a in "${LEARNERS[@]}"; do supervised "$a" || return 1; done
+  }
   i=0
-  while ! on_host_of learner "test -e $done_file" && supervised learner; do
+  while ! on_host_of learner "test -e $done_file" && learners_supervised; do
     [ $(( i++ % 5 )) = 0 ] && show_progress
     sleep 2
   done
@@ -497,7 +551,12 @@ if [ "$WAIT" = 1 ]; then
   show_progress
   "$REPO/deploy/stop_cluster.sh" "$RUN_DIR"
   if ! on_host_of learner "test -e $done_file"; then
-    why=$(on_host_of learner "cat $(q "$SUP/learner.gave_up")" 2>/dev/null) || why=""
+    why=""
+    for a in "${LEARNERS[@]}"; do
+      w=$(on_host_of "$a" "cat $(q "$SUP/$a.gave_up")" 2>/dev/null) || continue
+      [ ${#LEARNERS[@]} -gt 1 ] && w="$a: $w"
+      why+="${why:+; }$w"
+    done
     echo "[start_cluster] the learner exited before finishing${why:+ (not restarted: $why)}" >&2
     exit 1
   fi

@@ -2,6 +2,8 @@
 
     services/learner.py --config FILE [--run-dir DIR] [--resume CKPT|auto] [key.sub=value ...]
     torchrun --nproc-per-node N services/learner.py ...     (ranks > 0 serve /metrics on port + rank)
+    torchrun --nnodes H --rdzv-backend c10d ... services/learner.py --node-rank I --resume-since FILE ...
+                                                              (one agent per learner host: deploy/start_cluster.sh)
 """
 
 import os
@@ -13,13 +15,27 @@ from async_vapo.cluster.common import run_service, service_arg_parser
 def _body(ctx, args):
     from async_vapo.cluster.learner_service import run_learner
 
-    run_learner(ctx, resume=args.resume)
+    run_learner(ctx, resume=args.resume, resume_since=args.resume_since)
 
 
 if __name__ == "__main__":
+    agent = os.getppid()  # torchrun's agent, when there is one
     parser = service_arg_parser("learner", __doc__)
     parser.add_argument("--resume", help="checkpoint directory, or 'auto' for the run's latest")
+    parser.add_argument("--resume-since", metavar="FILE",
+                        help="resume from the run's newest checkpoint written after FILE when there is one (else "
+                             "--resume): ranks that torchrun or a supervisor restarts continue where the group was")
+    parser.add_argument("--node-rank", type=int,
+                        help="under torchrun: this agent's place among the learner hosts; global rank = NODE_RANK x "
+                             "ranks per agent + local rank, so that rank 0 is on the first learner host")
     argv = sys.argv[1:]
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        from async_vapo.learner.dist import die_with_agent, rank_by_node
+
+        die_with_agent(agent)
+        node = parser.parse_args(argv).node_rank
+        if node is not None:
+            rank_by_node(node)
     rank = int(os.environ.get("RANK", "0"))
     if rank:
         argv = ["--instance", str(rank), *argv]

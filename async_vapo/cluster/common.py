@@ -320,8 +320,8 @@ def _plan(argv: Sequence[str]) -> int:
         print(f"placement: {e}", file=sys.stderr)
         return 2
     rollout_hosts_override = ""
+    local = {"localhost", "127.0.0.1", *args.local_name}
     if hostfile:
-        local = {"localhost", "127.0.0.1", *args.local_name}
         c.hosts.rollout_hosts = [args.local_addr if e.host in local else e.host for e in placement.engines]
         rollout_hosts_override = "cluster.hosts.rollout_hosts=[" + ",".join(
             f'"{h}"' for h in c.hosts.rollout_hosts) + "]"
@@ -346,7 +346,10 @@ def _plan(argv: Sequence[str]) -> int:
            "ROLLOUT_HOSTS_OVERRIDE": rollout_hosts_override, "PLACEMENT_TABLE": placement.describe(),
            "HEALTH_TIMEOUT": int(math.ceil(c.deploy.health_timeout_s)),
            "STOP_GRACE": int(math.ceil(c.deploy.stop_grace_s)),
-           "POLICY_PATH": cfg.model.path or "", "CURVE": int(c.security.curve), "KEYS_DIR": str(keys_dir(cfg, rd))}
+           "POLICY_PATH": cfg.model.path or "", "CURVE": int(c.security.curve), "KEYS_DIR": str(keys_dir(cfg, rd)),
+           "LEARNER_RDZV_PORT": c.ports.learner_rdzv_port}
+    for agent in placement.learners:  # what the other learner hosts reach each learner agent at
+        out[f"ADDR_{agent.name.upper().replace('-', '_')}"] = args.local_addr if agent.host in local else agent.host
     scheme = "https" if http.tls_cert is not None else "http"
     for s in SERVICES:
         for i, t in enumerate(targets[s]):

@@ -22,6 +22,9 @@ torchrun's environment when present, else a world of one over a loopback TCPStor
 all I/O and broadcasts each batch (``learner.loop.BroadcastSource``); every rank runs the step loop on it with
 FSDP2-sharded models, each computing its share of every mini-batch (``learner.vapo``), so that the update equals a
 single process's (tests/integration/test_data_parallel.py). Logged metrics cover every rank's micro-batches.
+The checkpoint to resume from is rank 0's decision, broadcast to the others; with ``resume_since`` (a file written
+when the cluster started) it is the run's newest checkpoint written since, when there is one: ranks that a
+supervisor or torchrun restarts (a learner spanning hosts re-forms its group that way) continue from there.
 
 Outputs in the run directory, as the one-process trainer: ``metrics.jsonl`` (``kind`` = pretrain / train;
 eval rows come from rollout 0), ``checkpoints/step_N/`` (policy, critic, optimisers, version, and in
@@ -35,11 +38,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
 from async_vapo.cluster.common import ServiceContext, make_transport
-from async_vapo.learner.dist import destroy_process_group, init_process_group
+from async_vapo.learner.dist import broadcast_object, destroy_process_group, init_process_group
 from async_vapo.learner.rundir import latest_checkpoint
 from async_vapo.metrics.jsonl import JsonlWriter
 from async_vapo.metrics.prom import ServiceMetrics
@@ -192,8 +196,10 @@ class ReplaySource:
 
 
 class LearnerService:
-    def __init__(self, ctx: ServiceContext, transport: Transport | None, resume: str | None = None):
-        """``transport``: rank 0's (ranks > 0 do no I/O and may pass None)."""
+    def __init__(self, ctx: ServiceContext, transport: Transport | None, resume: str | None = None,
+                 resume_since: str | None = None):
+        """``transport``: rank 0's (ranks > 0 do no I/O and may pass None). ``resume``: a checkpoint, "auto" (the
+        run's newest) or None; ``resume_since``: a file, see the module docstring."""
         import torch
         from transformers import AutoTokenizer
 
@@ -207,10 +213,20 @@ class LearnerService:
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         self.rank, self.world = init_process_group(cfg.learner.dist_timeout_s)
+        if self.world > 1:
+            ctx.log.info("learner: rank %d of %d (local rank %s of the agent of rendezvous rank %s)", self.rank,
+                         self.world, os.environ.get("LOCAL_RANK", "?"), os.environ.get("GROUP_RANK", "?"))
         base = ensure_base_model(cfg, progress=False)
         self.tokenizer = AutoTokenizer.from_pretrained(str(base))
         policy_path = base
-        ckpt = latest_checkpoint(ctx.run_dir) if resume == "auto" else (Path(resume) if resume else None)
+        ckpt = None
+        if self.rank == 0:
+            ckpt = newest_checkpoint_since(ctx.run_dir, Path(resume_since)) if resume_since else None
+            if ckpt is None:
+                ckpt = latest_checkpoint(ctx.run_dir) if resume == "auto" else (Path(resume) if resume else None)
+        if self.world > 1:  # every rank loads the checkpoint rank 0 chose
+            ckpt = broadcast_object(None if ckpt is None else str(ckpt))
+            ckpt = None if ckpt is None else Path(ckpt)
         if ckpt is not None and (ckpt / "critic").exists():
             critic_path = ckpt / "critic"
         else:
@@ -263,7 +279,7 @@ class LearnerService:
             step = self.loop.step
             summary = {"run_dir": str(self.ctx.run_dir), "steps": step, "version": self.learner.version,
                        "wall_s": self.ctx.elapsed(), "samples_seen": self.loop.samples_seen,
-                       "replay_cursor": self.replay.cursor}
+                       "replay_cursor": self.replay.cursor, "learner_ranks": self.world}
             (self.ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             (self.ctx.run_dir / "DONE").write_text(f"{step}\n")
             self.ctx.metrics.set_health(phase="done")
@@ -286,9 +302,19 @@ class LearnerService:
         destroy_process_group()
 
 
-def run_learner(ctx: ServiceContext, resume: str | None = None) -> None:
+def newest_checkpoint_since(run_dir: Path, marker: Path) -> Path | None:
+    """The run's newest complete checkpoint (highest step) among those written after ``marker`` was, or None: the
+    rule of a restarted learner under deploy/start_cluster.sh, whose supervisor config is the marker."""
+    since = marker.stat().st_mtime
+    steps = [(int(p.name.split("_")[1]), p) for p in (Path(run_dir) / "checkpoints").glob("step_*")
+             if p.name.split("_")[1].isdigit() and (p / "learner_state.pt").exists()
+             and (p / "learner_state.pt").stat().st_mtime > since]
+    return max(steps)[1] if steps else None
+
+
+def run_learner(ctx: ServiceContext, resume: str | None = None, resume_since: str | None = None) -> None:
     with make_transport(ctx) as transport:
-        svc = LearnerService(ctx, transport, resume)
+        svc = LearnerService(ctx, transport, resume, resume_since)
         try:
             svc.run()
         finally:

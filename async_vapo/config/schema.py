@@ -415,6 +415,9 @@ class PortsConfig(_Section):
     """Learner's PULL socket: WeightsAck and Heartbeat from the rollouts."""
     weights_fetch_port: int = Field(5706, ge=1, le=65535)
     """Learner's ROUTER socket: WeightsFetch from engines on other hosts, answered with chunks of a version."""
+    learner_rdzv_port: int = Field(5707, ge=1, le=65535)
+    """A learner on several hosts (several ``learner`` lines in start_cluster.sh's hostfile): the port of torchrun's
+    c10d rendezvous store, served by the learner agent on the first learner host (``--rdzv-endpoint HOST:PORT``)."""
     replay_metrics_port: int = Field(9201, ge=1, le=65535)
     """Replay's /metrics and /health."""
     verifier_metrics_port: int = Field(9202, ge=1, le=65535)

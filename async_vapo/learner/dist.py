@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import sys
 import warnings
 
 import torch
@@ -51,6 +52,45 @@ def init_process_group(timeout_s: float = 600.0) -> tuple[int, int]:
         store = dist.TCPStore("127.0.0.1", 0, 1, True)
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
+
+
+def rank_by_node(node: int, environ: dict | None = None) -> int:
+    """Make this torchrun rank's global rank ``node * LOCAL_WORLD_SIZE + LOCAL_RANK`` (``RANK`` in ``environ``,
+    default ``os.environ``; ``GROUP_RANK`` keeps the agent's rendezvous rank) and return it.
+
+    torchrun's c10d rendezvous numbers its agents in the order of their addresses and ignores ``--node-rank``;
+    deploy/start_cluster.sh gives every learner agent its host's place among the learner hosts (``node``), so that
+    rank 0, which does all of the learner's I/O, runs on the first learner host whatever the rendezvous decided. The
+    result is a permutation of torchrun's ranks (every agent runs ``LOCAL_WORLD_SIZE`` ranks), and the process group
+    still meets over torchrun's store (``MASTER_ADDR``/``MASTER_PORT``), which every rank joins as a client."""
+    env = os.environ if environ is None else environ
+    local, local_world, world = (int(env[k]) for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE"))
+    nodes, rest = divmod(world, local_world)
+    if rest or not 0 <= node < nodes:
+        raise RuntimeError(f"learner node rank {node} does not fit torchrun's world: {world} ranks of "
+                           f"{local_world} per agent make {world / local_world:g} agents (node ranks 0..{nodes - 1})")
+    rank = node * local_world + local
+    env["RANK"] = str(rank)
+    return rank
+
+
+def die_with_agent(agent_pid: int) -> None:
+    """Under torchrun on Linux: SIGKILL this rank when its agent (``agent_pid``, its parent) dies.
+
+    torchrun starts every rank in a session of its own, so the ranks of an agent that was killed (by a supervisor
+    after its stop grace, or SIGKILL) would otherwise run on outside the process group that a restart or
+    deploy/stop_cluster.sh kills, holding their ports and GPUs. Exits at once when the agent is already gone."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
+        warnings.warn(f"prctl(PR_SET_PDEATHSIG) failed (errno {ctypes.get_errno()}): this rank outlives its agent",
+                      stacklevel=2)
+    elif os.getppid() != agent_pid:
+        os._exit(1)
 
 
 def destroy_process_group() -> None:
