@@ -123,6 +123,10 @@ class BaseModelConfig(_Section):
     """Longest prompt+response the model is built for."""
     sft_steps: int = Field(1500, ge=0)
     """Supervised steps on imperfect demonstrations."""
+    sft_min_ops: int | None = Field(None, ge=1, le=64)
+    """`arith` only: the demonstrations also cover shorter chains, from this many operations up to
+    ``task.min_ops - 1`` (generated apart from the task's splits, half of each batch), so that the model learns
+    to follow a chain at short range first; None = the task's lengths only."""
     sft_batch_size: int = Field(64, ge=1)
     """Demonstrations per supervised step."""
     sft_lr: float = Field(3e-3, gt=0)

@@ -29,7 +29,9 @@ def base_model_key(cfg: Config) -> str:
     task = {k: getattr(cfg.task, k) for k in ("seed", "min_ops", "max_ops", "num_train", "num_eval")}
     if cfg.task.labels:  # only when set, so that the unlabelled task's keys (and shipped builds) stay as they were
         task["labels"] = True
-    spec = {"v": BUILD_VERSION, "base": cfg.base_model.model_dump(), "task": task}
+    # a setting left at None is not part of the key, so that keys made before it existed stay valid
+    base = {k: v for k, v in cfg.base_model.model_dump().items() if not (k == "sft_min_ops" and v is None)}
+    spec = {"v": BUILD_VERSION, "base": base, "task": task}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -75,6 +77,17 @@ def use_shipped(kind: str, key: str, path: Path) -> bool:
     return True
 
 
+def sft_pools(cfg: Config) -> tuple[list, list]:
+    """The demonstrations' problems: the task's training split, and (``base_model.sft_min_ops``) chains of
+    ``sft_min_ops .. task.min_ops - 1`` operations, shorter than any held-out problem, so that none is one."""
+    train, _ = load_task(cfg)
+    bm, t = cfg.base_model, cfg.task
+    if bm.sft_min_ops is None or bm.sft_min_ops >= t.min_ops:
+        return train, []
+    return train, arith.make_splits(min(t.num_train, 4000), 0, t.seed + 1, bm.sft_min_ops, t.min_ops - 1,
+                                    t.labels)[0]
+
+
 def make_base(cfg: Config, out: Path, *, progress: bool = True) -> Path:
     bm = cfg.base_model
     if cfg.train.threads:
@@ -87,8 +100,8 @@ def make_base(cfg: Config, out: Path, *, progress: bool = True) -> Path:
         num_kv_heads=bm.num_kv_heads, intermediate_size=bm.intermediate_size,
         max_position_embeddings=bm.max_position_embeddings, pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id, seed=bm.seed)
-    train, _ = load_task(cfg)
-    prompt_ids = {p.uid: tok(cfg.task.prompt_template.format(prompt=p.prompt)).input_ids for p in train}
+    train, short = sft_pools(cfg)
+    prompt_ids = {p.uid: tok(cfg.task.prompt_template.format(prompt=p.prompt)).input_ids for p in train + short}
     opt = torch.optim.AdamW(model.parameters(), lr=bm.sft_lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = max(1, bm.sft_steps // 20)
 
@@ -107,6 +120,8 @@ def make_base(cfg: Config, out: Path, *, progress: bool = True) -> Path:
     ema = None
     for step in bar:
         batch = rng.sample(train, bm.sft_batch_size) if len(train) >= bm.sft_batch_size else train
+        if short:  # half of the batch from the shorter chains
+            batch = batch[: len(batch) - len(batch) // 2] + rng.sample(short, min(len(short), len(batch) // 2))
         seqs, loss_masks = [], []
         for p in batch:
             resp = tok(arith.demonstration(p, rng, bm.demo_step_error_rate)).input_ids + [tok.eos_token_id]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -12,6 +13,8 @@ from async_vapo.models.base import base_model_path, ensure_base_model, make_base
 from async_vapo.models.rl import load_critic, load_policy, make_token_batch, response_logits, response_values
 from async_vapo.models.tiny import build_char_tokenizer
 from async_vapo.tasks import arith
+
+ROOT = Path(__file__).resolve().parents[2]
 
 FAST = ["base_model.hidden_size=32", "base_model.num_layers=1", "base_model.num_heads=2",
         "base_model.num_kv_heads=1", "base_model.intermediate_size=64", "base_model.sft_steps=3",
@@ -48,6 +51,37 @@ def test_base_model_is_deterministic_and_cached(tmp_path):
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime  # reused, not rebuilt
     other = load_config([], FAST + [f"model.cache_dir={tmp_path}", "base_model.seed=1"])
     assert base_model_path(other) != path
+
+
+def test_base_keys_of_earlier_recipes_stay_and_new_settings_change_them(tmp_path):
+    """The shipped base is found by its key: settings added later (labels, sft_min_ops) leave the key of a config
+    that does not set them as it was, and change it when set."""
+    from async_vapo.models.base import base_model_key
+    from async_vapo.models.ship import manifest
+
+    shipped = manifest()["models"]["base"]["key"]
+    assert base_model_key(load_config([ROOT / "configs" / "tiny_cpu.toml"])) == shipped
+    long_cfg = [ROOT / "configs" / "tiny_long_cpu.toml"]
+    keys = {base_model_key(load_config(long_cfg, o)) for o in ([], ["base_model.sft_min_ops=1"],
+                                                                ["task.labels=false"])}
+    assert len(keys) == 3
+
+
+def test_shorter_chains_join_the_demonstrations(tmp_path):
+    """base_model.sft_min_ops: a build on labelled chains of 3 operations with sft_min_ops=1 also demonstrates
+    chains of 1-2, none of them held out; the build runs on both."""
+    from async_vapo.models.base import sft_pools
+    from async_vapo.tasks import load_task
+
+    over = FAST + ["task.min_ops=3", "task.max_ops=3", "task.labels=true", "base_model.sft_min_ops=1",
+                   "rollout.max_response_tokens=40", "base_model.sft_steps=2"]
+    cfg = load_config([], over)
+    train, short = sft_pools(cfg)
+    held_out = {p.prompt for p in load_task(cfg)[1]}
+    assert {p.meta["n_ops"] for p in train} == {3} and {p.meta["n_ops"] for p in short} == {1, 2}
+    assert all(p.prompt.startswith(p.prompt[0] + "a") for p in short) and not held_out & {p.prompt for p in short}
+    assert sft_pools(load_config([], [o for o in over if "sft_min_ops" not in o]))[1] == []
+    assert (make_base(cfg, tmp_path / "m", progress=False) / "model.safetensors").exists()
 
 
 def test_critic_from_policy_checkpoint_has_zero_head_and_round_trips(tmp_path):
