@@ -7,6 +7,8 @@ updates on responses of ``--response-tokens`` tokens. Checks, each recorded with
 
 * finite losses and moved weights;
 * chunked log-probs = full-logit log-probs; packed forward = padded forward;
+* FlexAttention packing (a BlockMask of the sequences, learner.packed_attention = flex) = the padded SDPA forward,
+  log-probs and gradients, in float32 (on CUDA only: FlexAttention has no backward on the CPU);
 * DCP save -> resume gives the same next update (loss and gradient norm);
 * ``async-vapo export`` of the checkpoint gives the learner's logits in transformers;
 * tokens/s of an update and peak GPU memory, beside the planned state memory (16 bytes per parameter per model:
@@ -86,6 +88,51 @@ class Checks:
         (self.out / "device_check.json").write_text(json.dumps({"ok": ok, "checks": self.rows, **extra}, indent=2,
                                                                default=str) + "\n")
         return ok
+
+
+def flex_check(checks: Checks, model_dir: Path, short, cuda: bool) -> None:
+    """FlexAttention packing (learner.packed_attention = flex, auto on CUDA) against the padded SDPA forward, one
+    float32 model each, unsharded on this rank's device: log-probs and gradients of the two-sequence packed row (the
+    BlockMask must keep the second sequence off the first), then the forward of a second packed length (a
+    recompile of the FlexAttention kernel). FlexAttention has no backward on the CPU: skipped there."""
+    if not cuda:
+        checks.record("flex_packed_equals_padded", True, skipped=True,
+                      reason="FlexAttention has no backward on the CPU (torch: 'FlexAttention does not support "
+                             "backward on CPU'); the CPU forward is tests/unit/test_long_sequences.py")
+        return
+    import torch
+
+    from async_vapo.models.rl import chunked_response_logprobs, load_policy
+
+    try:
+        dev = short.input_ids.device
+        padded_model = load_policy(model_dir).to(dev)
+        flex_model = load_policy(model_dir, attn_implementation="flex_attention").to(dev)
+        mask = short.response_mask.bool()
+        t0 = time.perf_counter()
+        lp, _ = chunked_response_logprobs(padded_model, short, 1.0, 512)
+        (lp[mask].sum() / mask.sum()).backward()
+        flex_lp, _ = chunked_response_logprobs(flex_model, short, 1.0, 512, packed="flex")
+        (flex_lp[mask].sum() / mask.sum()).backward()
+        t1 = time.perf_counter()
+        err_lp = float((flex_lp - lp).detach()[mask].abs().max())
+        diff = sum(float((q.grad - p.grad).float().pow(2).sum()) for p, q in
+                   zip(padded_model.parameters(), flex_model.parameters(), strict=True))
+        norm = sum(float(p.grad.float().pow(2).sum()) for p in padded_model.parameters())
+        rel = math.sqrt(diff / max(norm, 1e-30))
+        one = short.select([0])
+        with torch.no_grad():
+            lp1, _ = chunked_response_logprobs(padded_model, one, 1.0, 512)
+            flex1, _ = chunked_response_logprobs(flex_model, one, 1.0, 512, packed="flex")
+        err_one = float((flex1 - lp1)[one.response_mask.bool()].abs().max())
+        checks.record("flex_packed_equals_padded", max(err_lp, err_one) < 1e-3 and rel < 1e-3,
+                      packed_tokens=int(short.attention_mask.sum()), max_abs_logprob_error=err_lp,
+                      relative_gradient_error=rel, second_length_max_abs_logprob_error=err_one,
+                      first_forward_backward_s=t1 - t0)
+        del padded_model, flex_model
+        torch.cuda.empty_cache()
+    except Exception:
+        checks.record("flex_packed_equals_padded", False, traceback=traceback.format_exc())
 
 
 def main() -> int:
@@ -179,6 +226,7 @@ def main() -> int:
             err_p = float((chunked - packed)[mask].abs().max())
             checks.record("chunked_equals_full", err_c < 2e-2, max_abs_logprob_error=err_c)
             checks.record("packed_equals_padded", err_p < 5e-2, max_abs_logprob_error=err_p)
+            flex_check(checks, d / "model", short, cuda)
 
             # DCP save -> resume: the same next update
             # the weights at the save, gathered on rank 0 (a copy: on the CPU they may be views of the parameters)

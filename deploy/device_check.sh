@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The learner on a GPU in a few minutes: FSDP2 policy and critic on NCCL, 20k-token responses, value pretraining and
-# VAPO updates, chunked = full log-probs, packed = padded, DCP save -> resume, HF export (deploy/device_check.py).
+# VAPO updates, chunked = full log-probs, packed = padded (explicit mask, and FlexAttention with its gradients),
+# DCP save -> resume, HF export (deploy/device_check.py).
 #
 #   deploy/device_check.sh OUT_DIR [device_check.py options]      e.g. --response-tokens 8000
 #

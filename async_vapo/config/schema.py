@@ -372,9 +372,16 @@ class LearnerConfig(_Section):
     cpu_offload: bool = False
     """With FSDP2 (more than one rank): keep sharded parameters, gradients and AdamW state in host memory."""
     packing: bool = False
-    """Padding-free forwards: each micro-batch's sequences in one row with a block-diagonal causal mask (the
-    attention cannot cross sequences; positions restart per sequence). The mask is [tokens, tokens]: meant for
-    the CPU and moderate micro-batches (varlen / FlexAttention kernels for GPUs are not wired in)."""
+    """Padding-free forwards: each micro-batch's sequences in one row, positions restarting per sequence, and an
+    attention mask that cannot cross sequences (``packed_attention``). Packing by position ids alone is not relied
+    on: transformers infers the sequences from them only in forwards without a KV cache."""
+    packed_attention: Literal["auto", "mask", "flex"] = "auto"
+    """How packed forwards keep sequences apart. ``mask``: an explicit block-diagonal causal mask [1, 1, tokens,
+    tokens] given to SDPA (O(tokens²) memory: the CPU and moderate micro-batches). ``flex``: policy and critic load
+    with ``attn_implementation = "flex_attention"`` and get a FlexAttention BlockMask of the sequences (built from
+    their block ranges, O((tokens / 128)²); the kernel skips the blocks across sequences): for long sequences on
+    GPUs; refused off CUDA (FlexAttention has no backward on the CPU). ``auto``: ``flex`` on CUDA, ``mask``
+    elsewhere."""
     logprob_chunk_tokens: int = Field(0, ge=0)
     """Compute log-probs and entropy from the backbone's hidden states this many response tokens at a time, so
     that the float32 [tokens, vocab] logits never exist whole (0 = one pass over the whole micro-batch)."""

@@ -72,12 +72,14 @@ from async_vapo.learner.dist import (
 from async_vapo.learner.precision import Precision
 from async_vapo.models.rl import (
     TokenBatch,
+    attn_implementation,
     build_critic,
     build_policy,
     chunked_response_logprobs,
     load_critic,
     load_policy,
     make_token_batch,
+    resolve_packing,
     response_logits,
     response_values,
 )
@@ -187,7 +189,12 @@ class Learner:
             from torch.distributed.device_mesh import init_device_mesh
 
             self._mesh = init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("dp",))
-        self.policy = self._load(lambda: build_policy(policy_path), lambda: load_policy(policy_path))
+        # learner.packing: None, "mask" or "flex" (FlexAttention: the models load with attn_implementation
+        # "flex_attention"; see models.rl.resolve_packing)
+        self.packing = resolve_packing(cfg.learner.packing, cfg.learner.packed_attention, self.device.type)
+        attn = attn_implementation(self.packing)
+        self.policy = self._load(lambda: build_policy(policy_path, attn_implementation=attn),
+                                 lambda: load_policy(policy_path, attn_implementation=attn))
         self._sources = {"policy": policy_path, "critic": critic_path or policy_path}  # for the HF files of a save
         self.actor_opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optim.actor_lr,
                                            betas=(cfg.optim.beta1, cfg.optim.beta2),
@@ -196,7 +203,8 @@ class Learner:
         self.critic = self.critic_opt = self.critic_scaler = None
         if self.algo.uses_critic:
             path = critic_path or policy_path
-            self.critic = self._load(lambda: build_critic(path), lambda: load_critic(path))
+            self.critic = self._load(lambda: build_critic(path, attn_implementation=attn),
+                                     lambda: load_critic(path, attn_implementation=attn))
             self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.optim.critic_lr,
                                                 betas=(cfg.optim.beta1, cfg.optim.beta2),
                                                 weight_decay=cfg.optim.weight_decay)
@@ -234,7 +242,7 @@ class Learner:
     def _logprobs(self, tb: TokenBatch, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs, entropy) of the response tokens; the entropy carries a gradient only if ``entropy_grad``.
         With ``learner.logprob_chunk_tokens`` from hidden states in chunks (``chunked_response_logprobs``)."""
-        chunk, packed = self.cfg.learner.logprob_chunk_tokens, self.cfg.learner.packing
+        chunk, packed = self.cfg.learner.logprob_chunk_tokens, self.packing or False
         dtype = self.precision.compute_dtype
         with self.precision.autocast():
             if chunk:
@@ -251,7 +259,7 @@ class Learner:
 
     def _values(self, tb: TokenBatch) -> torch.Tensor:
         with self.precision.autocast():
-            return response_values(self.critic, tb, self.cfg.learner.packing, self.precision.compute_dtype)
+            return response_values(self.critic, tb, self.packing or False, self.precision.compute_dtype)
 
     def _minibatches(self, n: int) -> list[list[int]]:
         order = list(range(n))

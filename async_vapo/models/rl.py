@@ -22,14 +22,20 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_policy(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
+def _attn(attn_implementation: str | None) -> dict:
+    """``attn_implementation`` for ``from_pretrained`` / ``from_config`` (None: transformers' default, SDPA)."""
+    return {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+
+
+def load_policy(path: str | Path, dtype: str = "float32", attn_implementation: str | None = None) -> torch.nn.Module:
     # eval(): RL fine-tuning runs without dropout, so that recomputed log-probs and values are exact
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=_DTYPES[dtype]).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=_DTYPES[dtype], **_attn(attn_implementation)).eval()
 
 
-def build_policy(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
+def build_policy(path: str | Path, dtype: str = "float32", attn_implementation: str | None = None) -> torch.nn.Module:
     """The policy's modules from its config alone (no weights read): for meta-device initialisation."""
-    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)), dtype=_DTYPES[dtype])
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)), dtype=_DTYPES[dtype],
+                                            **_attn(attn_implementation))
 
 
 def _critic_config(path: str | Path):
@@ -39,15 +45,17 @@ def _critic_config(path: str | Path):
     return config
 
 
-def build_critic(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
+def build_critic(path: str | Path, dtype: str = "float32", attn_implementation: str | None = None) -> torch.nn.Module:
     """The critic's modules from its config alone (no weights read): for meta-device initialisation."""
-    return AutoModelForTokenClassification.from_config(_critic_config(path), dtype=_DTYPES[dtype])
+    return AutoModelForTokenClassification.from_config(_critic_config(path), dtype=_DTYPES[dtype],
+                                                       **_attn(attn_implementation))
 
 
-def load_critic(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
+def load_critic(path: str | Path, dtype: str = "float32", attn_implementation: str | None = None) -> torch.nn.Module:
     config = _critic_config(path)
     is_critic = any(a.endswith("ForTokenClassification") for a in (config.architectures or []))
-    model = AutoModelForTokenClassification.from_pretrained(str(path), config=config, dtype=_DTYPES[dtype]).eval()
+    model = AutoModelForTokenClassification.from_pretrained(str(path), config=config, dtype=_DTYPES[dtype],
+                                                            **_attn(attn_implementation)).eval()
     if not is_critic:
         torch.nn.init.zeros_(model.score.weight)
         if model.score.bias is not None:
@@ -113,16 +121,98 @@ def make_token_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Seque
     return TokenBatch(input_ids, attention_mask, position_ids, input_ids[:, p:].clone(), response_mask, p)
 
 
+PACKED_ATTENTION = ("mask", "flex")
+"""How a packed forward keeps sequences apart: ``mask`` = an explicit block-diagonal causal mask ``[1, 1, L, L]``
+(any attention implementation: SDPA, eager; O(L²) memory), ``flex`` = a FlexAttention ``BlockMask`` of the
+documents (the model must run ``attn_implementation="flex_attention"``; O((L / 128)²) block metadata, the
+attention kernel skips the blocks across sequences)."""
+
+
+def attn_implementation(packed: bool | str) -> str | None:
+    """The ``attn_implementation`` a model needs for forwards packed this way (None: transformers' default)."""
+    return "flex_attention" if _packing(packed) == "flex" else None
+
+
+def resolve_packing(packing: bool, packed_attention: str, device_type: str) -> str | None:
+    """How the learner packs on a ``device_type`` device: None (``packing`` off), ``"mask"`` or ``"flex"``;
+    ``packed_attention = "auto"`` is ``"flex"`` on CUDA and ``"mask"`` elsewhere. ``"flex"`` off CUDA is refused:
+    torch's FlexAttention has no backward on the CPU (torch 2.13: ``NotImplementedError: FlexAttention does not
+    support backward on CPU``), and a learner needs one."""
+    if not packing:
+        return None
+    if packed_attention == "auto":
+        return "flex" if device_type == "cuda" else "mask"
+    if packed_attention not in PACKED_ATTENTION:
+        raise ValueError(f"packed_attention must be auto or one of {PACKED_ATTENTION}, got {packed_attention!r}")
+    if packed_attention == "flex" and device_type != "cuda":
+        raise ValueError(f"learner.packed_attention = flex needs CUDA (FlexAttention has no backward on {device_type}"
+                         f"); use mask or auto")
+    return packed_attention
+
+
+def _packing(packed: bool | str) -> str | None:
+    """``packed`` of :func:`model_inputs` as None (padded), ``"mask"`` or ``"flex"``; True means ``"mask"``."""
+    if packed is False or packed is None:
+        return None
+    if packed is True:
+        return "mask"
+    if packed not in PACKED_ATTENTION:
+        raise ValueError(f"packed must be a bool or one of {PACKED_ATTENTION}, got {packed!r}")
+    return packed
+
+
+def document_block_mask(doc: torch.Tensor, block_size: int = 128):
+    """FlexAttention ``BlockMask`` of a packed row: token q attends to token kv iff both are in the same document and
+    kv <= q. ``doc`` ``[L]``: each token's document id, non-decreasing along the row (sequences one after another).
+
+    Built from the documents' block ranges, never from an ``[L, L]`` mask (``create_block_mask`` evaluates the
+    mask function on every pair unless compiled): with ``lo``/``hi`` the first/last document of each block of
+    ``block_size`` tokens, kv block k (k <= q block) holds some allowed pair iff ``hi[k] >= lo[q]``, and is full
+    (no mask needed inside) iff k < q and both blocks lie in one and the same document (the same blocks as
+    ``create_block_mask`` finds). Tokens past ``L`` in a ragged last block are outside ``seq_lengths``."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if doc.dim() != 1 or doc.numel() == 0:
+        raise ValueError(f"doc must be a non-empty [L] tensor, got shape {tuple(doc.shape)}")
+    length, dev = doc.numel(), doc.device
+    n = -(-length // block_size)
+    first = torch.arange(n, device=dev) * block_size
+    lo, hi = doc[first], doc[(first + block_size).clamp(max=length) - 1]
+    blocks = torch.arange(n, device=dev)
+    causal = blocks[None, :] <= blocks[:, None]  # [q block, kv block]
+    touches = causal & (hi[None, :] >= lo[:, None])
+    one_doc = lo == hi
+    if length % block_size:
+        one_doc[-1] = False  # a ragged last block is never full (as create_block_mask has it)
+    full = (blocks[None, :] < blocks[:, None]) & one_doc[:, None] & one_doc[None, :] & (lo[:, None] == lo[None, :])
+    partial = touches & ~full
+
+    def as_indices(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num = m.sum(-1).to(torch.int32)
+        idx = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # the listed blocks first
+        return num[None, None], idx[None, None]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
+
+    return BlockMask.from_kv_blocks(*as_indices(partial), *as_indices(full), BLOCK_SIZE=block_size,
+                                    mask_mod=mask_mod, seq_lengths=(length, length))
+
+
 @dataclass
 class ModelInputs:
     """What one forward pass is given, and where in its output each response token's score is.
 
     Padded (:func:`model_inputs` with ``packed=False``): the batch's ``[B, P + T]`` rows; response token t of
     row i is scored at ``[i, P - 1 + t]``. Packed: every row's valid tokens one after the other in a single row of
-    ``L`` = all valid tokens (no padding), positions restarting at 0 per sequence, and a block-diagonal causal
-    mask ``[1, 1, L, L]`` (additive: 0 or the dtype's minimum, which SDPA and eager attention both take), so that
-    no token attends to another sequence. ``index`` holds the flat output position scoring each response token
-    (0 at padding positions, whose scores are masked by ``response_mask`` downstream).
+    ``L`` = all valid tokens (no padding), positions restarting at 0 per sequence, and an attention mask that keeps
+    every token inside its own sequence: with ``packed="mask"`` (or True) a block-diagonal causal mask
+    ``[1, 1, L, L]`` (additive: 0 or the dtype's minimum, which SDPA and eager attention both take); with
+    ``packed="flex"`` a FlexAttention ``BlockMask`` of the sequences (:func:`document_block_mask`; the model must
+    run ``attn_implementation="flex_attention"``). Either is 4-D, so transformers uses it as given (it does not
+    depend on transformers inferring sequences from the restarting position ids, which it does only for forwards
+    without a KV cache). ``index`` holds the flat output position scoring each response token (0 at padding
+    positions, whose scores are masked by ``response_mask`` downstream).
     """
 
     kwargs: dict
@@ -137,10 +227,13 @@ class ModelInputs:
         return out.flatten(0, 1)[self.index]
 
 
-def model_inputs(batch: TokenBatch, packed: bool = False, mask_dtype: torch.dtype = torch.float32) -> ModelInputs:
-    """The forward's inputs for ``batch``, padded or packed (see :class:`ModelInputs`)."""
+def model_inputs(batch: TokenBatch, packed: bool | str = False, mask_dtype: torch.dtype = torch.float32
+                 ) -> ModelInputs:
+    """The forward's inputs for ``batch``, padded (``packed`` False) or packed (True or ``"mask"``: explicit
+    mask; ``"flex"``: BlockMask; see :class:`ModelInputs`)."""
     t = batch.response_ids.shape[1]
-    if not packed:
+    mode = _packing(packed)
+    if mode is None:
         kwargs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
                   "position_ids": batch.position_ids}
         return ModelInputs(kwargs, batch.prompt_len, t)
@@ -150,23 +243,29 @@ def model_inputs(batch: TokenBatch, packed: bool = False, mask_dtype: torch.dtyp
     prompt_lens = valid[:, : batch.prompt_len].sum(-1)
     seg = torch.repeat_interleave(torch.arange(len(lengths), device=valid.device), lengths)
     total = int(lengths.sum())
-    allowed = (seg[:, None] == seg[None, :]) & torch.ones(total, total, dtype=torch.bool, device=valid.device).tril()
-    mask = torch.zeros(total, total, dtype=mask_dtype, device=valid.device)
-    mask.masked_fill_(~allowed, torch.finfo(mask_dtype).min)
+    if mode == "flex":
+        mask = document_block_mask(seg)
+    else:
+        allowed = (seg[:, None] == seg[None, :]) & torch.ones(total, total, dtype=torch.bool,
+                                                              device=valid.device).tril()
+        mask = torch.zeros(total, total, dtype=mask_dtype, device=valid.device)
+        mask.masked_fill_(~allowed, torch.finfo(mask_dtype).min)
+        mask = mask[None, None]
     cols = torch.arange(t, device=valid.device)
     index = (starts + prompt_lens - 1)[:, None] + cols[None, :]
     index = torch.where(batch.response_mask.bool(), index, torch.zeros_like(index))
     kwargs = {"input_ids": batch.input_ids[valid][None], "position_ids": batch.position_ids[valid][None],
-              "attention_mask": mask[None, None]}
+              "attention_mask": mask}
     return ModelInputs(kwargs, batch.prompt_len, t, index)
 
 
-def response_logits(model: torch.nn.Module, batch: TokenBatch, temperature: float = 1.0, packed: bool = False,
+def response_logits(model: torch.nn.Module, batch: TokenBatch, temperature: float = 1.0, packed: bool | str = False,
                     mask_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Float32 logits of the sampling distribution for each response token: ``[B, T, V]``, the model's logits
     divided by the sampling ``temperature``, so that their log-softmax is log π(y_t) of the distribution the engine
     sampled from (vLLM divides its float32 logits by the temperature before sampling, as verl's actor does here).
-    ``packed``: one padding-free forward (:class:`ModelInputs`; ``mask_dtype`` = the attention's compute dtype).
+    ``packed``: one padding-free forward (True / ``"mask"`` or ``"flex"``, see :class:`ModelInputs`; ``mask_dtype`` =
+    the attention's compute dtype, for the explicit mask).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 (greedy decoding has no log-probs to learn from), got {temperature}")
@@ -177,7 +276,7 @@ def response_logits(model: torch.nn.Module, batch: TokenBatch, temperature: floa
     return logits if temperature == 1.0 else logits.div_(temperature)
 
 
-def response_values(critic: torch.nn.Module, batch: TokenBatch, packed: bool = False,
+def response_values(critic: torch.nn.Module, batch: TokenBatch, packed: bool | str = False,
                     mask_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Critic value of the state before each response token: ``[B, T]``."""
     inputs = model_inputs(batch, packed, mask_dtype)
@@ -197,8 +296,8 @@ def _head_logprobs(head: torch.nn.Module, h: torch.Tensor, labels: torch.Tensor,
 
 
 def chunked_response_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float = 1.0,
-                              chunk_tokens: int = 4096, packed: bool = False, mask_dtype: torch.dtype = torch.float32
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
+                              chunk_tokens: int = 4096, packed: bool | str = False,
+                              mask_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """(log π(y_t), entropy H_t) of the sampling distribution, each ``[B, T]`` float32, from the backbone's hidden
     states: the LM head runs on ``chunk_tokens`` response positions at a time under activation checkpointing, so
     that the float32 ``[tokens, vocab]`` logits exist one chunk at a time, in forward and in backward. Equal to

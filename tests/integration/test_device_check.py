@@ -21,7 +21,8 @@ def test_device_check_runs_every_check_on_a_tiny_model(tmp_path):
     report = json.loads((tmp_path / "device_check.json").read_text())
     assert report["ok"]
     assert set(report["checks"]) == {"vllm_engine_steps", "finite_losses", "weights_moved", "throughput",
-                                     "chunked_equals_full", "packed_equals_padded", "dcp_resume_same_next_step",
-                                     "export_same_logits"}
+                                     "chunked_equals_full", "packed_equals_padded", "flex_packed_equals_padded",
+                                     "dcp_resume_same_next_step", "export_same_logits"}
     assert report["checks"]["vllm_engine_steps"]["skipped"]
-    assert (tmp_path / "device_check.log").read_text().count("[device_check]") >= 8
+    assert report["checks"]["flex_packed_equals_padded"]["skipped"]  # CUDA only
+    assert (tmp_path / "device_check.log").read_text().count("[device_check]") >= 9
