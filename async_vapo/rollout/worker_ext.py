@@ -13,8 +13,9 @@ are not restarted):
   learner writes its versions into a few such files (slots, ``async_vapo.weights``) that the
   workers of every engine on its host map once each.
 
-Importing this module also registers the gloo weight-transfer engine with vLLM (``async_vapo.weights.dist``), the
-third way in, which vLLM drives itself; ``async_vapo_dist_stats()`` reports its last receive.
+Importing this module also registers our weight-transfer engines with vLLM (``async_vapo.weights.dist``: gloo, and
+vLLM's NCCL engine with a receive watchdog), the third way in, which vLLM drives itself; ``async_vapo_dist_stats()``
+reports the gloo engine's last receive.
 
 Both return ``{"tensors": n, "read_s": s, "reload_s": s}``: the time to get tensors out of the file
 (for the shared buffer, to make the views) and the time ``reload_weights`` took.
@@ -26,9 +27,9 @@ import mmap
 import os
 import time
 
-from async_vapo.weights.dist import register as _register_gloo_engine
+from async_vapo.weights.dist import register as _register_engines
 
-_register_gloo_engine()  # the torch.distributed way in (async_vapo.weights.dist), before vLLM creates its engine
+_register_engines()  # the torch.distributed way in (async_vapo.weights.dist), before vLLM creates its engine
 
 MAX_MAPPINGS = 8
 """Shared weight files a worker keeps mapped (the engine's own buffer plus the learner's slots)."""
