@@ -221,12 +221,12 @@ class VLLMEngine:
         """Receive one version over the group through vLLM's weight-transfer API while the learner sends it. A
         failure part-way leaves a mix of two versions loaded: load a whole version another way before serving."""
         t0 = time.perf_counter()
-        self.llm.start_weight_update()
-        self.llm.update_weights({"update_info": update_info})
-        self.llm.finish_weight_update()
+        # start_weight_update, update_weights and finish_weight_update in each worker, in one RPC (worker_ext)
+        results = self.llm.collective_rpc("async_vapo_receive_dist", timeout=self.spec.weights_timeout_s,
+                                          args=(update_info,))
         self.version = version
         self.last_load_seconds = time.perf_counter() - t0
-        stats = max(self.llm.collective_rpc("async_vapo_dist_stats"), key=lambda s: s.get("recv_s", 0.0))
+        stats = max(results, key=lambda s: s.get("recv_s", 0.0))
         self.last_load_stages = {"recv_s": stats.get("recv_s", 0.0),
                                  "reload_s": sum(stats.get(k, 0.0) for k in ("start_s", "load_s", "finish_s"))}
         self.last_load_stages["rpc_s"] = self.last_load_seconds - sum(self.last_load_stages.values())

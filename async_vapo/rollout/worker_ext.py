@@ -41,6 +41,15 @@ class WeightSyncExtension:
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(engine, "stats", {}))
 
+    def async_vapo_receive_dist(self, update_info: dict) -> dict[str, float]:
+        """One version over torch.distributed: vLLM's worker-side ``start_weight_update``, ``update_weights`` and
+        ``finish_weight_update`` in one RPC instead of three (what ``LLM``'s methods of those names each send), then
+        the stages of the receive."""
+        self.start_weight_update()  # type: ignore[attr-defined]
+        self.update_weights(update_info)  # type: ignore[attr-defined]
+        self.finish_weight_update()  # type: ignore[attr-defined]
+        return self.async_vapo_dist_stats()
+
     def async_vapo_load_weights(self, path: str) -> dict[str, float]:
         from safetensors.torch import load_file
 
