@@ -437,13 +437,15 @@ class WeightsConfig(_Section):
     learner on CUDA, gloo otherwise (an engine on CUDA with a learner on the CPU gets no group: it loads the slot
     or fetches it). "gloo" everywhere; "nccl" is an error where the learner or an engine has no CUDA device."""
     dist_bucket_bytes: int = Field(16 * 2**20, ge=4096)
-    """"dist": most bytes in one broadcast (a bigger tensor goes alone). The engine receives the next bucket while
-    it loads one, so smaller buckets overlap more (benchmarks/results/weight_sync_dist/)."""
+    """Groups ("dist", and "auto" for engines on other hosts): most bytes in one broadcast (a bigger tensor goes
+    alone; NCCL: vLLM's packing closes a bucket with the tensor that passes it). The engine receives the next bucket
+    while it loads one, so smaller buckets overlap more (benchmarks/results/weight_sync_dist/)."""
     dist_timeout_s: float = Field(60.0, gt=0)
-    """"dist": limit of an engine's join and of each broadcast, and the deadline of one version's send to one
-    engine; past it the engine's group is torn down and the engine falls back to the slot."""
+    """Groups: limit of an engine's join and of each broadcast, and the deadline of one version's send to one
+    engine; past it the engine's group is torn down and the engine falls back to the slot (NCCL: a watchdog aborts
+    the communicator, on both ends)."""
     dist_join_timeout_s: float = Field(600.0, gt=0)
-    """"dist": how long the learner (in a thread) keeps a group it offered open for the engine to join; the engine
+    """Groups: how long the learner (in a thread) keeps a group it offered open for the engine to join; the engine
     sees the offer between two generate calls, which may take long."""
     chunk_bytes: int = Field(16 * 2**20, ge=4096)
     """Size of one chunk of a ZeroMQ weight fetch (each checked by its crc32; 4 are in flight)."""
