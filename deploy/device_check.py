@@ -12,9 +12,16 @@ updates on responses of ``--response-tokens`` tokens. Checks, each recorded with
 * DCP save -> resume gives the same next update (loss and gradient norm);
 * ``async-vapo export`` of the checkpoint gives the learner's logits in transformers;
 * tokens/s of an update and peak GPU memory, beside the planned state memory (16 bytes per parameter per model:
-  float32 weight, gradient and two AdamW moments).
+  float32 weight, gradient and two AdamW moments);
+* the weight transfer's NCCL step (``nccl_weight_transfer``, before the rest): a bare NCCL broadcast of 1 GiB
+  (about Qwen2.5-0.5B's bf16 weights) in 16 MiB buckets (``cluster.weights.dist_bucket_bytes``) between two fresh
+  processes, against a device memcpy of the same bytes; issue 15's goal is the broadcast within 2x the memcpy. Two
+  GPUs when there are two (a learner's and an engine's), else both processes on one GPU, which NCCL before 2.30
+  refuses ("Duplicate GPU"; 2.30 has NCCL_MULTI_RANK_GPU_ENABLE, set here): then the row is skipped with NCCL's
+  error. On the CPU (``--tiny``) the same step runs over gloo as a smoke test and is recorded as skipped.
 
-vLLM is not on the device machine: the engine steps are recorded as skipped with that reason.
+vLLM is not on the device machine: the engine steps, and the weight transfer through vLLM's NCCL weight-transfer
+engine (``async_vapo.weights.dist``), are recorded as skipped with that reason.
 
     python deploy/device_check.py OUT_DIR [--tiny]      (--tiny: a 2-layer model, any device, for a smoke test)
 """
@@ -33,6 +40,55 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+BROADCAST = r"""
+import datetime, json, os, sys, time
+import torch, torch.distributed as dist
+rank, port, backend, dev = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], torch.device(sys.argv[4])
+nbytes, bucket, reps = int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7])
+cuda = dev.type == "cuda"
+def sync():
+    if cuda:
+        torch.cuda.synchronize(dev)
+try:
+    if cuda:
+        torch.cuda.set_device(dev)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
+    pattern = lambda: (torch.arange(nbytes, dtype=torch.int64) % 251).to(torch.uint8).to(dev)
+    buf = pattern() if rank == 0 else torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+    ack = torch.zeros(1, dtype=torch.uint8, device=dev)
+    times = []
+    for _ in range(reps + 1):  # the first is the warm-up (NCCL connects lazily)
+        sync()
+        t0 = time.perf_counter()
+        for off in range(0, nbytes, bucket):
+            dist.broadcast(buf[off: off + bucket], src=0)
+        dist.broadcast(ack, src=1)  # the receiver has every bucket
+        sync()
+        times.append(time.perf_counter() - t0)
+    flag = torch.tensor([int(torch.equal(buf, pattern())) if rank == 1 else 0], dtype=torch.uint8, device=dev)
+    dist.broadcast(flag, src=1)
+    out = {"broadcast_s": times[1:], "received_exact": bool(flag.item())}
+    if rank == 0:
+        dst = torch.empty_like(buf)
+        copies = []
+        for _ in range(reps + 1):
+            sync()
+            t0 = time.perf_counter()
+            dst.copy_(buf)
+            sync()
+            copies.append(time.perf_counter() - t0)
+        out["memcpy_s"] = copies[1:]
+        out["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None
+    dist.destroy_process_group()
+    print(json.dumps(out), flush=True)
+except Exception as e:
+    print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
+    sys.exit(3)
+"""
+"""A bare broadcast between two processes (rank 0 sends), each bucket then a one-byte ack back, and rank 0's memcpy of
+the same bytes on its device; prints JSON."""
 
 QWEN25_05B = dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864)
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
@@ -135,6 +191,70 @@ def flex_check(checks: Checks, model_dir: Path, short, cuda: bool) -> None:
         checks.record("flex_packed_equals_padded", False, traceback=traceback.format_exc())
 
 
+def weight_transfer(checks: Checks, cuda: bool, tiny: bool, timeout_s: float = 150.0) -> None:
+    """The weight transfer's NCCL step (module docstring), in two fresh processes outside torchrun's group."""
+    import os
+    import socket
+    import statistics
+    import subprocess
+
+    import torch
+
+    ngpu = torch.cuda.device_count() if cuda else 0
+    devices = ("cuda:0", "cuda:1") if ngpu >= 2 else ("cuda:0", "cuda:0") if cuda else ("cpu", "cpu")
+    backend = "nccl" if cuda else "gloo"
+    nbytes, bucket, reps = ((4 << 20, 1 << 20, 3) if tiny and not cuda else (1 << 30, 16 << 20, 5))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    drop = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+            "MASTER_ADDR", "MASTER_PORT", "GROUP_WORLD_SIZE", "ROLE_NAME"}
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("TORCHELASTIC_")}
+    env["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"  # NCCL >= 2.30, experimental: two ranks on one GPU
+    row = {"backend": backend, "devices": list(devices), "same_gpu": cuda and devices[0] == devices[1],
+           "bytes": nbytes, "bucket_bytes": bucket, "reps": reps}
+    procs = [subprocess.Popen([sys.executable, "-c", BROADCAST, str(r), str(port), backend, devices[r], str(nbytes),
+                               str(bucket), str(reps)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in (0, 1)]
+    outs = []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=timeout_s))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        checks.record("nccl_weight_transfer", False, error=f"no result within {timeout_s:g} s", **row)
+        return
+    results = []
+    for out, err in outs:
+        lines = [x for x in out.splitlines() if x.startswith("{")]
+        results.append(json.loads(lines[-1]) if lines else {"error": err[-2000:]})
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        refused = any("Duplicate GPU" in e or "invalid usage" in e.lower() for e in errors)
+        if refused and row["same_gpu"]:
+            checks.record("nccl_weight_transfer", False, skipped=True, errors=errors,
+                          nccl_version=".".join(map(str, torch.cuda.nccl.version())),
+                          reason="NCCL refused two ranks on one GPU (supported from NCCL 2.30 with "
+                                 "NCCL_MULTI_RANK_GPU_ENABLE=1); nothing measured: this step needs two GPUs here",
+                          **row)
+        else:
+            checks.record("nccl_weight_transfer", False, errors=errors, **row)
+        return
+    r0 = results[0]
+    bcast, mem = statistics.median(r0["broadcast_s"]), statistics.median(r0["memcpy_s"])
+    row.update(broadcast_median_s=bcast, memcpy_median_s=mem, broadcast_over_memcpy=bcast / mem,
+               goal="broadcast <= 2x memcpy", goal_met=bcast / mem <= 2.0, broadcast_gb_per_s=nbytes / bcast / 1e9,
+               memcpy_gb_per_s=nbytes / mem / 1e9, broadcast_s=r0["broadcast_s"], memcpy_s=r0["memcpy_s"],
+               received_exact=results[1]["received_exact"], nccl_version=r0["nccl_version"])
+    if cuda:
+        checks.record("nccl_weight_transfer", row["received_exact"], **row)
+    else:
+        checks.record("nccl_weight_transfer", row["received_exact"], skipped=True,
+                      reason="no CUDA device: the same two-process broadcast ran over gloo, a smoke test of this "
+                             "step", **row)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out")
@@ -167,6 +287,20 @@ def main() -> int:
     env["transformers"] = transformers.__version__
     checks.record("vllm_engine_steps", True, skipped=True,
                   reason="vLLM is not installed on the device machine (torch and transformers only)")
+    if rank == 0:
+        import importlib.util
+
+        no_vllm = importlib.util.find_spec("vllm") is None
+        checks.record("vllm_nccl_weight_transfer", True, skipped=True,
+                      reason=("vLLM is not installed on the device machine: " if no_vllm
+                              else "this check starts no vLLM engine: ")
+                      + "the learner's NCCL group and send (vLLM's PyNcclCommunicator and packed producer) and the "
+                        "engine's receive (vLLM's NCCL weight-transfer engine with our watchdog, "
+                        "async_vapo.weights.dist) did not run; nccl_weight_transfer measures the bare broadcast")
+        try:
+            weight_transfer(checks, cuda, args.tiny)
+        except Exception:
+            checks.record("nccl_weight_transfer", False, traceback=traceback.format_exc())
     try:
         with tempfile.TemporaryDirectory() as d:
             d = Path(d)

@@ -2,6 +2,8 @@
 # The learner on a GPU in a few minutes: FSDP2 policy and critic on NCCL, 20k-token responses, value pretraining and
 # VAPO updates, chunked = full log-probs, packed = padded (explicit mask, and FlexAttention with its gradients),
 # DCP save -> resume, HF export (deploy/device_check.py).
+# First, the weight transfer's NCCL step: a bare NCCL broadcast of 1 GiB in 16 MiB buckets between two processes
+# (two GPUs when there are two, else one, which NCCL before 2.30 refuses) against a device memcpy of the same bytes.
 #
 #   deploy/device_check.sh OUT_DIR [device_check.py options]      e.g. --response-tokens 8000
 #

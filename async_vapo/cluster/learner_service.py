@@ -237,7 +237,7 @@ class LearnerService:
         self.sync = self.replay = self.log = None
         leader = self.rank == 0
         if leader:
-            self.sync = WeightBroadcast(ctx, transport)
+            self.sync = WeightBroadcast(ctx, transport, device=str(self.learner.device))
             self.replay = ReplaySource(ctx, transport, self.sync, self.learner, self.floor)
             self.log = JsonlWriter(ctx.run_dir / "metrics.jsonl")
         self.lm = ctx.metrics.learner

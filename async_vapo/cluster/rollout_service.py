@@ -20,7 +20,12 @@ load happens between two generate calls (the engine is not restarted), is checke
 header before and after (a slot rewritten meanwhile fails the load, and the engine serves nothing until
 it has loaded the newest version), and is acked. With "file" the learner writes a safetensors file
 instead; the engine verifies its checksum and loads it. Each load counts in
-``weight_transfers_total{via}``.
+``weight_transfers_total{via}``, sets ``weight_way{way}`` (1 for the way of the last load), is logged with its way
+and acked with it (``WeightsAck.via``).
+With "auto" an engine that had to fetch (the learner's slot is not readable here: another host) and can join a
+torch.distributed group asks for one after that first fetch; the learner then streams it versions over the group
+while it times both ways, and keeps the faster (``async_vapo.weights.choose``). With "dist" it asks at start.
+A learner that restarted (its announces carry a new slot token) knows no group: the engine asks again.
 An engine always moves to the *latest* announced version (down too, after a learner resumed from an older
 checkpoint), so one that fell behind (and was taken out of rotation by the learner) rejoins with its next ack.
 
@@ -76,7 +81,7 @@ from async_vapo.transport import (
     make_envelope,
     split_groups,
 )
-from async_vapo.weights import load_announced
+from async_vapo.weights import load_announced, slot_readable
 
 
 @dataclass
@@ -164,6 +169,16 @@ class RolloutService:
         self._next_retry = 0.0
         self.m.served_version.set(engine.version)
         self.dist = c.weights.transfer == "dist"
+        self.auto = c.weights.transfer == "auto"
+        self.remote = False
+        """"auto": the learner's slot is not readable here (found at the first fetch): groups are worth asking for."""
+        self.backend = getattr(engine, "weight_backend", None)
+        """The groups the engine can join ("gloo" / "nccl"; None: none)."""
+        self.m_way = m_way = ctx.metrics.gauge("weight_way", "1 for the way the last version came (dist, shm, zmq, "
+                                             "file), 0 for the others.", labels=("way",))
+        for w in ("dist", "shm", "zmq", "file"):
+            m_way.labels(way=w).set(0)
+        self._learner_token: str | None = None
         self.in_group = False
         self._group_asked = -math.inf
         self._streamed_version: int | None = None
@@ -171,10 +186,20 @@ class RolloutService:
         streams that one right after announcing it."""
 
     # -- weights --------------------------------------------------------------------------------------------
+    def wants_group(self) -> bool:
+        """Whether this engine takes torch.distributed groups: "dist", or "auto" on another host than the
+        learner's; only if the engine has a weight-transfer backend."""
+        return self.backend is not None and (self.dist or (self.auto and self.remote))
+
     def _on_announce(self, a: WeightsAnnounce) -> None:
         # One publisher, delivered in order: its last word is the truth, even a lower version (a learner
         # restarted from an older checkpoint), so the engine follows it down as well as up.
         self.latest = a
+        if a.token and a.token != self._learner_token:
+            if self._learner_token is not None and self.in_group:  # a new learner: the old group is gone
+                self.in_group = False
+                self._group_asked = -math.inf
+            self._learner_token = a.token
         if a.min_version >= 0:  # the learner's bound, not this process's copy of the config
             self.admission.max_staleness = a.version - a.min_version
         if a.version != self.learner_version:
@@ -193,9 +218,9 @@ class RolloutService:
             elif isinstance(body, WeightsGroupOffer):
                 # an offer older than the learner's wait for it is closed already: ask again instead
                 fresh = time.time() - env.sent_at < self.ctx.cfg.cluster.weights.dist_join_timeout_s
-                if self.dist and body.engine_id == self.engine_id and fresh:
+                if self.wants_group() and body.engine_id == self.engine_id and fresh:
                     self.join_group(body)
-                elif self.dist and body.engine_id == self.engine_id:
+                elif self.wants_group() and body.engine_id == self.engine_id:
                     self.ask_group()
             elif isinstance(body, Heartbeat) and body.weights is not None:
                 self._on_announce(body.weights)
@@ -203,7 +228,7 @@ class RolloutService:
                 self.ctx.log.info("%s: shutdown announced by %s: %s", self.engine_id, env.sender, body.reason)
                 self.ctx.stop.set()
             env = self.sub.recv(0)
-        if self.dist and not self.in_group \
+        if self.wants_group() and not self.in_group \
                 and time.monotonic() - self._group_asked > self.ctx.cfg.cluster.weights.dist_join_timeout_s:
             self.ask_group()  # no offer came (or the join failed): ask again
         if self.latest is not None and self.latest.version != self.engine.version:
@@ -212,10 +237,10 @@ class RolloutService:
 
     def load(self, a: WeightsAnnounce) -> None:
         t0 = time.perf_counter()
-        ok, error = True, ""
+        ok, error, path, seconds = True, "", "", 0.0
         try:
             with self.ctx.busy("load_weights"):
-                path = self._load(a)
+                path, seconds = self._load(a)
             self.m.weight_transfers_total.labels(via=path).inc()
         except Exception as exc:
             ok, error = False, f"{type(exc).__name__}: {exc}"
@@ -223,17 +248,26 @@ class RolloutService:
             if a.version not in self.failed_versions:  # retried every 5 s: log once per version
                 self.failed_versions.add(a.version)
                 self.ctx.processing_error("load_weights", f"loading version {a.version}")
-        seconds = time.perf_counter() - t0
+        total = time.perf_counter() - t0
         if ok:
-            self.m.weight_load_seconds.observe(seconds)
+            self.m.weight_load_seconds.observe(total)
             self.m.served_version.set(a.version)
+            for w in ("dist", "shm", "zmq", "file"):
+                self.m_way.labels(way=w).set(1 if w == path else 0)
             self.admission.versions_changed()
             self.ctx.metrics.set_health(served_version=a.version)
-            self.ctx.log.info("%s: serving version %d (load %.2f s)", self.engine_id, a.version, seconds)
-        self.ack(a.version, ok, seconds, error)
+            self.ctx.log.info("%s: serving version %d via %s (load %.2f s)", self.engine_id, a.version, path, total)
+            if self.auto and path == "zmq" and not self.remote and not slot_readable(a.location, a.token):
+                self.remote = True  # another host than the learner's: its group may be faster than the fetch
+                if self.backend is not None:
+                    self.ctx.log.info("%s: the learner's slot is not readable here (another host): asking for a "
+                                      "%s weight group to time against the fetch", self.engine_id, self.backend)
+                    self.ask_group()
+        self.ack(a.version, ok, seconds if ok else total, error, via=path)
 
-    def _load(self, a: WeightsAnnounce) -> str:
-        """Load ``a`` into the engine; returns the way it came ("dist", "shm", "zmq" or "file")."""
+    def _load(self, a: WeightsAnnounce) -> tuple[str, float]:
+        """Load ``a`` into the engine; returns the way it came ("dist", "shm", "zmq" or "file") and the seconds of
+        that way (a failed group receive before a fetch is not counted: "auto" compares the ways by them)."""
         c = self.ctx.cfg.cluster
         if self.in_group and self._streamed_version == a.version:
             import torch
@@ -243,45 +277,56 @@ class RolloutService:
             self._streamed_version = None
             buckets = plan_buckets([(n, getattr(torch, d), tuple(sh)) for n, d, sh, _ in a.layout],
                                    a.dist_bucket_bytes)
+            t0 = time.perf_counter()
             try:
-                self.engine.receive_weights_dist(update_info(buckets, a.version), a.version)
-                return "dist"
+                self.engine.receive_weights_dist(update_info(buckets, a.version, self.backend or "gloo"), a.version)
+                return "dist", time.perf_counter() - t0
             except Exception as exc:  # the group is broken: a mix of two versions may be loaded
                 self.engine.version = -1
                 self.in_group = False
                 self.ctx.log.warning("%s: version %d over the weight group failed (%s: %s); loading the slot and "
                                      "asking for a new group", self.engine_id, a.version, type(exc).__name__, exc)
                 self.ask_group()
-        return load_announced(self.engine, a, mode=c.weights.transfer,
-                              fetch_endpoint=self.ctx.endpoint(c.hosts.learner_host, c.ports.weights_fetch_port),
-                              chunk_bytes=c.weights.chunk_bytes, timeout_s=c.wire.batch_request_timeout_s,
-                              engine_id=self.engine_id, max_bytes=c.wire.max_message_bytes,
-                              security=getattr(self.transport, "security", None))
+        t0 = time.perf_counter()
+        way = load_announced(self.engine, a, mode=c.weights.transfer,
+                             fetch_endpoint=self.ctx.endpoint(c.hosts.learner_host, c.ports.weights_fetch_port),
+                             chunk_bytes=c.weights.chunk_bytes, timeout_s=c.wire.batch_request_timeout_s,
+                             engine_id=self.engine_id, max_bytes=c.wire.max_message_bytes,
+                             security=getattr(self.transport, "security", None))
+        return way, time.perf_counter() - t0
 
     def ask_group(self) -> None:
         """"dist": ask the learner for a torch.distributed group for weights (it answers with WeightsGroupOffer)."""
         self._group_asked = time.monotonic()
         self.ctx.send(self.acks, make_envelope(
-            WeightsGroupJoin(engine_id=self.engine_id, workers=self.ctx.cfg.rollout.tensor_parallel_size),
+            WeightsGroupJoin(engine_id=self.engine_id, workers=self.ctx.cfg.rollout.tensor_parallel_size,
+                             backend=self.backend or "gloo"),
             sender=self.engine_id, policy_version=self.engine.version), "group join")
 
     def join_group(self, offer: WeightsGroupOffer) -> None:
         """Join the offered group through vLLM's init_weight_transfer_engine (bounded by the offer's timeout)."""
+        from async_vapo.weights.dist import engine_init_info
+
         self.in_group = False
-        info = {k: getattr(offer, k) for k in ("master_addr", "master_port", "world_size", "prefix", "timeout_s")}
+        if offer.backend != self.backend:
+            self.ctx.log.warning("%s: offered a %s weight group, but the engine takes %s ones; the slot serves",
+                                 self.engine_id, offer.backend, self.backend)
+            return
+        fields = {k: getattr(offer, k) for k in ("master_addr", "master_port", "world_size", "prefix", "timeout_s")}
         try:
             with self.ctx.busy("load_weights"):
-                self.engine.join_weight_group(info)
+                self.engine.join_weight_group(engine_init_info(fields, offer.backend, offer.bucket_bytes))
         except Exception as exc:
             self.ctx.log.warning("%s: joining the weight group failed (%s: %s); the slot serves meanwhile",
                                  self.engine_id, type(exc).__name__, exc)
             return
         self.in_group = True
-        self.ctx.log.info("%s: in its weight group (%s:%d)", self.engine_id, offer.master_addr, offer.master_port)
+        self.ctx.log.info("%s: in its %s weight group (%s:%d)", self.engine_id, offer.backend, offer.master_addr,
+                          offer.master_port)
 
-    def ack(self, version: int, ok: bool, seconds: float, error: str = "") -> None:
+    def ack(self, version: int, ok: bool, seconds: float, error: str = "", via: str = "") -> None:
         self.ctx.send(self.acks, make_envelope(WeightsAck(engine_id=self.engine_id, version=version, ok=ok,
-                                                          load_seconds=seconds, error=error),
+                                                          load_seconds=seconds, error=error, via=via),
                                                sender=self.engine_id, policy_version=self.engine.version), "ack")
 
     def heartbeat(self, force: bool = False) -> None:

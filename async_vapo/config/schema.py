@@ -443,20 +443,32 @@ class WeightsConfig(_Section):
     """How versions move from the learner to the engines (``async_vapo.weights``)."""
     transfer: Literal["auto", "shm", "zmq", "file", "dist"] = "auto"
     """How a new version reaches the engines (``async_vapo.weights``; measured in
-    benchmarks/weight_sync.py). "auto": engines on the learner's host map its shared-memory slot, the others
-    fetch it over ZeroMQ. "shm" / "zmq": every engine that way ("shm" fails on another host). "file": a
-    safetensors file per version in ``weights_dir`` (across hosts only over a shared filesystem). "dist": each
-    engine gets a torch.distributed (gloo) group of its own and the learner streams every version to the engines
-    in rotation through vLLM's weight-transfer API (``async_vapo.weights.dist``); the slots of "auto" stay, for
-    an engine not yet in a group or whose receive failed."""
+    benchmarks/weight_sync.py). "auto": chosen per engine (``async_vapo.weights.choose``): an engine on the
+    learner's host maps its shared-memory slot; one on another host fetches it over ZeroMQ, then, when it can join a
+    torch.distributed group, is streamed ``auto_trials`` versions over one, and keeps the way whose loads were
+    faster. "shm" / "zmq": every engine that way ("shm" fails on another host). "file": a safetensors file per
+    version in ``weights_dir`` (across hosts only over a shared filesystem). "dist": each engine gets a
+    torch.distributed group of its own (``dist_backend``) and the learner streams every version to the engines in
+    rotation through vLLM's weight-transfer API (``async_vapo.weights.dist``); the slots of "auto" stay, for an
+    engine not yet in a group or whose receive failed."""
+    auto_trials: int = Field(2, ge=0)
+    """"auto", an engine on another host: timed loads of each way (the fetch, then its group) after one warm-up
+    load of each, before the faster is kept for the run. 0: no timing; the order measured here decides (its group
+    when it has one, benchmarks/results/weight_sync_dist/)."""
+    dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """The groups' backend. "auto": NCCL (vLLM's own NCCL weight-transfer engine) for an engine on CUDA and a
+    learner on CUDA, gloo otherwise (an engine on CUDA with a learner on the CPU gets no group: it loads the slot
+    or fetches it). "gloo" everywhere; "nccl" is an error where the learner or an engine has no CUDA device."""
     dist_bucket_bytes: int = Field(16 * 2**20, ge=4096)
-    """"dist": most bytes in one broadcast (a bigger tensor goes alone). The engine receives the next bucket while
-    it loads one, so smaller buckets overlap more (benchmarks/results/weight_sync_dist/)."""
+    """Groups ("dist", and "auto" for engines on other hosts): most bytes in one broadcast (a bigger tensor goes
+    alone; NCCL: vLLM's packing closes a bucket with the tensor that passes it). The engine receives the next bucket
+    while it loads one, so smaller buckets overlap more (benchmarks/results/weight_sync_dist/)."""
     dist_timeout_s: float = Field(60.0, gt=0)
-    """"dist": limit of an engine's join and of each broadcast, and the deadline of one version's send to one
-    engine; past it the engine's group is torn down and the engine falls back to the slot."""
+    """Groups: limit of an engine's join and of each broadcast, and the deadline of one version's send to one
+    engine; past it the engine's group is torn down and the engine falls back to the slot (NCCL: a watchdog aborts
+    the communicator, on both ends)."""
     dist_join_timeout_s: float = Field(600.0, gt=0)
-    """"dist": how long the learner (in a thread) keeps a group it offered open for the engine to join; the engine
+    """Groups: how long the learner (in a thread) keeps a group it offered open for the engine to join; the engine
     sees the offer between two generate calls, which may take long."""
     chunk_bytes: int = Field(16 * 2**20, ge=4096)
     """Size of one chunk of a ZeroMQ weight fetch (each checked by its crc32; 4 are in flight)."""

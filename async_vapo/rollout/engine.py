@@ -28,7 +28,9 @@ Weights reach the engine's workers (``worker_ext.py``) in one of these ways, all
 * ``load_weights_from_file(path, version)``: a safetensors file (``cluster.weights.transfer = "file"``).
 * ``join_weight_group(init_info)`` then ``receive_weights_dist(update_info, version)`` per version: streamed by the
   learner over a torch.distributed group through vLLM's own weight-transfer API (``async_vapo.weights.dist``;
-  ``cluster.weights.transfer = "dist"``), loaded by vLLM's layerwise reload rather than ``reload_weights``.
+  ``cluster.weights.transfer = "dist"``, or "auto" on another host), loaded by vLLM's layerwise reload rather than
+  ``reload_weights``. The engine is created with one backend, ``weight_backend``: NCCL (vLLM's engine) when its
+  workers are on CUDA, gloo (ours) on the CPU, or as ``EngineSpec.dist_backend`` says.
 
 ``benchmarks/weight_sync.py`` measures them against a plain memcpy of the same bytes; vLLM's
 ``reload_weights`` (which rebuilds each layer and, on the CPU backend, repacks every linear weight
@@ -50,7 +52,7 @@ from typing import Literal
 
 import torch
 
-from async_vapo.weights.dist import GLOO_BACKEND
+from async_vapo.weights.dist import VLLM_BACKENDS, engine_backend
 from async_vapo.weights.layout import Layout, SharedWeightBuffer, shm_dir, tensor_nbytes, unshared_state
 
 
@@ -76,6 +78,9 @@ class EngineSpec:
     tensor_parallel_size: int = 1
     weights_timeout_s: float = 600.0
     """Limit of one weight load in the workers; past it the load raises TimeoutError instead of hanging."""
+    dist_backend: str = "auto"
+    """``cluster.weights.dist_backend``: the weight-transfer engine the workers get (``weights.dist.engine_backend``:
+    "auto" is NCCL on CUDA, gloo on the CPU)."""
 
     @classmethod
     def from_config(cls, cfg, model_path, *, longest_prompt: int, instance: int = 0) -> EngineSpec:
@@ -85,7 +90,8 @@ class EngineSpec:
         return cls(model_path=str(model_path), dtype=cfg.model.dtype, seed=r.seed + instance,
                    kv_cache_gib=r.kv_cache_gib, max_model_len=longest_prompt + r.max_response_tokens + 1,
                    gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
-                   max_num_seqs=r.max_num_seqs, tensor_parallel_size=r.tensor_parallel_size)
+                   max_num_seqs=r.max_num_seqs, tensor_parallel_size=r.tensor_parallel_size,
+                   dist_backend=cfg.cluster.weights.dist_backend)
 
 
 def engine_cpu_env(cpus: Sequence[int]) -> dict[str, str]:
@@ -106,6 +112,8 @@ class VLLMEngine:
 
         t0 = time.perf_counter()
         self.spec = spec
+        self.weight_backend = engine_backend(spec.dist_backend, cuda=not on_cpu)
+        """"gloo" or "nccl": the torch.distributed groups this engine can join (``async_vapo.weights.dist``)."""
         self.llm = LLM(
             model=spec.model_path,
             dtype=spec.dtype,
@@ -118,7 +126,8 @@ class VLLMEngine:
             tensor_parallel_size=spec.tensor_parallel_size,
             logprobs_mode="processed_logprobs",  # of the tempered distribution sampled from (module docstring)
             worker_extension_cls="async_vapo.rollout.worker_ext.WeightSyncExtension",
-            weight_transfer_config={"backend": GLOO_BACKEND},  # async_vapo.weights.dist, registered by worker_ext
+            # async_vapo.weights.dist's engines, registered by worker_ext
+            weight_transfer_config={"backend": VLLM_BACKENDS[self.weight_backend]},
             # With chunked prefill, vLLM rewinds the generator of a seeded request whose prefill was split
             # (gpu_model_runner: gen.set_offset), which a CPU generator cannot do ("CPU Generator does not use
             # offset"). It killed the engine evaluating the long task's held-out split (138 prompts x 2 seeded
@@ -212,12 +221,12 @@ class VLLMEngine:
         """Receive one version over the group through vLLM's weight-transfer API while the learner sends it. A
         failure part-way leaves a mix of two versions loaded: load a whole version another way before serving."""
         t0 = time.perf_counter()
-        self.llm.start_weight_update()
-        self.llm.update_weights({"update_info": update_info})
-        self.llm.finish_weight_update()
+        # start_weight_update, update_weights and finish_weight_update in each worker, in one RPC (worker_ext)
+        results = self.llm.collective_rpc("async_vapo_receive_dist", timeout=self.spec.weights_timeout_s,
+                                          args=(update_info,))
         self.version = version
         self.last_load_seconds = time.perf_counter() - t0
-        stats = max(self.llm.collective_rpc("async_vapo_dist_stats"), key=lambda s: s.get("recv_s", 0.0))
+        stats = max(results, key=lambda s: s.get("recv_s", 0.0))
         self.last_load_stages = {"recv_s": stats.get("recv_s", 0.0),
                                  "reload_s": sum(stats.get(k, 0.0) for k in ("start_s", "load_s", "finish_s"))}
         self.last_load_stages["rpc_s"] = self.last_load_seconds - sum(self.last_load_stages.values())

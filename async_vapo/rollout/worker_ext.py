@@ -13,8 +13,9 @@ are not restarted):
   learner writes its versions into a few such files (slots, ``async_vapo.weights``) that the
   workers of every engine on its host map once each.
 
-Importing this module also registers the gloo weight-transfer engine with vLLM (``async_vapo.weights.dist``), the
-third way in, which vLLM drives itself; ``async_vapo_dist_stats()`` reports its last receive.
+Importing this module also registers our weight-transfer engines with vLLM (``async_vapo.weights.dist``: gloo, and
+vLLM's NCCL engine with a receive watchdog), the third way in, which vLLM drives itself; ``async_vapo_dist_stats()``
+reports the gloo engine's last receive.
 
 Both return ``{"tensors": n, "read_s": s, "reload_s": s}``: the time to get tensors out of the file
 (for the shared buffer, to make the views) and the time ``reload_weights`` took.
@@ -26,9 +27,9 @@ import mmap
 import os
 import time
 
-from async_vapo.weights.dist import register as _register_gloo_engine
+from async_vapo.weights.dist import register as _register_engines
 
-_register_gloo_engine()  # the torch.distributed way in (async_vapo.weights.dist), before vLLM creates its engine
+_register_engines()  # the torch.distributed way in (async_vapo.weights.dist), before vLLM creates its engine
 
 MAX_MAPPINGS = 8
 """Shared weight files a worker keeps mapped (the engine's own buffer plus the learner's slots)."""
@@ -39,6 +40,15 @@ class WeightSyncExtension:
         """Stages of the last version received over torch.distributed (``async_vapo.weights.dist``)."""
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(engine, "stats", {}))
+
+    def async_vapo_receive_dist(self, update_info: dict) -> dict[str, float]:
+        """One version over torch.distributed: vLLM's worker-side ``start_weight_update``, ``update_weights`` and
+        ``finish_weight_update`` in one RPC instead of three (what ``LLM``'s methods of those names each send), then
+        the stages of the receive."""
+        self.start_weight_update()  # type: ignore[attr-defined]
+        self.update_weights(update_info)  # type: ignore[attr-defined]
+        self.finish_weight_update()  # type: ignore[attr-defined]
+        return self.async_vapo_dist_stats()
 
     def async_vapo_load_weights(self, path: str) -> dict[str, float]:
         from safetensors.torch import load_file

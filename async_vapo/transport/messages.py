@@ -70,7 +70,7 @@ class ProtocolError(TransportError):
         self.reason = reason
         self.detail = detail
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """Version of the envelope and every body below; a peer speaking another version is rejected.
 
 2: token ids and log-probs in groups are packed bytes (int32 / float32 LE) instead of msgpack arrays.
@@ -80,7 +80,9 @@ PROTOCOL_VERSION = 6
    learner's staleness floor).
 5: ``BatchRequest.received_cursor`` (groups served after it are stored again: a restarted learner loses none).
 6: weights over torch.distributed ("dist"): ``WeightsGroupJoin``, ``WeightsGroupOffer``,
-   ``WeightsAnnounce.dist_engines`` and ``dist_bucket_bytes``."""
+   ``WeightsAnnounce.dist_engines`` and ``dist_bucket_bytes``.
+7: ``WeightsAck.via`` (the way the version came; "auto" chooses per engine from it), ``WeightsGroupJoin.backend``
+   and ``WeightsGroupOffer.backend`` / ``bucket_bytes`` (gloo or NCCL groups)."""
 
 DEFAULT_MAX_BYTES = 256 * 2**20
 """Default size limit of one frame (a socket carrying batches of long responses may need more)."""
@@ -216,15 +218,20 @@ class WeightsAck(_Body, tag="weights_ack"):
     version: int
     ok: bool
     load_seconds: float
+    """Seconds of the load by the way it came (a failed group receive before a fetch is not counted in it)."""
     error: str = ""
+    via: str = ""
+    """The way the version came: "dist", "shm", "zmq" or "file" ("" when the load failed)."""
 
 
-# rollout -> learner (acks socket): "give me a torch.distributed group for weights" ("dist"; at start and after a
-# failed receive)
+# rollout -> learner (acks socket): "give me a torch.distributed group for weights" ("dist": at start; "auto": after
+# its first fetch, i.e. on another host than the learner's; and after a failed receive)
 class WeightsGroupJoin(_Body, tag="weights_group_join"):
     engine_id: str
     workers: int = 1
     """vLLM workers of the engine (its tensor-parallel size): ranks 1..workers of the group."""
+    backend: str = "gloo"
+    """The weight-transfer engine the engine was created with, the only groups it can join: "gloo" or "nccl"."""
 
 
 # learner -> rollouts (weights PUB): the group made for ``engine_id`` (the others ignore it); the engine passes
@@ -236,6 +243,9 @@ class WeightsGroupOffer(_Body, tag="weights_group_offer"):
     world_size: int
     prefix: str
     timeout_s: float
+    backend: str = "gloo"
+    bucket_bytes: int = 0
+    """"nccl": the packed buckets' size (both ends must cut the stream alike)."""
 
 
 # any -> any: liveness; the learner's heartbeat repeats its latest announce so a dropped PUB is recovered

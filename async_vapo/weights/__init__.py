@@ -7,6 +7,8 @@
     base     Publisher: one interface over the ways (publish a version from named tensors)
     receive  the engine's end: load an announced version by the way it allows
     sync     the learner's broadcast: publish, announce, acks, heartbeats, rotation, liveness
+    dist     versions streamed over a torch.distributed group per engine (gloo, or NCCL on GPUs)
+    choose   "auto": the way each engine takes, by where it is and by timing its first loads
 
 ``benchmarks/weight_sync.py`` measures the ways against a plain memcpy of the same bytes.
 """
@@ -24,6 +26,7 @@ from async_vapo.weights.slots import (
     read_header,
     slot_announce,
     slot_holds,
+    slot_readable,
 )
 from async_vapo.weights.sync import Rotation, WeightBroadcast, default_weights_dir
 
@@ -31,5 +34,5 @@ __all__ = [
     "HEADER_BYTES", "FilePublisher", "Layout", "Publisher", "Rotation", "SharedWeightBuffer", "SlotPublisher",
     "SlotWrite", "WeightBroadcast", "WeightServer", "WeightSlots", "WeightsUnavailable", "copy_into",
     "default_weights_dir", "fetch_weights", "flat_layout", "load_announced", "make_publisher", "named_tensors",
-    "read_header", "slot_announce", "slot_holds", "unshared_state", "write_file_version",
+    "read_header", "slot_announce", "slot_holds", "slot_readable", "unshared_state", "write_file_version",
 ]  # fmt: skip

@@ -53,6 +53,18 @@ def read_header(buf) -> tuple[int, int, int, str] | None:
     return state, version, nbytes, token.hex()
 
 
+def slot_readable(path: str, token: str) -> bool:
+    """Whether the slot file at ``path`` is readable here and is the learner ``token``'s (any version): the
+    process runs on the learner's host. "auto" takes that as the engine's place (``weights.choose``)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_HEADER.size)
+    except OSError:
+        return False
+    h = read_header(head) if len(head) == _HEADER.size else None
+    return h is not None and h[3] == token
+
+
 def slot_holds(path: str, version: int, token: str) -> bool:
     """Whether the slot file at ``path`` is readable here and holds ``version`` of the learner ``token``."""
     try:

@@ -16,12 +16,18 @@ engine costs nothing but its share of the groups; its groups need no special tre
 the replay's floor they are dropped as stale).
 
 ``cluster.weights.transfer = "dist"`` (``async_vapo.weights.dist``): an engine asks for a group (WeightsGroupJoin on
-the acks socket), the learner makes one, offers it on the weights socket (WeightsGroupOffer) and forms it in a
-thread while the engine joins. Each version is then written to its slot as with "auto", announced with the
-engines whose groups are formed (``dist_engines``), and streamed to them one after another, each within
-``cluster.weights.dist_timeout_s``. An engine whose send fails or times out loses its group (torn down, counted in
-``weight_dist_failures_total``) and loads the slot instead; it asks for a new group. Acks and rotation are the
-same for every way.
+the acks socket), the learner makes one (gloo, or NCCL for an engine on CUDA when the learner is on CUDA:
+``dist.group_backend``), offers it on the weights socket (WeightsGroupOffer) and forms it in a thread while the
+engine joins. Each version is then written to its slot as with "auto", announced with the engines whose groups are
+formed (``dist_engines``), and streamed to them one after another, each within ``cluster.weights.dist_timeout_s``.
+An engine whose send fails or times out loses its group (torn down, counted in ``weight_dist_failures_total``) and
+loads the slot instead; it asks for a new group. Acks and rotation are the same for every way.
+
+``cluster.weights.transfer = "auto"`` chooses per engine (``async_vapo.weights.choose.WayChooser``, fed by the acks,
+which say the way each version came): an engine on this host maps its slot; one on another host fetches, asks for a
+group after its first fetch, and is streamed versions over it once its fetches are timed, until the faster way
+is kept (a group it no longer needs is torn down). ``engines_by_weight_way{way}`` counts the engines by the way
+they use, and the log says which way each engine takes and why.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from async_vapo.transport import (
     make_envelope,
 )
 from async_vapo.weights.base import NamedTensors, make_publisher
+from async_vapo.weights.choose import WAYS, WayChooser
 from async_vapo.weights.layout import named_tensors
 
 
@@ -113,9 +120,19 @@ class WeightBroadcast:
     """Publishes versions by ``cluster.weights.transfer`` and keeps the engines' rotation (module docstring)."""
 
     def __init__(self, ctx, transport, *, pub_endpoint: str | None = None, acks_endpoint: str | None = None,
-                 fetch_endpoint: str | None = None, weights_dir: Path | None = None):
+                 fetch_endpoint: str | None = None, weights_dir: Path | None = None, device: str | None = None):
+        """``device``: the learner's ("cuda:0", "cpu"; default: the current CUDA device when one is visible),
+        which decides whether the learner can make NCCL groups, and their device."""
+        import torch
+
+        from async_vapo.weights.dist import check_learner_backend
+
         c = ctx.cfg.cluster
         self.ctx = ctx
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        check_learner_backend(c.weights.dist_backend, self.device.type)
         self.pub = transport.publisher(pub_endpoint or ctx.endpoint(c.hosts.bind_host, c.ports.weights_port),
                                        peer="rollout")
         self.acks = transport.receiver(acks_endpoint or ctx.endpoint(c.hosts.bind_host, c.ports.acks_port),
@@ -133,9 +150,15 @@ class WeightBroadcast:
                               "Engines taken out of rotation for silence (cluster.wire.peer_dead_s).")
         self.rejoined = m.counter("engines_rejoined_total", "Engines back in rotation after acking the latest.")
         self.failed_loads = m.counter("weight_load_failures_total", "Acks reporting a failed weight load.")
-        self.dist = c.weights.transfer == "dist"
+        self.dist = c.weights.transfer in ("dist", "auto")
+        """Engines may get torch.distributed groups ("dist"; "auto" for engines on other hosts)."""
+        self.chooser = WayChooser(c.weights.transfer == "auto", c.weights.auto_trials)
+        self.by_way = m.gauge("engines_by_weight_way", "Engines by the way they take their weights now (dist, shm, "
+                              "zmq, file; \"auto\" chooses per engine).", labels=("way",))
+        for w in WAYS:
+            self.by_way.labels(way=w).set(0)
         self.groups: dict = {}
-        """"dist": engine id -> its EngineGroup (formed once its ``group`` is set)."""
+        """Engine id -> its EngineGroup (formed once its ``group`` is set)."""
         if self.dist:
             self.dist_failures = m.counter("weight_dist_failures_total",
                                            "Versions an engine did not receive over its torch.distributed group "
@@ -162,7 +185,8 @@ class WeightBroadcast:
         if self.dist:
             tensors = named_tensors(tensors)  # read again for each engine's stream
         announce = self.publisher.publish(version, tensors)
-        streamed = sorted(e for e, g in self.groups.items() if g.group is not None) if self.dist else []
+        streamed = sorted(e for e, g in self.groups.items()
+                          if g.group is not None and self.chooser.stream(e)) if self.dist else []
         self.latest = msgspec.structs.replace(
             announce, min_version=min_version, dist_engines=streamed,
             dist_bucket_bytes=self.ctx.cfg.cluster.weights.dist_bucket_bytes if self.dist else 0)
@@ -173,22 +197,38 @@ class WeightBroadcast:
         return time.perf_counter() - t0
 
     # -- "dist": one torch.distributed group per engine ---------------------------------------------------------
-    def _offer_group(self, engine: str, workers: int) -> None:
+    def _offer_group(self, engine: str, workers: int, backend: str = "gloo") -> None:
         import threading
 
-        from async_vapo.weights.dist import EngineGroup
+        from async_vapo.weights.dist import EngineGroup, group_backend
 
         c = self.ctx.cfg.cluster
+        if not self.chooser.group_asked(engine):
+            self.ctx.log.info("learner: %s asked for a weight group; none offered (it takes its weights by %s)",
+                              engine, self.chooser.way(engine) or "its slot")
+            return
         old = self.groups.pop(engine, None)
         if old is not None:
             old.close()
+        try:
+            backend = group_backend(backend, self.device.type)
+        except ValueError as e:
+            self.ctx.log.warning("learner: no weight group for %s: %s", engine, e)
+            line = self.chooser.no_group(engine, str(e))
+            if line:
+                self.ctx.log.info("learner: %s %s", engine, line)
+            return
         g = EngineGroup(engine, workers=workers, bind_host=c.hosts.bind_host, advertise_host=c.hosts.learner_host,
-                        timeout_s=c.weights.dist_timeout_s, join_timeout_s=c.weights.dist_join_timeout_s)
+                        timeout_s=c.weights.dist_timeout_s, join_timeout_s=c.weights.dist_join_timeout_s,
+                        backend=backend, device=self.device if backend == "nccl" else "cpu",
+                        bucket_bytes=c.weights.dist_bucket_bytes)
         self.groups[engine] = g
-        self.pub.publish(make_envelope(WeightsGroupOffer(engine_id=engine, **g.init_info), sender=self.ctx.name))
+        self.pub.publish(make_envelope(WeightsGroupOffer(engine_id=engine, backend=backend,
+                                                         bucket_bytes=g.bucket_bytes, **g.init_info),
+                                       sender=self.ctx.name))
         threading.Thread(target=self._form, args=(g,), daemon=True, name=f"dist-join-{engine}").start()
-        self.ctx.log.info("learner: offered %s a weight group (%s:%d)", engine, g.init_info["master_addr"],
-                          g.init_info["master_port"])
+        self.ctx.log.info("learner: offered %s a %s weight group (%s:%d)", engine, backend,
+                          g.init_info["master_addr"], g.init_info["master_port"])
 
     def _form(self, g) -> None:
         from async_vapo.weights.dist import EngineSyncTimeout
@@ -212,11 +252,15 @@ class WeightBroadcast:
             try:
                 seconds = g.send(buckets, ((n, tensors[n]) for n in names), deadline=time.monotonic() + timeout_s)
                 self.dist_seconds.observe(seconds)
+                self.chooser.sent(e, a.version, seconds)
             except (EngineSyncTimeout, EngineSyncFailed) as err:
                 self.dist_failures.inc()
                 self.groups.pop(e, None)
                 self.ctx.log.warning("learner: version %d not streamed to %s (%s): its group is torn down, it loads "
                                      "the slot", a.version, e, err)
+                line = self.chooser.failed(e)
+                if line:
+                    self.ctx.log.info("learner: %s %s", e, line)
 
     def heartbeat(self, version: int) -> None:
         now = time.monotonic()
@@ -245,12 +289,14 @@ class WeightBroadcast:
             now = time.monotonic()
             if isinstance(body, WeightsGroupJoin):
                 if self.dist:
-                    self._offer_group(body.engine_id, body.workers)
+                    self._offer_group(body.engine_id, body.workers, body.backend)
             elif isinstance(body, WeightsAck):
                 if not body.ok:
                     self.failed_loads.inc()
                     self.ctx.log.warning("learner: %s failed to load version %d: %s", body.engine_id,
                                          body.version, body.error)
+                else:
+                    self._way(body.engine_id, body.via, body.version, body.load_seconds)
                 counted, rejoined = self.rotation.on_ack(body.engine_id, body.version, body.ok, now)
                 self._joined(body.engine_id, counted, rejoined, body.version)
             elif isinstance(body, Heartbeat) and body.service == "rollout" and body.served_version >= 0:
@@ -268,6 +314,19 @@ class WeightBroadcast:
                 self.ctx.log.warning("learner: %s silent for more than %.0f s: out of rotation", e,
                                      self.liveness.dead_after_s)
         self.in_rotation.set(len(self.rotation.members))
+
+    def _way(self, engine: str, via: str, version: int, seconds: float) -> None:
+        """The way ``engine`` loaded ``version``: the chooser's bookkeeping, its log line and the gauge."""
+        line = self.chooser.loaded(engine, via, version, seconds)
+        if line:
+            self.ctx.log.info("learner: %s %s", engine, line)
+        e = self.chooser.engines.get(engine)
+        if self.chooser.auto and e is not None and e.chosen and e.chosen != "dist":
+            g = self.groups.pop(engine, None)  # a group it will not use again
+            if g is not None:
+                g.close()
+        for w, n in self.chooser.counts().items():
+            self.by_way.labels(way=w).set(n)
 
     def close(self) -> None:
         for g in self.groups.values():

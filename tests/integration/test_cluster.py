@@ -71,7 +71,7 @@ def test_replay_service_counts_bad_frames_and_keeps_serving(tmp_path):
     try:
         good = make_envelope(GroupsMsg(groups=[_group("a", 0, 2)]), sender="test")
         this_version = b"\xa8protocol" + bytes([PROTOCOL_VERSION])
-        wrong_version = encode(good).replace(this_version, b"\xa8protocol\x07")
+        wrong_version = encode(good).replace(this_version, b"\xa8protocol" + bytes([PROTOCOL_VERSION + 1]))
         assert wrong_version != encode(good)
         for frame in (b"\x00garbage", wrong_version, b"\x81" + this_version, b"a", b"b"):
             push.send(frame)

@@ -24,12 +24,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transfer", ["shm", "dist"])
+@pytest.mark.parametrize("transfer", ["shm", "dist", "auto"])
 def test_pipeline_in_one_process_over_the_inproc_transport(tiny_cfg, tiny_base, vllm_engine, tmp_path, transfer):
     """Budget: about a minute each (3 updates of 4 prompts x 4 samples, one held-out evaluation). Frames are limited
     to 8 KiB, about a step's groups in one message: they travel in chunks of at most 4 KiB, and the learner asks the
     replay for fewer groups than a step per request. With "dist" every version reaches the engine over its
-    torch.distributed group (async_vapo.weights.dist)."""
+    torch.distributed group (async_vapo.weights.dist); with "auto" the engine, on the learner's host, maps its
+    slot and never asks for a group."""
     from transformers import AutoTokenizer
 
     from async_vapo.cluster.learner_service import LearnerService
@@ -80,6 +81,7 @@ def test_pipeline_in_one_process_over_the_inproc_transport(tiny_cfg, tiny_base, 
         served = vllm_engine.version
         per_request = learner.replay.per_request
         via = {k: v for k, v in _samples(ctxs["rollout"], "weight_transfers_total").items() if v}
+        asked_group = rollout.in_group or learner.sync.groups
     finally:
         for ctx in ctxs.values():
             ctx.stop.set()
@@ -97,7 +99,9 @@ def test_pipeline_in_one_process_over_the_inproc_transport(tiny_cfg, tiny_base, 
     assert {r["version"] for r in got if r["kind"] == "eval"} >= {0, total}
     assert served == total
     assert per_request < cfg.algo.prompts_per_step  # the step's groups came in several replies
-    assert via == {(("via", transfer),): total}, via  # every version came the configured way
+    way = "shm" if transfer == "auto" else transfer
+    assert via == {(("via", way),): total}, via  # every version came the configured way
+    assert bool(asked_group) == (transfer == "dist")
     ckpt = run_dir / "checkpoints" / f"step_{total}"
     assert_engine_serves(vllm_engine, load_policy(ckpt / "policy"), tok)  # the engine serves the last version
     vllm_engine.load_weights(base_state, 0)
