@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -128,5 +129,6 @@ def make_reward_critic(cfg: Config, base_path: Path, out: Path, *, progress: boo
         shutil.rmtree(tmp, ignore_errors=True)
     if progress:
         tqdm.write(f"reward-like critic: held-out MSE {meta['heldout_mse_last_token']:.3f} at the last token, "
-                   f"{meta['heldout_mse_first_token']:.3f} at the first (built in {meta['seconds']:.0f}s)")
+                   f"{meta['heldout_mse_first_token']:.3f} at the first (built in {meta['seconds']:.0f}s)",
+                   file=sys.stderr)  # stdout carries only the paths (`async-vapo make-base`)
     return out
