@@ -92,7 +92,8 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's weights in host memory on rank 0, ``{}`` on the others (a collective: every rank must
-    call it)."""
+    call it). What the shared-memory slot, the ZeroMQ fetch and the file ways need (a whole version in one
+    place); a weight group can be streamed one gathered bucket at a time instead (``stream_sharded``)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -102,3 +103,119 @@ def is_sharded(model: torch.nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
+
+
+# -- streaming a sharded policy to the engines' weight groups, one bucket gathered at a time -----------------------
+
+def engine_meta(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """(name, wire dtype, full shape) of every tensor the engines load, without gathering: the names and order of
+    ``full_state_dict`` (the model's ``state_dict()``; a DTensor's ``shape`` is the global one), floating tensors
+    in ``dtype`` as ``Precision.engine_state`` converts them. The same on every rank."""
+    return [(n, dtype if t.is_floating_point() else t.dtype, tuple(t.shape)) for n, t in model.state_dict().items()]
+
+
+class _Gather:
+    """Every rank's walk over a bucket plan: per bucket, ``full_tensor()`` of each of its DTensors (a collective),
+    cast to its wire dtype; the bucket is released before the next is gathered. Counts the gathers and the bytes of
+    gathered tensors alive at once (``peak_bytes``, from the tensors' lifetimes)."""
+
+    def __init__(self, model: torch.nn.Module, buckets):
+        self.state = model.state_dict()  # DTensor shards: references, no gather
+        self.buckets = buckets
+        self.gathers = 0
+        self.live = 0
+        self.peak_bytes = 0
+
+    def _track(self, t: torch.Tensor) -> torch.Tensor:
+        import weakref
+
+        n = t.numel() * t.element_size()
+        self.live += n
+        self.peak_bytes = max(self.peak_bytes, self.live)
+        weakref.finalize(t, self._freed, n)
+        return t
+
+    def _freed(self, n: int) -> None:
+        self.live -= n
+
+    def _one(self, name: str, dtype_name: str) -> torch.Tensor:
+        t = self.state[name].detach()
+        gathered = callable(getattr(t, "full_tensor", None))
+        if gathered:
+            self.gathers += 1
+            t = t.full_tensor()
+        dt = getattr(torch, dtype_name)
+        # counted when it is new memory: gathered, or converted (a plain buffer in the wire dtype is shared)
+        return self._track(t.to(dt)) if gathered or t.dtype != dt else t
+
+    def __iter__(self):
+        for b in self.buckets:
+            got = [(n, self._one(n, d)) for n, d in zip(b.names, b.dtype_names, strict=True)]
+            for i in range(len(got)):
+                item, got[i] = got[i], None  # the consumer holds the only reference: freed once it is packed
+                yield item
+                del item
+            del got
+
+
+def stream_sharded(model: torch.nn.Module, dtype: torch.dtype, groups=None, *, bucket_bytes: int,
+                   timeout_s: float | None = None) -> dict:
+    """Stream a sharded model's weights to the engines' weight groups (``async_vapo.weights.dist.EngineGroup``),
+    one bucket gathered at a time, so no rank holds a whole extra copy of the model. A collective: every rank calls
+    it; ``groups`` (rank 0's, in order) is ignored on the others.
+
+    For each group, every rank walks the same bucket plan (``plan_buckets`` of ``engine_meta``: the names, order
+    and dtypes of ``full_state_dict`` through ``Precision.engine_state``) and gathers each bucket's DTensors with
+    ``full_tensor()``; rank 0 feeds them to the group's ``send``, which packs and broadcasts them, and they are
+    dropped before the next bucket is gathered. Rank 0's gathered tensors alive at once: one bucket (beside the
+    send's own packing buffers, two buckets for gloo, vLLM's for NCCL). Every rank
+    gathers the whole plan once per group (the groups' sends are not interleaved: vLLM's NCCL engine cuts its own
+    buckets from the whole stream).
+
+    A send that fails or passes its deadline (``timeout_s`` per group, from its start) closes that group; rank 0
+    then keeps gathering the rest of the plan without sending, so every rank makes the same ``full_tensor()``
+    calls whatever happens to the engines. Any other error is raised on rank 0 after the walk completes.
+
+    Only for ``cluster.weights.transfer = "dist"``: the shared-memory slot, the ZeroMQ fetch and the file ways need
+    the whole version in one place by design, and take ``full_state_dict`` (rank 0 materialises the model).
+
+    Returns ``{"results": {engine_id: seconds | exception}`` (rank 0's; ``{}`` elsewhere), ``"gathers"``: this
+    rank's ``full_tensor()`` calls, ``"peak_bytes"``: the most gathered bytes this rank held at once,
+    ``"bucket_bytes"``: the largest bucket of the plan``}``."""
+    import time
+
+    import torch.distributed as dist
+
+    from async_vapo.learner.dist import broadcast_object
+    from async_vapo.weights.dist import EngineSyncFailed, EngineSyncTimeout, plan_buckets
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    groups = list(groups or []) if rank == 0 else []
+    n = len(groups)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        n, bucket_bytes = broadcast_object((n, bucket_bytes))
+    buckets = plan_buckets(engine_meta(model, dtype), bucket_bytes)
+    results: dict = {}
+    gathers = peak = 0
+    error: BaseException | None = None
+    for k in range(n):
+        walk = _Gather(model, buckets)
+        it = iter(walk)
+        if rank == 0:
+            g = groups[k]
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            try:
+                results[g.engine_id] = g.send(buckets, it, deadline=deadline)
+            except (EngineSyncTimeout, EngineSyncFailed) as e:
+                results[g.engine_id] = e
+            except Exception as e:  # noqa: BLE001 - raised once the other ranks are through the walk too
+                results[g.engine_id] = e
+                error = error or e
+        for item in it:  # the rest of the plan (all of it on ranks > 0): gathered, not sent
+            del item  # freed before the next is gathered
+        gathers += walk.gathers
+        peak = max(peak, walk.peak_bytes)
+    if error is not None:
+        raise error
+    return {"results": results, "gathers": gathers, "peak_bytes": peak,
+            "bucket_bytes": max((b.nbytes for b in buckets), default=0)}
