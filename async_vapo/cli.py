@@ -31,6 +31,14 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied after the files")
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM ends the process through SystemExit, so that ``finally`` blocks run: the trainer then closes its vLLM
+    engine, whose processes would otherwise outlive it (vLLM's engine core does not watch its parent)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def _make_base(cfg, *, force: bool, ship: bool, command: str) -> None:
     """Build (or reuse: cached, else shipped) the base model and, with ``model.critic_init = "reward"``, the
     reward-like critic; print their paths. ``force``: build both anew. ``ship``: copy them into the package."""
@@ -159,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = claim(plan, cfg, "train")
             from async_vapo.trainer import train
 
+            _exit_on_sigterm()
             summary = train(cfg, resume=None if plan.resume is None else str(plan.resume))
             print(json.dumps(summary, indent=2))
         elif args.cmd == "eval":

@@ -211,6 +211,11 @@ class RolloutConfig(_Section):
     """Skip graph capture (required on the CPU backend here)."""
     max_num_seqs: int = Field(256, ge=1)
     """Sequences the engine batches at once."""
+    idle_spin_s: float | None = Field(0.002, ge=0)
+    """How long the engine's processes keep busy-polling vLLM's shared-memory queues after their last message before
+    they sleep on a socket (``async_vapo.rollout.vllm_plugin``). vLLM's own 1 s kept two processes spinning for a
+    second after every generate call, on the cores the learner then used: in the one-process trainer an update went
+    from 1.00 s to 0.77 s with 0.002 (benchmarks/results/peers/). None keeps vLLM's default."""
     seed: int = 0
     """Sampling seed of the engine."""
     tensor_parallel_size: int = Field(1, ge=1)

