@@ -144,7 +144,7 @@ def test_sigterm_stops_the_trainer_and_its_engine(tmp_path):
     config = str(repo / "configs" / "baselines" / "grpo.toml")
     cmd = [sys.executable, "-m", "async_vapo.cli", "train", "--config", config,
            "train.total_steps=10000", "train.eval_every=10000", "train.checkpoint_every=0", "train.max_minutes=null",
-           "algo.prompts_per_step=2", "algo.group_size=4", "algo.mini_batch_size=8", "task.num_eval=12",
+           "algo.prompts_per_step=2", "algo.group_size=4", "algo.mini_batch_size=8", "algo.micro_batch_size=8",
            "verifier.num_workers=1", f"train.output_dir={tmp_path}/{{name}}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
     proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
