@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 
 IDLE_SPIN_ENV = "ASYNC_VAPO_VLLM_IDLE_SPIN_S"
+RECHECK_MS = 5
+"""With a short spin, how often a sleeping reader re-checks its queue (vLLM: 5000 ms)."""
 
 
 def register() -> None:
@@ -24,6 +26,12 @@ def register() -> None:
     from vllm.distributed.device_communicators import shm_broadcast
 
     init = shm_broadcast.SpinCondition.__init__
-    if init.__defaults__ is None or len(init.__defaults__) != 1:  # a vLLM whose SpinCondition we do not know
+    if init.__defaults__ is None or len(init.__defaults__) != 1 or not hasattr(
+            shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS"):  # a vLLM whose queues we do not know
         return
     init.__defaults__ = (float(value),)
+    # An idle reader sleeps on a notification socket, and vLLM re-checks the buffer every 5 s in case a notification
+    # was lost. With vLLM's 1 s of spinning that path is rare; with a short spin a reader takes it at every pause,
+    # and a lost notification stalled a generate call for 5 s about once in ten updates. Re-check every 5 ms instead
+    # (a sleeping reader wakes 200 times a second: no measurable CPU).
+    shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = RECHECK_MS
