@@ -14,8 +14,13 @@ Sockets (rank 0 only)
 The step loop is ``async_vapo.learner.loop`` (the one-process trainer runs the same one) over a
 :class:`ReplaySource`. Weights (``async_vapo.weights``): each version goes out by ``cluster.weights.transfer``
 (shared-memory slots mapped by engines on this host and fetched over ZeroMQ by the others, or a safetensors
-file per version) and the rotation of engines follows their acks and heartbeats (``WeightBroadcast``).
-``broadcast_seconds`` is the time from the start of the write to the last ack of the engines in rotation.
+file per version, or streams over the engines' torch.distributed weight groups) and the rotation of engines
+follows their acks and heartbeats (``WeightBroadcast``). ``broadcast_seconds`` is the time from the start of the
+write to the last ack of the engines in rotation. A sharded learner with weight groups ("dist", "auto") publishes
+on every rank (``learner.sharding.publish_sharded``): a version that every engine takes over its group is gathered
+one bucket at a time as it is sent and written to no slot; it is gathered whole on rank 0 only when an engine needs
+it so (its slot or its fetch, or none known yet), and published again, whole, when an engine reports that it could
+not load a streamed-only version (``ReplaySource`` answers ``REPUBLISH`` while it waits).
 
 torch.distributed: a process group is always initialised (``learner.dist``: NCCL on GPUs, gloo on the CPU): from
 torchrun's environment when present, else a world of one over a loopback TCPStore. With several ranks, rank 0 does
@@ -145,6 +150,10 @@ class ReplaySource:
             while not self.ctx.stop.is_set():
                 self.sync.heartbeat(v)
                 self.sync.poll(0)
+                if not got and self.sync.needs_whole():  # every rank publishes the version again
+                    from async_vapo.learner.loop import REPUBLISH
+
+                    return REPUBLISH
                 received = self.cursor if self.cursor_known else -1
                 env = make_envelope(BatchRequest(n_groups=min(n - len(got), self.per_request), for_version=v,
                                                  min_version=floor, received_cursor=received),
@@ -241,9 +250,17 @@ class LearnerService:
             self.replay = ReplaySource(ctx, transport, self.sync, self.learner, self.floor)
             self.log = JsonlWriter(ctx.run_dir / "metrics.jsonl")
         self.lm = ctx.metrics.learner
-        self.loop = StepLoop(cfg, self.learner, BroadcastSource(self.replay, self.world),
+        self.last_publish: dict = {}
+        """``publish_sharded``'s figures for the last version this rank published with ``publish_all``."""
+        self.streams = self.learner.sharded and cfg.cluster.weights.transfer in ("dist", "auto")
+        """Each version is published by every rank (``publish_all``): gathered one bucket at a time as it is streamed
+        to the engines' weight groups, whole on rank 0 only for engines that need it so."""
+        self.loop = StepLoop(cfg, self.learner,
+                             BroadcastSource(self.replay, self.world,
+                                             republish=self.publish_again if self.streams else None),
                              pad_id=self.tokenizer.pad_token_id, run_dir=ctx.run_dir, log_writer=self.log,
-                             leader=leader, publish=self.publish if leader else None,
+                             leader=leader, publish=self.publish if leader and not self.streams else None,
+                             publish_collective=self.publish_all if self.streams else None,
                              on_row=self._export if leader else None, busy=ctx.busy, should_stop=ctx.stop.is_set,
                              wall=ctx.elapsed, logger=ctx.log)
         if ckpt is not None:
@@ -259,18 +276,41 @@ class LearnerService:
     def publish(self, version: int, state) -> float:
         return self.sync.publish(version, state, self.floor(version))
 
+    def publish_all(self, version: int, again: bool = False) -> dict[str, float]:
+        """A sharded learner's publish with weight groups, on every rank (``learner.sharding.publish_sharded``);
+        returns the leader's row figures: ``time/weight_push_s`` and ``learner/weight_gather_peak_bytes``, the most
+        gathered bytes rank 0 held at once (one bucket where every engine was streamed, else the whole version)."""
+        from async_vapo.learner.sharding import publish_sharded
+
+        got = self.last_publish = publish_sharded(self.learner.policy, self.learner.precision.compute_dtype,
+                                                  self.sync, version, self.floor(version), again=again)
+        if self.rank != 0:
+            return {}
+        if again:
+            self.ctx.log.info("learner: version %d published again, whole, for an engine that could not load it",
+                              version)
+        return {"time/weight_push_s": got["seconds"], "learner/weight_gather_peak_bytes": got["peak_bytes"]}
+
+    def publish_again(self) -> None:
+        """The latest version once more, whole (``BroadcastSource``'s ``republish``, on every rank)."""
+        self.publish_all(self.learner.version, again=True)
+
     # -- metrics -------------------------------------------------------------------------------------------------
     def _export(self, row: dict) -> None:
         export_row(self.ctx.metrics, row, self.learner.version)
 
     # -- run ------------------------------------------------------------------------------------------------------
     def run(self) -> None:
-        state = self.learner.policy_state()  # a collective when the learner is sharded
+        v = self.learner.version
+        if self.streams:  # a collective
+            self.publish_all(v)
+        else:
+            state = self.learner.policy_state()  # a collective when the learner is sharded
         if self.rank != 0:
             self.loop.run()
             return None
-        v = self.learner.version
-        self.publish(v, state)
+        if not self.streams:
+            self.publish(v, state)
         self.ctx.ready(policy_version=v, phase="handshake")
         if not self.replay.handshake():
             self.loop.source.close()

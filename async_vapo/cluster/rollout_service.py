@@ -284,8 +284,10 @@ class RolloutService:
             except Exception as exc:  # the group is broken: a mix of two versions may be loaded
                 self.engine.version = -1
                 self.in_group = False
-                self.ctx.log.warning("%s: version %d over the weight group failed (%s: %s); loading the slot and "
-                                     "asking for a new group", self.engine_id, a.version, type(exc).__name__, exc)
+                self.ctx.log.warning("%s: version %d over the weight group failed (%s: %s); %s, and asking for a new "
+                                     "group", self.engine_id, a.version, type(exc).__name__, exc,
+                                     "loading the slot" if a.location else "no slot holds it (streamed only): the "
+                                     "learner publishes it again, whole, on the failed ack")
                 self.ask_group()
         t0 = time.perf_counter()
         way = load_announced(self.engine, a, mode=c.weights.transfer,

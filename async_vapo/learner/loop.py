@@ -14,11 +14,15 @@ Where a step's scored groups come from is a :class:`BatchSource`:
   the other ranks receive it, and every rank runs this same loop on the same groups. Only rank 0 (the
   *leader*) decides when to stop and to checkpoint, publishes and writes rows; the others run until their
   source says stop. A sharded learner (FSDP2) gathers its weights for a publish and writes its checkpoint
-  shards on every rank: the other ranks receive the leader's checkpoint decision each step.
+  shards on every rank: the other ranks receive the leader's checkpoint decision each step. Its publish is
+  either ``publish_collective`` on every rank (the learner service with weight groups: each version gathered
+  one bucket at a time as it is streamed, ``learner.sharding.publish_sharded``) or ``policy_state`` on every
+  rank and ``publish`` on the leader.
 
 Rows (``metrics.jsonl``): ``kind`` = pretrain / train, with the step, version, wall seconds, the generated
 groups' statistics (``rollout/*``), the learner's metrics, the source's timing and its own row metrics, and
-``time/learn_s``, ``time/weight_push_s``, ``time/step_s``. ``train.max_minutes`` counts from the start of
+``time/learn_s``, ``time/weight_push_s``, ``time/step_s``, and what ``publish_collective`` adds
+(``learner/weight_gather_peak_bytes``). ``train.max_minutes`` counts from the start of
 the loop (value pretraining included). Checkpoints (``checkpoints/step_N``) every
 ``train.checkpoint_every`` updates, at the end, and when stopped mid-run; their ``extra`` holds the step,
 the samples seen and the source's cursor (:meth:`BatchSource.state`), from which :meth:`StepLoop.resume`
@@ -91,21 +95,37 @@ class InProcessSource:
         pass
 
 
+REPUBLISH = "republish"
+"""What rank 0's source may answer instead of groups while it waits (``BroadcastSource``): publish the current
+version again, on every rank, then go on waiting."""
+
+
 class BroadcastSource:
     """Data-parallel ranks: rank 0 (``inner`` set) broadcasts each answer of its source, the other ranks
     (``inner`` None) receive it. A None answer (stop) is broadcast once; ``close`` on rank 0 sends it if
-    the loop ended on its own decision (done, out of time), so the other ranks' loops end too."""
+    the loop ended on its own decision (done, out of time), so the other ranks' loops end too.
 
-    def __init__(self, inner: BatchSource | None, world: int):
-        self.inner, self.world = inner, world
+    ``republish`` (every rank's, a collective): run when the source answers ``REPUBLISH`` (a sharded learner
+    whose version was streamed to the engines' weight groups only, and an engine could not load it: the version
+    is published again, whole; ``learner.sharding.publish_sharded``), after which the source is asked again."""
+
+    def __init__(self, inner: BatchSource | None, world: int, republish: Callable[[], object] | None = None):
+        self.inner, self.world, self.republish = inner, world, republish
         self.stopped = False
 
     def next_groups(self, n: int) -> tuple[list[Group], Timing] | None:
         if self.stopped:
             return None
-        got = self.inner.next_groups(n) if self.inner is not None else None
-        if self.world > 1:
-            got = broadcast_object(got if self.inner is not None else None)
+        while True:
+            got = self.inner.next_groups(n) if self.inner is not None else None
+            if self.world > 1:
+                got = broadcast_object(got if self.inner is not None else None)
+            if not (isinstance(got, str) and got == REPUBLISH):
+                break
+            if self.republish is None:
+                raise RuntimeError("the source asked for the version to be published again and no republish "
+                                   "hook is set")
+            self.republish()
         self.stopped = got is None
         return got
 
@@ -164,7 +184,11 @@ class StepLoop:
     """Runs value pretraining and the updates of one run (see the module docstring).
 
     ``leader``: this rank writes rows, publishes, evaluates and checkpoints, and decides when to stop.
-    Hooks, each optional: ``publish(version, state) -> seconds`` (weights to the engines), ``evaluate(step)``
+    Hooks, each optional: ``publish(version, state) -> seconds`` (weights to the engines; a sharded learner
+    gathers ``state`` whole on every rank for it), or instead ``publish_collective(version) -> row metrics``, run
+    on every rank of a sharded learner, which gathers what it sends itself (``learner.sharding.publish_sharded``:
+    one bucket at a time where every engine takes the version over its weight group) and returns the leader's
+    ``time/weight_push_s`` and any other figures for its row; ``evaluate(step)``
     (held-out evaluation, which writes its own row), ``on_row(row)`` (after each row is written, e.g. to
     Prometheus), ``busy(stage)`` (a context manager around learning), ``should_stop()`` (checked between
     steps), ``wall()`` (the rows' ``wall_s``).
@@ -172,13 +196,17 @@ class StepLoop:
 
     def __init__(self, cfg: Config, learner, source: BatchSource, *, pad_id: int, run_dir: Path, log_writer=None,
                  leader: bool = True, publish: Callable[[int, dict], float] | None = None,
+                 publish_collective: Callable[[int], dict] | None = None,
                  evaluate: Callable[[int], object] | None = None, on_row: Callable[[dict], None] | None = None,
                  busy: Callable[[str], contextlib.AbstractContextManager] | None = None,
                  should_stop: Callable[[], bool] | None = None, wall: Callable[[], float] | None = None,
                  progress: bool = False, logger: logging.Logger | None = None):
         self.cfg, self.learner, self.source = cfg, learner, source
         self.run_dir, self.writer, self.leader = run_dir, log_writer, leader
+        if publish is not None and publish_collective is not None:
+            raise ValueError("StepLoop: publish or publish_collective, not both")
         self._publish, self._evaluate, self._on_row = publish, evaluate, on_row
+        self._publish_collective = publish_collective
         self._busy = busy or (lambda stage: contextlib.nullcontext())
         self._should_stop = should_stop or (lambda: False)
         self._t0 = time.perf_counter()
@@ -305,15 +333,21 @@ class StepLoop:
                     m = self.learner.update(self.make_batch(kept)) if kept else self.learner.empty_update()
                 t2 = time.perf_counter()
                 self.step += 1
-                # a sharded learner gathers its weights and writes checkpoints on every rank (collectives): the
-                # other ranks follow the leader's decisions
+                # a sharded learner publishes (gathers its weights) and writes checkpoints on every rank
+                # (collectives): the other ranks follow the leader's decisions. With publish_collective the version
+                # is gathered bucket by bucket as it is sent, and whole on rank 0 only when an engine needs it so
+                # (learner.sharding.publish_sharded); with publish it is gathered whole for the hook
                 sharded = getattr(self.learner, "sharded", False)
-                state = self.learner.policy_state() if sharded else None
+                pushed: dict = {}
+                if self._publish_collective is not None:
+                    with self._busy("publish"):
+                        pushed = self._publish_collective(self.learner.version) or {}
+                state = self.learner.policy_state() if sharded and self._publish_collective is None else None
                 if not self.leader:
                     if sharded and broadcast_object(None):
                         self.checkpoint(self.step)
                     continue
-                push_s = 0.0
+                push_s = pushed.get("time/weight_push_s", 0.0)
                 if self._publish is not None:
                     with self._busy("publish"):
                         push_s = self._publish(self.learner.version, state or self.learner.policy_state())
@@ -321,7 +355,7 @@ class StepLoop:
                        "samples_seen": self.samples_seen, "groups_kept": len(kept),
                        "learner/invalid_groups": self._step_invalid, **group_stats(groups, "rollout"),
                        **m, **self.source.row_metrics(kept, self.learner.version), **timing, "time/learn_s": t2 - t1,
-                       "time/weight_push_s": push_s, "time/step_s": time.perf_counter() - t0}
+                       **pushed, "time/weight_push_s": push_s, "time/step_s": time.perf_counter() - t0}
                 self._write(row)
                 bar.update(1)
                 bar.set_postfix(_fmt(row, [("rollout/accuracy", "acc"), ("rollout/response_length", "len"),

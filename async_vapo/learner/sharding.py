@@ -116,12 +116,14 @@ def engine_meta(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[str, t
 
 class _Gather:
     """Every rank's walk over a bucket plan: per bucket, ``full_tensor()`` of each of its DTensors (a collective),
-    cast to its wire dtype; the bucket is released before the next is gathered. Counts the gathers and the bytes of
-    gathered tensors alive at once (``peak_bytes``, from the tensors' lifetimes)."""
+    cast to its wire dtype (and moved to host memory with ``host``); the bucket is released before the next is
+    gathered unless the consumer keeps it. Counts the gathers and the bytes of gathered tensors alive at once
+    (``peak_bytes``, from the tensors' lifetimes)."""
 
-    def __init__(self, model: torch.nn.Module, buckets):
+    def __init__(self, model: torch.nn.Module, buckets, *, host: bool = False):
         self.state = model.state_dict()  # DTensor shards: references, no gather
         self.buckets = buckets
+        self.host = host
         self.gathers = 0
         self.live = 0
         self.peak_bytes = 0
@@ -145,8 +147,13 @@ class _Gather:
             self.gathers += 1
             t = t.full_tensor()
         dt = getattr(torch, dtype_name)
-        # counted when it is new memory: gathered, or converted (a plain buffer in the wire dtype is shared)
-        return self._track(t.to(dt)) if gathered or t.dtype != dt else t
+        # counted when it is new memory: gathered, converted or copied to the host (a plain host buffer in the wire
+        # dtype is shared)
+        new = gathered or t.dtype != dt or (self.host and t.device.type != "cpu")
+        t = t.to(dt)
+        if self.host:
+            t = t.cpu()
+        return self._track(t) if new else t
 
     def __iter__(self):
         for b in self.buckets:
@@ -159,10 +166,11 @@ class _Gather:
 
 
 def stream_sharded(model: torch.nn.Module, dtype: torch.dtype, groups=None, *, bucket_bytes: int,
-                   timeout_s: float | None = None) -> dict:
+                   timeout_s: float | None = None, keep: bool = False) -> dict:
     """Stream a sharded model's weights to the engines' weight groups (``async_vapo.weights.dist.EngineGroup``),
     one bucket gathered at a time, so no rank holds a whole extra copy of the model. A collective: every rank calls
-    it; ``groups`` (rank 0's, in order) is ignored on the others.
+    it; ``groups`` (rank 0's, in order), ``keep`` and ``bucket_bytes`` are rank 0's, sent to the others with one
+    ``broadcast_object``.
 
     For each group, every rank walks the same bucket plan (``plan_buckets`` of ``engine_meta``: the names, order
     and dtypes of ``full_state_dict`` through ``Precision.engine_state``) and gathers each bucket's DTensors with
@@ -176,12 +184,16 @@ def stream_sharded(model: torch.nn.Module, dtype: torch.dtype, groups=None, *, b
     then keeps gathering the rest of the plan without sending, so every rank makes the same ``full_tensor()``
     calls whatever happens to the engines. Any other error is raised on rank 0 after the walk completes.
 
-    Only for ``cluster.weights.transfer = "dist"``: the shared-memory slot, the ZeroMQ fetch and the file ways need
-    the whole version in one place by design, and take ``full_state_dict`` (rank 0 materialises the model).
+    ``keep`` (with no groups): one walk, whose gathered tensors rank 0 keeps, in host memory, as ``"state"``: the
+    whole version in the engines' dtype, in the names and order of ``full_state_dict`` (what
+    ``Learner.policy_state`` returns), for the ways that need it in one place (the shared-memory slot, the ZeroMQ
+    fetch). Only then does rank 0 hold a whole copy; the other ranks drop each bucket as always.
+    ``publish_sharded`` chooses between the two per version.
 
     Returns ``{"results": {engine_id: seconds | exception}`` (rank 0's; ``{}`` elsewhere), ``"gathers"``: this
     rank's ``full_tensor()`` calls, ``"peak_bytes"``: the most gathered bytes this rank held at once,
-    ``"bucket_bytes"``: the largest bucket of the plan``}``."""
+    ``"bucket_bytes"``: the largest bucket of the plan, ``"walks"``: walks over the plan, and with ``keep``
+    ``"state"`` (``{}`` on ranks > 0)``}``."""
     import time
 
     import torch.distributed as dist
@@ -192,16 +204,23 @@ def stream_sharded(model: torch.nn.Module, dtype: torch.dtype, groups=None, *, b
     rank = dist.get_rank() if dist.is_initialized() else 0
     groups = list(groups or []) if rank == 0 else []
     n = len(groups)
+    if rank == 0 and keep and n:
+        raise ValueError("stream_sharded: keep gathers the version whole for its caller to publish; no groups")
     if dist.is_initialized() and dist.get_world_size() > 1:
-        n, bucket_bytes = broadcast_object((n, bucket_bytes))
+        n, bucket_bytes, keep = broadcast_object((n, bucket_bytes, keep))
     buckets = plan_buckets(engine_meta(model, dtype), bucket_bytes)
     results: dict = {}
+    state: dict[str, torch.Tensor] = {}
     gathers = peak = 0
     error: BaseException | None = None
-    for k in range(n):
-        walk = _Gather(model, buckets)
+    walks = 1 if keep else n
+    for k in range(walks):
+        walk = _Gather(model, buckets, host=keep and rank == 0)
         it = iter(walk)
-        if rank == 0:
+        if rank == 0 and keep:
+            for name, t in it:
+                state[name] = t
+        elif rank == 0:
             g = groups[k]
             deadline = None if timeout_s is None else time.monotonic() + timeout_s
             try:
@@ -217,5 +236,61 @@ def stream_sharded(model: torch.nn.Module, dtype: torch.dtype, groups=None, *, b
         peak = max(peak, walk.peak_bytes)
     if error is not None:
         raise error
-    return {"results": results, "gathers": gathers, "peak_bytes": peak,
-            "bucket_bytes": max((b.nbytes for b in buckets), default=0)}
+    out = {"results": results, "gathers": gathers, "peak_bytes": peak, "walks": walks,
+           "bucket_bytes": max((b.nbytes for b in buckets), default=0)}
+    if keep:
+        out["state"] = state
+    return out
+
+
+def publish_sharded(model: torch.nn.Module, dtype: torch.dtype, sync=None, version: int = 0, min_version: int = -1,
+                    *, again: bool = False) -> dict:
+    """Publish a sharded policy's version to the engines without gathering it whole where no engine needs it so.
+    A collective: every rank calls it, rank 0 with its ``WeightBroadcast`` (``sync``; None on the others).
+
+    Rank 0 asks ``sync.stream_plan()`` which engines take the version over their weight groups and whether one
+    needs it whole (its slot or its fetch), and tells the others (``stream_sharded``'s one ``broadcast_object``):
+
+    * every engine streamed: rank 0 announces the version (its tag, no slot: ``WeightBroadcast.announce_unheld``)
+      and every rank walks the bucket plan once per engine group, rank 0 sending each gathered bucket with the
+      group's deadline (``cluster.weights.dist_timeout_s``); a group that fails or passes it is torn down and its
+      engine rejoins as with an unsharded learner (``WeightBroadcast.streamed``). Rank 0 holds one bucket at a time.
+    * some engine needs it whole, or no engine is known yet, or ``again`` (``WeightBroadcast.needs_whole``: an
+      engine could not load a version that was streamed only): one walk, whose gathered buckets rank 0 keeps as
+      the whole version, and ``sync.publish`` writes it to its slot, announces it and streams it from there to the
+      engines that have groups, as for an unsharded learner. The slot must be complete before the announce (the
+      engines on this host load it on the announce) and the announce comes before any send (an engine receives
+      on it), so these groups are fed from the kept version, not from a second walk.
+
+    Acks, rotation and the metrics are ``WeightBroadcast``'s, as for any version. Returns this rank's
+    ``peak_bytes`` (the most gathered bytes it held at once), ``bucket_bytes`` (the plan's largest bucket),
+    ``walks`` and ``gathers`` (``full_tensor()`` calls),
+    and on rank 0 ``seconds`` (the whole publish), ``whole`` and ``streamed`` (the engines sent the version over
+    their groups)."""
+    import time
+
+    import torch.distributed as dist
+
+    t0 = time.perf_counter()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    engines: list[str] = []
+    whole, bucket_bytes, timeout_s, groups = True, 0, None, []
+    if rank == 0:
+        w = sync.ctx.cfg.cluster.weights
+        bucket_bytes, timeout_s = w.dist_bucket_bytes, w.dist_timeout_s
+        if not again:
+            engines, whole = sync.stream_plan()
+        if not whole:
+            sync.announce_unheld(version, engine_meta(model, dtype), engines, min_version)
+            groups = [sync.groups[e] for e in engines]
+    got = stream_sharded(model, dtype, groups, bucket_bytes=bucket_bytes, timeout_s=timeout_s, keep=whole)
+    out = {k: got[k] for k in ("peak_bytes", "bucket_bytes", "walks", "gathers")}
+    if rank != 0:
+        return out
+    if whole:
+        sync.publish(version, got.pop("state"), min_version, again=again)
+        streamed = list(sync.latest.dist_engines)
+    else:
+        sync.streamed(version, got["results"])
+        streamed = sorted(got["results"])
+    return {**out, "seconds": time.perf_counter() - t0, "whole": whole, "streamed": streamed}

@@ -515,8 +515,10 @@ class Learner:
     def policy_state(self) -> dict[str, torch.Tensor]:
         """The policy's weights as the engines load them: in ``model.dtype`` (the learner's masters are float32), on
         the host. A sharded policy is gathered whole on rank 0, the others get ``{}`` (a collective: every rank must
-        call it): the version the slot, fetch and file ways publish. ``learner.sharding.stream_sharded`` sends a
-        sharded policy to weight groups one gathered bucket at a time, without this whole copy."""
+        call it): what a sharded learner publishes with ``cluster.weights.transfer`` shm, zmq or file, and what the
+        one-process trainer loads. The learner service with weight groups ("dist", "auto") does not call it for a
+        sharded policy: ``learner.sharding.publish_sharded`` streams each version one gathered bucket at a time and
+        builds the whole version on rank 0 from that same walk only when an engine needs it so."""
         if self.sharded:
             return self.precision.engine_state(sharding.full_state_dict(self.policy))
         return self.precision.engine_state({k: v.cpu() for k, v in self.policy.state_dict().items()})

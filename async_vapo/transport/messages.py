@@ -169,7 +169,9 @@ class WeightsAnnounce(_Body, tag="weights_announce"):
     version: int
     transfer: TransferKind
     location: str
-    """Slot file ("shm", see ``async_vapo.weights``), safetensors file ("file"), or rendezvous address."""
+    """Slot file ("shm", see ``async_vapo.weights``), safetensors file ("file"), or rendezvous address. Empty
+    for "shm": no slot holds the version (a sharded learner streamed it to ``dist_engines`` only, gathering one
+    bucket at a time; an engine that did not receive it that way waits for the learner to publish it again)."""
     nbytes: int
     """Bytes of the payload (for "shm": of the tensors, after ``base``)."""
     checksum: str

@@ -16,7 +16,7 @@ vLLM's weight-transfer API is a further Publisher with its own engine end.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -24,8 +24,8 @@ import torch
 from async_vapo.transport.messages import WeightsAnnounce
 from async_vapo.weights.fetch import WeightServer
 from async_vapo.weights.file import write_file_version
-from async_vapo.weights.layout import named_tensors
-from async_vapo.weights.slots import WeightSlots, slot_announce
+from async_vapo.weights.layout import meta_layout, named_tensors
+from async_vapo.weights.slots import HEADER_BYTES, WeightSlots, slot_announce
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -60,6 +60,16 @@ class SlotPublisher(Publisher):
 
     def publish(self, version: int, tensors: NamedTensors) -> WeightsAnnounce:
         return slot_announce(self.slots.write(version, named_tensors(tensors)))
+
+    def announce_unheld(self, version: int, meta: Iterable[tuple[str, torch.dtype, Sequence[int]]]
+                        ) -> WeightsAnnounce:
+        """The announce of a version that no slot holds (``location`` empty): its layout from each tensor's
+        ``(name, dtype, shape)``, as a slot would lay it out, and this learner's token. A sharded learner announces
+        so a version it streams to every engine over their weight groups (``learner.sharding.publish_sharded``),
+        never gathering it whole; neither a slot load nor a fetch can serve it."""
+        layout, span = meta_layout(meta)
+        return WeightsAnnounce(version=version, transfer="shm", location="", nbytes=span, checksum="",
+                               format="flat", layout=layout, base=HEADER_BYTES, token=self.slots.token.hex())
 
     def close(self) -> None:
         if self.server is not None:

@@ -26,9 +26,10 @@ Invariants:
 * Parameters go in buckets of at most ``bucket_bytes`` (a parameter larger than that is a bucket of its own),
   each gathered just before it is sent (``full_tensor()`` on an FSDP shard, vLLM's ``materialize_full_tensor``), so
   no process holds a second copy of the model: the learner one bucket, each worker one bucket. A sharded
-  (FSDP2) learner streams with ``learner.sharding.stream_sharded``: every rank walks the same bucket plan and
-  joins each ``full_tensor()``, rank 0 sends; the publish loop (``weights.sync``) still takes the whole version
-  that the shared-memory slot needs (``Learner.policy_state``).
+  (FSDP2) learner's publish loop streams with ``learner.sharding.publish_sharded`` / ``stream_sharded``: every rank
+  walks the same bucket plan and joins each ``full_tensor()``, rank 0 sends. When every engine takes the version
+  over its group, no slot is written and no rank holds the whole version; when one needs the slot or the fetch,
+  rank 0 builds the whole version from that walk's buckets (``WeightBroadcast.stream_plan``).
 * A sync has a deadline: every gloo operation of a group times out after ``timeout_s`` and the whole send checks
   the deadline between buckets; past it ``EngineSyncTimeout`` is raised and the group is closed. NCCL operations
   have no timeout of their own: a watchdog aborts the communicator (``ncclCommAbort``) at the deadline, on the

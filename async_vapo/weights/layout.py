@@ -47,11 +47,16 @@ ALIGN = 64
 def flat_layout(state: Mapping[str, torch.Tensor], base: int = 0) -> tuple[Layout, int]:
     """Tensor after tensor in state-dict order, each ``ALIGN``-aligned from ``base``; returns the layout
     (absolute offsets) and the bytes after ``base`` that it spans."""
+    return meta_layout(((name, t.dtype, t.shape) for name, t in state.items()), base)
+
+
+def meta_layout(meta: Iterable[tuple[str, torch.dtype, Sequence[int]]], base: int = 0) -> tuple[Layout, int]:
+    """:func:`flat_layout` from each tensor's ``(name, dtype, shape)`` alone (nothing gathered or allocated)."""
     layout, offset = [], 0
-    for name, t in state.items():
+    for name, dtype, shape in meta:
         offset = -(-offset // ALIGN) * ALIGN
-        layout.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), base + offset))
-        offset += t.numel() * t.element_size()
+        layout.append((name, str(dtype).removeprefix("torch."), list(shape), base + offset))
+        offset += int(torch.Size(shape).numel()) * dtype.itemsize
     if offset == 0:
         raise ValueError("an empty state dict has no weights to load")
     return layout, offset

@@ -26,6 +26,9 @@ def load_announced(engine, a: WeightsAnnounce, *, mode: str, fetch_endpoint: str
         raise ValueError(f"transfer {a.transfer!r} is not one an engine loads (shm, file)")
     if not a.layout:
         raise ValueError(f"the announce of version {a.version} has no layout")
+    if not a.location:
+        raise WeightsUnavailable(f"version {a.version} was streamed over the engines' weight groups only: no slot "
+                                 "holds it (the learner publishes it again, whole, once it hears of this failure)")
     if mode != "zmq" and slot_holds(a.location, a.version, a.token):
         layout = [(n, d, s, off + a.base) for n, d, s, off in a.layout]
         try:

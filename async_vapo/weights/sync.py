@@ -23,6 +23,15 @@ formed (``dist_engines``), and streamed to them one after another, each within `
 An engine whose send fails or times out loses its group (torn down, counted in ``weight_dist_failures_total``) and
 loads the slot instead; it asks for a new group. Acks and rotation are the same for every way.
 
+A sharded learner (``learner.sharding.publish_sharded``, every rank) asks :meth:`WeightBroadcast.stream_plan`
+first. When every engine heard from within ``cluster.wire.peer_dead_s`` is streamed, the version is announced with
+no slot (``location`` empty, :meth:`WeightBroadcast.announce_unheld`) and streamed as its ranks gather it, one
+bucket at a time; the sends are reported to :meth:`WeightBroadcast.streamed`. An engine that then fails to load it
+(its send failed, or it has just started) acks the failure, :meth:`WeightBroadcast.needs_whole` becomes true, and
+the learner publishes the version again, whole, to a slot (``publish(..., again=True)``; the learner service's
+batch source answers ``REPUBLISH`` while it waits). Otherwise (an engine on the slot or the fetch, or none known
+yet) the version is gathered whole on rank 0 in one walk and published as above.
+
 ``cluster.weights.transfer = "auto"`` chooses per engine (``async_vapo.weights.choose.WayChooser``, fed by the acks,
 which say the way each version came): an engine on this host maps its slot; one on another host fetches, asks for a
 group after its first fetch, and is streamed versions over it once its fetches are timed, until the faster way
@@ -159,6 +168,8 @@ class WeightBroadcast:
             self.by_way.labels(way=w).set(0)
         self.groups: dict = {}
         """Engine id -> its EngineGroup (formed once its ``group`` is set)."""
+        self.unserved: set[str] = set()
+        """Engines that failed to load the latest version, which no slot holds (``needs_whole``)."""
         if self.dist:
             self.dist_failures = m.counter("weight_dist_failures_total",
                                            "Versions an engine did not receive over its torch.distributed group "
@@ -178,23 +189,64 @@ class WeightBroadcast:
         """The fetch server of the slot way (None for "file" and "shm")."""
         return getattr(self.publisher, "server", None)
 
-    def publish(self, version: int, tensors: NamedTensors, min_version: int = -1) -> float:
+    def publish(self, version: int, tensors: NamedTensors, min_version: int = -1, *, again: bool = False) -> float:
         """Make ``tensors`` version ``version`` and announce it with the learner's staleness floor
-        ``min_version``; returns the seconds spent."""
+        ``min_version``; returns the seconds spent. ``again``: the version announced last, published once more,
+        whole, for engines that could not load it (``needs_whole``): streamed to no engine, its ack deadline
+        unchanged."""
         t0 = time.perf_counter()
         if self.dist:
             tensors = named_tensors(tensors)  # read again for each engine's stream
         announce = self.publisher.publish(version, tensors)
-        streamed = sorted(e for e, g in self.groups.items()
-                          if g.group is not None and self.chooser.stream(e)) if self.dist else []
-        self.latest = msgspec.structs.replace(
-            announce, min_version=min_version, dist_engines=streamed,
-            dist_bucket_bytes=self.ctx.cfg.cluster.weights.dist_bucket_bytes if self.dist else 0)
-        self.rotation.published(version, time.monotonic())
-        self.pub.publish(make_envelope(self.latest, sender=self.ctx.name, policy_version=version))
+        streamed = [] if again else self._streamable()
+        self._announce(announce, min_version, streamed, new=not again)
         if streamed:
             self._stream(self.latest, tensors, streamed)
         return time.perf_counter() - t0
+
+    def _streamable(self) -> list[str]:
+        """The engines the next version goes to over their groups: formed, and chosen ("auto")."""
+        if not self.dist:
+            return []
+        return sorted(e for e, g in self.groups.items() if g.group is not None and self.chooser.stream(e))
+
+    def _announce(self, announce: WeightsAnnounce, min_version: int, streamed: list[str], *, new: bool = True) -> None:
+        self.latest = msgspec.structs.replace(
+            announce, min_version=min_version, dist_engines=streamed,
+            dist_bucket_bytes=self.ctx.cfg.cluster.weights.dist_bucket_bytes if self.dist else 0)
+        if announce.location:  # a slot holds it: every engine can load it
+            self.unserved.clear()
+        if new or announce.version != self.rotation.latest:
+            self.rotation.published(announce.version, time.monotonic())
+        self.pub.publish(make_envelope(self.latest, sender=self.ctx.name, policy_version=announce.version))
+
+    # -- a sharded learner's versions (learner.sharding.publish_sharded): streamed, gathered one bucket at a time -
+    def stream_plan(self) -> tuple[list[str], bool]:
+        """What a sharded learner's next version needs: (the engines to stream it to over their groups, whether it
+        is needed whole as well). Whole when an engine heard from within ``cluster.wire.peer_dead_s`` is not
+        streamed (it loads its slot or fetches), or when no engine has been heard from yet (those to come load the
+        slot); else every engine is streamed and no slot is written, so no rank holds the whole version."""
+        streamed = self._streamable()
+        alive = {p for p in self.liveness.peers if self.liveness.is_alive(p)}
+        return streamed, not alive or not alive <= set(streamed)
+
+    def announce_unheld(self, version: int, meta, engines: list[str], min_version: int = -1) -> WeightsAnnounce:
+        """Announce ``version`` to be streamed to ``engines`` (``stream_plan``), which no slot holds (``meta``:
+        each tensor's ``(name, wire dtype, shape)`` in the order they are sent); the caller streams it next and
+        reports the sends to :meth:`streamed`. An engine whose receive fails then has nothing to load: its failed
+        ack makes ``needs_whole`` true."""
+        self._announce(self.publisher.announce_unheld(version, meta), min_version, list(engines))
+        return self.latest
+
+    def streamed(self, version: int, results: dict) -> None:
+        """The sends of ``version`` to engines' groups: ``{engine: seconds or the EngineSync* error}``."""
+        for e, r in results.items():
+            self._sent(e, version, r)
+
+    def needs_whole(self) -> bool:
+        """An engine reported that it could not load the latest version, which no slot holds (it was streamed
+        only): the learner is to publish it again, whole (``publish(..., again=True)``)."""
+        return bool(self.unserved) and self.latest is not None and not self.latest.location
 
     # -- "dist": one torch.distributed group per engine ---------------------------------------------------------
     def _offer_group(self, engine: str, workers: int, backend: str = "gloo") -> None:
@@ -250,17 +302,30 @@ class WeightBroadcast:
         for e in engines:
             g = self.groups.get(e)
             try:
-                seconds = g.send(buckets, ((n, tensors[n]) for n in names), deadline=time.monotonic() + timeout_s)
-                self.dist_seconds.observe(seconds)
-                self.chooser.sent(e, a.version, seconds)
+                got = g.send(buckets, ((n, tensors[n]) for n in names), deadline=time.monotonic() + timeout_s)
             except (EngineSyncTimeout, EngineSyncFailed) as err:
-                self.dist_failures.inc()
-                self.groups.pop(e, None)
-                self.ctx.log.warning("learner: version %d not streamed to %s (%s): its group is torn down, it loads "
-                                     "the slot", a.version, e, err)
-                line = self.chooser.failed(e)
-                if line:
-                    self.ctx.log.info("learner: %s %s", e, line)
+                got = err
+            self._sent(e, a.version, got)
+
+    def _sent(self, engine: str, version: int, got) -> None:
+        """One engine's send of ``version``: its seconds, or the EngineSync* error that tore its group down."""
+        from async_vapo.weights.dist import EngineSyncFailed, EngineSyncTimeout
+
+        if isinstance(got, (EngineSyncTimeout, EngineSyncFailed)):
+            self.dist_failures.inc()
+            self.groups.pop(engine, None)
+            held = self.latest is not None and self.latest.version == version and self.latest.location
+            self.ctx.log.warning("learner: version %d not streamed to %s (%s): its group is torn down, %s", version,
+                                 engine, got, "it loads the slot" if held else
+                                 "no slot holds the version: it is published again, whole, once the engine says so")
+            line = self.chooser.failed(engine)
+            if line:
+                self.ctx.log.info("learner: %s %s", engine, line)
+        elif isinstance(got, BaseException):
+            raise got
+        else:
+            self.dist_seconds.observe(got)
+            self.chooser.sent(engine, version, got)
 
     def heartbeat(self, version: int) -> None:
         now = time.monotonic()
@@ -295,6 +360,8 @@ class WeightBroadcast:
                     self.failed_loads.inc()
                     self.ctx.log.warning("learner: %s failed to load version %d: %s", body.engine_id,
                                          body.version, body.error)
+                    if self.latest is not None and body.version == self.latest.version and not self.latest.location:
+                        self.unserved.add(body.engine_id)  # the version was streamed only: needs_whole
                 else:
                     self._way(body.engine_id, body.via, body.version, body.load_seconds)
                 counted, rejoined = self.rotation.on_ack(body.engine_id, body.version, body.ok, now)
