@@ -1,14 +1,20 @@
 """Versions over torch.distributed (gloo) into the real vLLM engine through vLLM's weight-transfer API
 (``async_vapo.weights.dist``): the engine joins its group and serves each version exactly; an engine that never
-answers, or dies mid-broadcast, costs the learner its deadline at most, and a rejoining engine gets a new group."""
+answers, or dies mid-broadcast, costs the learner its deadline at most, and a rejoining engine gets a new group.
+``test_a_second_real_engine_killed_mid_broadcast_is_dropped_and_rejoins`` does the last with two real engines (the
+session's and a rollout service started in a subprocess) behind the learner's WeightBroadcast."""
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +28,8 @@ from async_vapo.weights.dist import (
     update_info,
     version_meta,
 )
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_buckets_are_bounded_and_keep_order():
@@ -137,6 +145,9 @@ def _fake_engine(group: EngineGroup, die_after: int, bucket_bytes: int, total: i
 
 
 def test_engine_dead_mid_broadcast_is_dropped_and_rejoins_with_a_new_group():
+    """EngineGroup alone against a bare gloo peer that dies after its third bucket: the send fails within its
+    deadline and closes the group; a new group (another prefix) delivers a whole version. The same with real vLLM
+    engines behind the learner's WeightBroadcast: ``test_a_second_real_engine_killed_mid_broadcast_...``."""
     named = [(f"w{i}", torch.full((256,), float(i))) for i in range(8)]  # 8 buckets of 1 KiB
     buckets = plan_buckets(version_meta(named), 1024)
     total = sum(b.nbytes for b in buckets)
@@ -161,6 +172,320 @@ def test_engine_dead_mid_broadcast_is_dropped_and_rejoins_with_a_new_group():
         proc.kill()
     assert float(out) == sum(float(i) * 256 for i in range(8))
     again.close()
+
+
+class _KillAfterFirstBucket:
+    """The learner's end of an engine's gloo group that SIGKILLs the engine's process group (the rollout service
+    and its vLLM engine core) once the first bucket of a send has gone: gloo sends a bucket only once the receiver
+    posted its receive, so the engine dies inside vLLM's ``update_weights``, mid-broadcast."""
+
+    def __init__(self, group, proc: subprocess.Popen):
+        self._group, self._proc = group, proc
+        self.buckets = 0
+        self.killed_at = self.aborted_at = None
+
+    def broadcast(self, tensor, root):
+        work = self._group.broadcast(tensor, root)
+        self.buckets += 1
+        if self.buckets == 1:
+            work.wait()
+            self.killed_at = time.monotonic()
+            _kill_group(self._proc.pid)
+            self._proc.wait(10)
+        return work
+
+    def abort(self):  # EngineGroup.close: the group torn down
+        self.aborted_at = time.monotonic()
+        self._group.abort()
+
+    def __getattr__(self, name):
+        return getattr(self._group, name)
+
+
+def _start_rollout_service(overrides: list[str], run_dir: Path, metrics_port: int, log: Path) -> subprocess.Popen:
+    """``services/rollout.py`` as rollout-0, in a session of its own (its process group: it and vLLM's engine core)."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    with log.open("ab") as out:
+        return subprocess.Popen([sys.executable, str(REPO / "services" / "rollout.py"), "--run-dir", str(run_dir),
+                                 "--instance", "0", "--metrics-port", str(metrics_port), *overrides], cwd=REPO,
+                                env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def _stop_service(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM to the service (it closes its engine), then SIGKILL to whatever of its process group is left."""
+    if grace_s and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    _kill_group(proc.pid)
+    proc.wait(10)
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL process group ``pgid`` (a rollout service, its vLLM engine core and worker) without leaking shared
+    memory: the SharedMemory files its processes map (vLLM's message queues: sparse files of 160 and 240 MB) are
+    unlinked here, and its multiprocessing resource tracker is killed last, once it has unlinked what the others left
+    registered with it (their named semaphores) on seeing them die."""
+    members, shm = {}, set()
+    for d in Path("/proc").iterdir():
+        try:
+            if not d.name.isdigit() or os.getpgid(int(d.name)) != pgid:
+                continue
+            members[int(d.name)] = (d / "cmdline").read_bytes()
+            maps = (d / "maps").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        for line in maps.splitlines():
+            path = line.split(maxsplit=5)[5:]
+            if path and path[0].startswith("/dev/shm/psm_") and not path[0].endswith(" (deleted)"):
+                shm.add(Path(path[0]))  # SharedMemory's names (the learner's slots are never psm_)
+    trackers = [pid for pid, cmd in members.items() if b"multiprocessing.resource_tracker" in cmd]
+    for pid in members.keys() - set(trackers):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 5
+    while any(map(_running, trackers)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        os.killpg(pgid, signal.SIGKILL)  # whatever is left, a tracker that did not finish included
+    except ProcessLookupError:
+        pass
+    for f in shm:
+        f.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
+def _assert_groups_served(groups, policy, pad_id: int, temperature: float) -> None:
+    """Each sample's behaviour log-probs (the engine's, as it sampled) equal the policy's forward at that
+    temperature: the engine that generated the groups served exactly these weights."""
+    from async_vapo.algo.utils import logprobs_from_logits
+    from async_vapo.models.rl import make_token_batch, response_logits
+
+    samples = [(list(g.prompt_ids), s) for g in groups for s in g.samples]
+    assert samples
+    for prompt, s in samples:
+        batch = make_token_batch([prompt], [list(s.response_ids)], pad_id)
+        with torch.no_grad():
+            lp = logprobs_from_logits(response_logits(policy, batch, temperature), batch.response_ids)[0]
+        torch.testing.assert_close(lp, torch.tensor(list(s.behavior_logprobs)), atol=1e-3, rtol=0)
+
+
+@pytest.mark.slow
+def test_a_second_real_engine_killed_mid_broadcast_is_dropped_and_rejoins(vllm_engine, tiny_cfg, tiny_base, tmp_path,
+                                                                         caplog):
+    """The learner's WeightBroadcast ("dist", ZeroMQ on loopback) and two real vLLM engines, each in its own gloo
+    group: rollout-0, the real rollout service (``services/rollout.py``) in a subprocess, and rollout-1, the
+    session's engine behind a RolloutService in this process (streamed after rollout-0). Version 1 reaches both over
+    their groups and both serve it exactly (rollout-0's generated groups: log-probs = the learner's forward).
+    Version 2: rollout-0's process group is SIGKILLed once its first bucket (of 4 KiB buckets) has gone; the
+    learner's send to it fails well within ``dist_timeout_s``, its group is torn down, and rollout-1 still receives
+    version 2 and serves it. A new rollout-0 process starts; the dead one leaves rotation at the ack deadline, the new
+    one loads the latest (version 2) from the slot, rejoins rotation and gets a new group (another prefix), and
+    version 3 reaches both over their groups, both serving it exactly.
+
+    Budget: two engine starts in a subprocess and three versions. Measured here (2 CPU cores, shared): 76-88 s (the
+    engine starts 18-30 s each), 133 s with the cores heavily loaded by other runs (load average 13, the engine
+    starts 30-70 s)."""
+    from conftest import TINY_TEST_OVERRIDES, free_ports
+    from transformers import AutoTokenizer
+
+    from async_vapo.cluster.common import make_context
+    from async_vapo.cluster.rollout_service import RolloutService
+    from async_vapo.config import load_config
+    from async_vapo.models.rl import load_policy
+    from async_vapo.tasks import load_task
+    from async_vapo.transport import GroupsMsg, Heartbeat, ZmqTransport
+    from async_vapo.transport.messages import Decoder
+    from async_vapo.weights import WeightBroadcast
+
+    t_start = time.monotonic()
+    ports = free_ports(5)
+    dist_timeout_s, ack_timeout_s = 20, 10
+    overrides = [*TINY_TEST_OVERRIDES, f"model.cache_dir={tiny_cfg.model.cache_dir}", "async.rollout_devices=2",
+                 "cluster.weights.transfer=dist", "cluster.weights.dist_bucket_bytes=4096",
+                 f"cluster.weights.dist_timeout_s={dist_timeout_s}", "cluster.weights.dist_join_timeout_s=30",
+                 f"cluster.weights.ack_timeout_s={ack_timeout_s}", "cluster.security.curve=false",
+                 "cluster.rollout.eval=false", f"cluster.ports.weights_port={ports[0]}",
+                 f"cluster.ports.acks_port={ports[1]}", f"cluster.ports.weights_fetch_port={ports[2]}",
+                 f"cluster.ports.verifier_port={ports[3]}"]
+    cfg = load_config([], [*overrides, f"cluster.weights.dir={tmp_path / 'w'}"])
+    run_dir, log = tmp_path / "run", tmp_path / "rollout-0.log"
+    tok = AutoTokenizer.from_pretrained(str(tiny_base))
+    policy = load_policy(tiny_base)
+    base = {k: v.clone() for k, v in policy.state_dict().items()}
+    train_set, eval_set = load_task(cfg)
+    caplog.set_level(logging.INFO)
+    transport = ZmqTransport()
+    ctxs = [make_context(s, cfg=cfg, run_dir=run_dir, instance=i, serve_metrics=False, install_signals=False)
+            for s, i in (("learner", 0), ("rollout", 1))]
+    wb = WeightBroadcast(ctxs[0], transport, device="cpu")
+    verifier = transport.receiver(f"tcp://127.0.0.1:{ports[3]}", decoder=Decoder((GroupsMsg, Heartbeat)), bind=True)
+    procs: list[subprocess.Popen] = []
+    publishing: list[threading.Thread] = []
+    here = None
+    torch.manual_seed(7)
+
+    def mark(what: str) -> None:  # the timeline, shown by pytest -s and on a failure
+        print(f"[{time.monotonic() - t_start:6.1f} s] {what}", flush=True)
+
+    def start() -> subprocess.Popen:
+        mark("rollout-0 starting")
+        procs.append(_start_rollout_service(overrides, run_dir, ports[4], log))
+        return procs[-1]
+
+    def step(proc=None) -> None:
+        wb.poll(0.05)
+        wb.heartbeat(wb.rotation.latest)
+        here.poll_weights(0.0)
+        here.heartbeat()
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"rollout-0 exited ({proc.returncode}):\n{_tail(log)}")
+
+    def until(cond, what: str, timeout_s: float, proc=None) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s\n{_tail(log)}"
+            step(proc)
+
+    def formed(engine: str) -> bool:
+        g = wb.groups.get(engine)
+        return g is not None and g.group is not None
+
+    def loads(engine: str) -> dict:
+        e = wb.chooser.engines.get(engine)
+        return dict(e.loads) if e is not None else {}
+
+    def groups_of(version: int, proc) -> list:
+        """rollout-0's next generate call at ``version`` (it generates its share of each version it serves)."""
+        deadline = time.monotonic() + 60
+        while True:
+            assert time.monotonic() < deadline, f"no groups of version {version} from rollout-0\n{_tail(log)}"
+            env = verifier.recv(0.1)
+            if env is not None and isinstance(env.body, GroupsMsg):
+                got = [g for g in env.body.groups if g.version == version]
+                if got:
+                    return got
+            step(proc)
+
+    def publish(version: int) -> float:
+        """The learner publishes (and streams, in a thread: each send waits for its engine) while rollout-1 loads
+        between two "generate calls"; returns the publish's seconds."""
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        out: dict = {}
+
+        def run():
+            t0 = time.monotonic()
+            try:
+                wb.publish(version, policy.state_dict(), min_version=version)
+            except BaseException as e:  # noqa: BLE001 - reported to the test thread
+                out["error"] = e
+            out["seconds"] = time.monotonic() - t0
+
+        th = threading.Thread(target=run, daemon=True, name=f"publish-{version}")
+        publishing.append(th)
+        th.start()
+        deadline = time.monotonic() + 2 * dist_timeout_s + 20
+        while th.is_alive() or vllm_engine.version != version:
+            assert time.monotonic() < deadline, f"version {version}: the publish or rollout-1's load hangs"
+            here.poll_weights(0.05)
+        assert "error" not in out, out
+        step()  # the acks
+        return out["seconds"]
+
+    try:
+        proc = start()
+        here = RolloutService(ctxs[1], transport, vllm_engine, tok, train_set, eval_set, pretrain_batches=0)
+        here.ack(vllm_engine.version, True, 0.0)
+        here.ask_group()
+        until(lambda: formed("rollout-0") and formed("rollout-1"), "both engines in their weight groups", 120, proc)
+        first = wb.groups["rollout-0"]
+        mark("both engines in their groups")
+
+        publish(1)
+        assert wb.latest.dist_engines == ["rollout-0", "rollout-1"]
+        assert_engine_serves(vllm_engine, policy, tok)
+        _assert_groups_served(groups_of(1, proc), policy, tok.pad_token_id, cfg.rollout.temperature)
+        until(lambda: loads("rollout-0") == {"dist": 1} and loads("rollout-1") == {"dist": 1}, "acks of version 1",
+              10, proc)
+        assert wb.dist_failures._value.get() == 0 and wb.rotation.members == {"rollout-0", "rollout-1"}
+        mark("version 1 served by both")
+
+        # version 2: rollout-0 dies after its first bucket
+        killer = first.group = _KillAfterFirstBucket(first.group, proc)
+        seconds = publish(2)
+        buckets = len(plan_buckets(version_meta(policy.state_dict().items()), 4096))
+        assert buckets > 10 and killer.buckets < buckets and proc.returncode == -signal.SIGKILL
+        assert killer.aborted_at is not None and killer.aborted_at - killer.killed_at < dist_timeout_s, (
+            "the send to the dead engine outlived its deadline")
+        assert seconds < dist_timeout_s + 10, seconds
+        assert first.closed and "rollout-0" not in wb.groups and wb.dist_failures._value.get() == 1
+        assert wb.latest.dist_engines == ["rollout-0", "rollout-1"]
+        assert "learner: version 2 not streamed to rollout-0" in caplog.text
+        assert_engine_serves(vllm_engine, policy, tok)  # rollout-1 got version 2 over its group all the same
+        until(lambda: loads("rollout-1") == {"dist": 2}, "rollout-1's ack of version 2", 10)
+        mark(f"version 2: rollout-0 killed after bucket 1 of {buckets}, its send failed "
+             f"{killer.aborted_at - killer.killed_at:.2f} s later (publish {seconds:.2f} s)")
+
+        # rollout-0 again: a new process (it starts in far more than the ack deadline), the latest version from the
+        # slot, a new group
+        rejoined = wb.rejoined._value.get()
+        proc = start()
+        until(lambda: wb.rotation.members == {"rollout-1"}, "rollout-0 out of rotation at the ack deadline",
+              ack_timeout_s + 10, proc)
+        assert wb.dropped._value.get() == 1 and "rollout-0" not in wb.groups
+        mark("rollout-0 out of rotation")
+        until(lambda: formed("rollout-0") and "rollout-0" in wb.rotation.members
+              and wb.rotation.acked["rollout-0"] == 2,
+              "the new rollout-0 in a new group and back in rotation at version 2", 120, proc)
+        assert wb.groups["rollout-0"].prefix != first.prefix and wb.rejoined._value.get() == rejoined + 1
+        assert loads("rollout-0") == {"dist": 1, "shm": 1}
+        _assert_groups_served(groups_of(2, proc), policy, tok.pad_token_id, cfg.rollout.temperature)
+        mark("the new rollout-0 serves version 2 (the slot), in a new group")
+
+        publish(3)
+        assert wb.latest.dist_engines == ["rollout-0", "rollout-1"] and wb.dist_failures._value.get() == 1
+        assert_engine_serves(vllm_engine, policy, tok)
+        _assert_groups_served(groups_of(3, proc), policy, tok.pad_token_id, cfg.rollout.temperature)
+        until(lambda: loads("rollout-0") == {"dist": 2, "shm": 1} and loads("rollout-1") == {"dist": 3},
+              "acks of version 3", 10, proc)
+        assert wb.rotation.members == {"rollout-0", "rollout-1"}
+        text = log.read_text(errors="replace")
+        for line in ("rollout-0: serving version 1 via dist", "rollout-0: serving version 2 via shm",
+                     "rollout-0: serving version 3 via dist"):
+            assert line in text, line
+        assert text.count("rollout-0: in its gloo weight group") == 2
+        mark("version 3 served by both")
+    finally:
+        for p in procs:
+            _stop_service(p, grace_s=15)
+        wb.close()  # its groups aborted: a send still in flight fails now
+        for th in publishing:
+            th.join(30)
+        if here is not None:
+            here.close()
+        transport.close()
+        for ctx in ctxs:
+            ctx.close()
+        vllm_engine.load_weights(base, version=0)  # other tests share this engine
+        mark("stopped")
 
 
 SILENT_ENGINE = textwrap.dedent("""
