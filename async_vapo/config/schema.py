@@ -34,6 +34,11 @@ class TaskConfig(_Section):
     max_ops: int = Field(6, ge=1, le=64)
     """Most operations in a generated problem (long responses: up to 8 * max_ops + 10 characters); `wordprob`: its
     hardest level (1-4)."""
+    answer: Literal["number", "solution"] = "number"
+    """`arith` only: each problem's reference answer. "number": the final total (what ``\\boxed{}`` must hold);
+    "solution": the whole correct written solution, ending in that box (``arith.solution``), which the verifier's
+    ``answer_format = "solution"`` compares with the whole response. The boxed checks read the box inside it, so
+    they grade either kind alike."""
     labels: bool = False
     """`arith` only: name each operation with a letter, in the prompt and in the step that uses it
     (``7a+3b-5c+2=`` -> ``7a+3=10;10b-5=5;...``), so that a small model can follow chains of tens of operations
@@ -64,6 +69,8 @@ class TaskConfig(_Section):
             raise ValueError(f"min_ops ({self.min_ops}) must be <= max_ops ({self.max_ops})")
         if self.kind == "wordprob" and self.max_ops > 4:
             raise ValueError(f"kind='wordprob' has levels 1-4, got max_ops={self.max_ops}")
+        if self.answer == "solution" and self.kind != "arith":
+            raise ValueError(f"task.answer='solution' is for kind='arith' only, got kind={self.kind!r}")
         if self.labels and self.kind != "arith":
             raise ValueError(f"task.labels is for kind='arith' only, got kind={self.kind!r}")
         if self.labels and self.max_ops > 52:
@@ -146,10 +153,13 @@ class BaseModelConfig(_Section):
 
 
 class VerifierConfig(_Section):
-    answer_format: Literal["boxed", "answer_line", "auto"] = "boxed"
+    answer_format: Literal["boxed", "answer_line", "auto", "solution"] = "boxed"
     """Which part of a response is its answer: the last ``\\boxed{}`` ("boxed"), the last ``Answer:`` line in
     its last 300 characters as DAPO's reward reads it ("answer_line": DAPO-Math-17k's prompt asks for it), or
-    a box, else an Answer line, else math-verify's extraction from the whole response ("auto")."""
+    a box, else an Answer line, else math-verify's extraction from the whole response ("auto"). "solution": the
+    whole response, which must equal the reference solution (``task.answer = "solution"``) up to whitespace: every
+    written step is graded, not only the box (the arith chains' sums reach the right total from steps taken out of
+    order, which a boxed check rewards)."""
     num_workers: int = Field(2, ge=1, le=256)
     """Sandboxed checker processes."""
     timeout_s: float = Field(2.0, gt=0, le=600)
@@ -757,6 +767,10 @@ class Config(_Section):
                         f"longest prompt ({prompt} tokens at task.max_ops={self.task.max_ops}) + "
                         f"rollout.max_response_tokens ({self.rollout.max_response_tokens}) + 1 = {total}"
                     )
+        if (self.verifier.answer_format == "solution") != (self.task.answer == "solution"):
+            raise ValueError("verifier.answer_format='solution' and task.answer='solution' go together: the whole "
+                             f"response is compared with a whole reference solution (got answer_format="
+                             f"{self.verifier.answer_format!r}, task.answer={self.task.answer!r})")
         if self.algo.overlong_buffer >= self.rollout.max_response_tokens:
             raise ValueError("algo.overlong_buffer must be smaller than rollout.max_response_tokens")
         if self.async_.rollout_devices % self.rollout.tensor_parallel_size:

@@ -46,6 +46,7 @@ Departures from the brief this module was written to:
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 import sys
@@ -284,6 +285,12 @@ def solution(problem: Problem) -> str:
     when the prompt is."""
     start, ops, labels = _parse(problem.prompt)
     return _render(_steps(start, ops), labels)
+
+
+def with_solution_answer(problem: Problem) -> Problem:
+    """``problem`` whose reference answer is its whole correct solution (``task.answer = "solution"``); the
+    final total stays in ``meta["total"]``."""
+    return dataclasses.replace(problem, answer=solution(problem), meta={**problem.meta, "total": problem.answer})
 
 
 def demonstration(problem: Problem, rng: random.Random, step_error_rate: float) -> str:

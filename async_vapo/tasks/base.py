@@ -25,7 +25,8 @@ def prompt_uid(prompt: str) -> str:
 class Problem:
     """One verifiable problem.
 
-    ``answer`` is the reference final answer as a string (what ``\\boxed{...}`` should contain).
+    ``answer`` is the reference final answer as a string (what ``\\boxed{...}`` should contain), or for
+    ``task.answer = "solution"`` the whole reference solution (which ends in that box).
     ``meta`` is task-specific and informational (e.g. ``n_ops`` for arith, source row for files);
     it is excluded from ``hash`` so problems stay hashable although ``meta`` is a dict.
     """

@@ -15,7 +15,10 @@ def load_task(cfg: Config) -> tuple[list[Problem], list[Problem]]:
     """(training problems, held-out problems) of ``cfg.task``."""
     t = cfg.task
     if t.kind == "arith":
-        return arith.make_splits(t.num_train, t.num_eval, t.seed, t.min_ops, t.max_ops, t.labels)
+        splits = arith.make_splits(t.num_train, t.num_eval, t.seed, t.min_ops, t.max_ops, t.labels)
+        if t.answer == "solution":
+            splits = tuple([arith.with_solution_answer(p) for p in part] for part in splits)
+        return splits
     if t.kind == "wordprob":
         return wordprob.make_splits(t.num_train, t.num_eval, t.seed, t.min_ops, t.max_ops, t.few_shot)
     return load_problems(t.train_path), load_problems(t.eval_path)

@@ -10,6 +10,9 @@ Which part of the response is the answer (``answer_format``):
   (:func:`async_vapo.verify.extract.extract_answer_line`; DAPO-Math-17k's prompt asks for it);
 - ``auto``: the last box, else an ``Answer:`` line, else math-verify's own extraction of the final answer
   from the whole response ("... so the answer is 27.").
+- ``solution``: the whole response, against a reference that is a whole written solution (the arith task's
+  ``task.answer = "solution"``): correct only when the two are equal after whitespace is removed, so every
+  step is graded; a response without a box is "no_answer". No math-verify.
 
 Order of tests, cheapest first:
 1. Extract the answer as the format says; none or empty -> "no_answer".
@@ -40,10 +43,11 @@ from async_vapo.verify.extract import extract_answer_line, extract_boxed
 __all__ = ["ANSWER_FORMATS", "CheckReason", "check_answer", "extract_prediction", "normalize_answer"]
 
 CheckReason = Literal["correct", "incorrect", "no_answer", "parse_error"]
-AnswerFormat = Literal["boxed", "answer_line", "auto"]
-ANSWER_FORMATS = ("boxed", "answer_line", "auto")
+AnswerFormat = Literal["boxed", "answer_line", "auto", "solution"]
+ANSWER_FORMATS = ("boxed", "answer_line", "auto", "solution")
 
 _SPACING = re.compile(r"\s+|\\[,;:! ]")
+_SPACE = re.compile(r"\s+")
 _DECIMAL = re.compile(r"-?[0-9]{1,40}(?:\.[0-9]{1,40})?")
 
 
@@ -62,6 +66,8 @@ def extract_prediction(response: str, answer_format: AnswerFormat = "boxed") -> 
     ``auto`` without a box or an Answer line this is None too: math-verify then reads the whole response."""
     if answer_format not in ANSWER_FORMATS:
         raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")
+    if answer_format == "solution":
+        return response if extract_boxed(response) is not None else None
     if answer_format in ("boxed", "auto"):
         pred = extract_boxed(response)
         if pred is not None or answer_format == "boxed":
@@ -78,6 +84,10 @@ def check_answer(response: str, answer: str, *, answer_format: AnswerFormat = "b
     only); ``None`` disables them.
     """
     pred = extract_prediction(response, answer_format)
+    if answer_format == "solution":
+        if pred is None:
+            return False, "no_answer"
+        return (True, "correct") if _SPACE.sub("", pred) == _SPACE.sub("", answer) else (False, "incorrect")
     if answer_format == "auto" and pred is None:
         return _free_text(response, answer, timeout_s)
     if pred is None or not normalize_answer(pred):

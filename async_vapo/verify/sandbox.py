@@ -1182,7 +1182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--soft-timeout-s", type=float, default=1.5)
     parser.add_argument("--cpu-limit-s", type=float, default=5.0, help="CPU seconds per check")
     parser.add_argument("--max-processes", type=int, default=4, help="RLIMIT_NPROC (tasks, the worker included)")
-    parser.add_argument("--answer-format", default="boxed", choices=("boxed", "answer_line", "auto"),
+    parser.add_argument("--answer-format", default="boxed", choices=("boxed", "answer_line", "auto", "solution"),
                         help="which part of a response is its answer (verify.check)")
     parser.add_argument("--uid", type=int, help="run checks as this uid (the pool runs as root)")
     parser.add_argument("--gid", type=int, help="and this gid")

@@ -63,6 +63,10 @@ def test_the_sandboxed_pool_grades_by_its_answer_format():
         assert [r.reason for r in pool.verify(responses)] == ["correct", "no_answer", "no_answer"]
     with VerifierPool(num_workers=1, answer_format="auto") as pool:
         assert [r.reason for r in pool.verify(responses)] == ["correct", "correct", "correct"]
+    chain = "3a+4=7;7b-2=5;\\boxed{5}"
+    with VerifierPool(num_workers=1, answer_format="solution") as pool:
+        assert [r.reason for r in pool.verify([(chain, chain), ("3a-2=1;1b+4=5;\\boxed{5}", chain),
+                                                ("3a+4=7;7b-2=5", chain)])] == ["correct", "incorrect", "no_answer"]
     with pytest.raises(ValueError, match="answer_format"):
         VerifierPool(num_workers=1, answer_format="last_number")
 
@@ -75,3 +79,26 @@ def test_the_paper_config_reads_dapos_answer_line():
     root = Path(__file__).resolve().parents[2]
     assert load_config([root / "configs" / "qwen2.5-32b_vapo.toml"]).verifier.answer_format == "answer_line"
     assert load_config([root / "configs" / "tiny_cpu.toml"]).verifier.answer_format == "boxed"
+
+
+def test_solution_format_grades_every_step_of_a_chain():
+    """``solution``: the whole response against the whole reference solution. A chain that takes two operations
+    in the other order reaches the same box (the boxed check accepts it) and is graded incorrect."""
+    import random
+
+    from async_vapo.tasks import arith
+
+    p = arith.with_solution_answer(arith.generate_problem(random.Random(3), 18, 20, labels=True))
+    start, ops, _ = arith._parse(p.prompt)
+    assert p.answer == arith.solution(p) and p.meta["total"] == str(arith._steps(start, ops)[-1][3])
+    swapped = [ops[1], ops[0], *ops[2:]]
+    steps = arith._steps(start, swapped)
+    # the same labels in the same places, the first two operands exchanged: every later total is the true one
+    reordered = arith._render(steps, labels=True)
+    assert reordered != p.answer and steps[-1][3] == int(p.meta["total"])
+    assert check_answer(reordered, p.answer) == (True, "correct")  # the box alone cannot tell
+    assert check_answer(reordered, p.answer, answer_format="solution") == (False, "incorrect")
+    assert check_answer(p.answer + " \n", p.answer, answer_format="solution") == (True, "correct")
+    assert check_answer(p.answer.replace("\\boxed", "boxed"), p.answer, answer_format="solution") == \
+        (False, "no_answer")
+    assert extract_prediction("x=1;\\boxed{1}", "solution") == "x=1;\\boxed{1}"

@@ -218,3 +218,22 @@ def test_cluster_settings_by_concern_accept_the_flat_spellings(tmp_path):
         load_config([], ["cluster.fsync=never", "cluster.replay.fsync=always"])
     with pytest.raises(ConfigError):
         load_config([], ["cluster.ports.no_such_port=1"])
+
+
+def test_solution_answers_and_the_solution_format_go_together():
+    from async_vapo.tasks import load_task
+
+    with pytest.raises(ValueError, match="go together"):
+        load_config([], ["verifier.answer_format=solution"])
+    with pytest.raises(ValueError, match="go together"):
+        load_config([], ["task.answer=solution"])
+    with pytest.raises(ValueError, match="kind='arith' only"):
+        load_config([], ["task.kind=wordprob", "task.max_ops=3", "task.answer=solution",
+                         "verifier.answer_format=solution"])
+    cfg = load_config([], ["task.answer=solution", "verifier.answer_format=solution", "task.num_train=20",
+                           "task.num_eval=6"])
+    plain = load_task(load_config([], ["task.num_train=20", "task.num_eval=6"]))
+    for mine, theirs in zip(load_task(cfg), plain, strict=True):
+        assert [p.prompt for p in mine] == [p.prompt for p in theirs]
+        assert all(p.answer.endswith(f"\\boxed{{{q.answer}}}") and p.meta["total"] == q.answer
+                   for p, q in zip(mine, theirs, strict=True))
