@@ -82,6 +82,23 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     return ports
 
 
+def torchrun_two_ranks(worker: str, *args: str, timeout: float = 600):
+    """Run ``tests/integration/<worker>`` on 2 ranks under torchrun (standalone, one thread each, the repository
+    on PYTHONPATH); returns the completed process, its return code asserted 0 (with the tail of stderr)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(root / "tests" / "integration" / worker), *map(str, args)]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return res
+
+
 def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)

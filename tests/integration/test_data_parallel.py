@@ -12,13 +12,12 @@ two AdamW steps at lr 1e-2 atol 2e-5 (measured ~5e-6)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import torchrun_two_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -27,7 +26,6 @@ from fsdp_worker import LOOP, SCENARIOS, cfg_for, run_loop, updates  # noqa: E40
 from async_vapo.models.base import ensure_base_model  # noqa: E402
 from async_vapo.models.rl import load_policy  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 GRAD_RTOL, W_ATOL = 1e-5, 2e-5
 
 
@@ -37,12 +35,7 @@ def ranks(tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
     out = tmp_path_factory.mktemp("ranks")
     ensure_base_model(cfg_for(str(cache), []), progress=False)  # built once, before the ranks start
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    res = subprocess.run(torchrun + [str(ROOT / "tests/integration/fsdp_worker.py"), str(cache), str(out)],
-                         env=env, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-4000:]
+    torchrun_two_ranks("fsdp_worker.py", cache, out, timeout=900)
     return str(cache), out
 
 

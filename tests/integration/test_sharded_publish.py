@@ -18,8 +18,6 @@ About 40 s here."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,23 +32,16 @@ from publish_worker import BUCKET_BYTES  # noqa: E402
 from async_vapo.models.base import ensure_base_model  # noqa: E402
 from async_vapo.weights.dist import plan_buckets, version_meta  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def published(tmp_path_factory):
-    from conftest import free_ports
+    from conftest import free_ports, torchrun_two_ranks
 
     cache = tmp_path_factory.mktemp("cache")
     out = tmp_path_factory.mktemp("publish")
     ensure_base_model(cfg_for(str(cache), []), progress=False)  # built once, before the ranks start
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     [port] = free_ports(1)
-    res = subprocess.run(torchrun + [str(ROOT / "tests/integration/publish_worker.py"), str(cache), str(out),
-                                     str(port)], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-6000:]
+    torchrun_two_ranks("publish_worker.py", cache, out, port)
     return (torch.load(out / "published.pt", weights_only=False),
             *(torch.load(out / f"figures.{r}", weights_only=False) for r in (0, 1)))
 

@@ -10,13 +10,12 @@ engine after it is streamed normally."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import torchrun_two_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -26,20 +25,13 @@ from stream_worker import BUCKET_BYTES, ENGINES  # noqa: E402
 from async_vapo.models.base import ensure_base_model  # noqa: E402
 from async_vapo.weights.dist import _views, plan_buckets, version_meta  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def streamed(tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
     out = tmp_path_factory.mktemp("stream")
     ensure_base_model(cfg_for(str(cache), []), progress=False)  # built once, before the ranks start
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    res = subprocess.run(torchrun + [str(ROOT / "tests/integration/stream_worker.py"), str(cache), str(out)],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
+    torchrun_two_ranks("stream_worker.py", cache, out)
     return out
 
 
