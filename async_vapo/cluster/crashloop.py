@@ -15,8 +15,10 @@ listener makes the decisions, per program of the services group:
   most ``backoff_max_s``.
 * ``EXITED`` with status 0: the service was stopped on purpose (SIGTERM ends a service's loop with status 0). Not
   restarted.
-* ``BACKOFF`` (it died before ``startsecs``; supervisord retries it, 1, 2, 3 ... s apart): counted as a crash too;
-  over the limit, the program is stopped over XML-RPC.
+* ``BACKOFF`` (it died before ``startsecs``; supervisord retries it, 1, 2, 3 ... s apart): what is left of the dead
+  attempt is killed as for ``EXITED`` (its group is the PID its launcher wrote, once that process is gone:
+  :func:`dead_attempt_group`; a service dying while its vLLM engine starts would otherwise leave the engine's
+  processes running), and it is counted as a crash too; over the limit, the program is stopped over XML-RPC.
 * ``FATAL`` (supervisord gave up after ``startretries``): given up.
 
 Giving up is never silent: the reason is logged (this listener's stderr, ``RUN_DIR/logs/supervisor-TAG.log``) and
@@ -122,6 +124,24 @@ def kill_leftovers(run_dir: Path, name: str, pgid: int | None, weights_dir: Path
     return killed
 
 
+def dead_attempt_group(run_dir: Path, name: str) -> int | None:
+    """The process group of a start attempt that died before ``startsecs`` (supervisord's BACKOFF event carries no
+    PID): the PID its launcher wrote to RUN_DIR/pids/NAME.pid, which leads its own group, when that leader is gone.
+    None when the file is missing or its process still runs (a newer attempt already wrote its own PID: nothing of
+    it may be killed)."""
+    try:
+        pid = int((run_dir / "pids" / f"{name}.pid").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return pid
+    except PermissionError:
+        return None
+    return None
+
+
 def wait_group_gone(pgid: int, timeout_s: float) -> bool:
     """Whether process group ``pgid`` is empty within ``timeout_s`` (a killed process with GiBs of memory takes
     a moment to be reaped, and holds its ports until then)."""
@@ -221,14 +241,19 @@ class Listener:
             self.record("restart_scheduled", name, pid=pid, delay_s=d.delay_s, crashes_in_window=d.crashes_in_window)
             threading.Thread(target=self.restart_later, args=(name, pid, d.delay_s), daemon=True).start()
         elif eventname == "PROCESS_STATE_BACKOFF":
-            self.record("backoff", name, tries=h.get("tries"))
+            # died before startsecs: supervisord retries it itself, and what its process group started lives on
+            pgid = dead_attempt_group(self.run_dir, name)
+            killed = kill_leftovers(self.run_dir, name, pgid, self.weights_dir) if pgid else []
+            self.record("backoff", name, tries=h.get("tries"), killed=killed)
             if self.shutting_down():
                 return
             d = self.policy.on_crash(name, time.monotonic())
             if not d.restart:
                 self.give_up(name, d.reason, stop=True)
-        elif eventname == "PROCESS_STATE_FATAL":
-            self.record("fatal", name)
+        elif eventname == "PROCESS_STATE_FATAL":  # the last attempt died before startsecs too
+            pgid = dead_attempt_group(self.run_dir, name)
+            killed = kill_leftovers(self.run_dir, name, pgid, self.weights_dir) if pgid else []
+            self.record("fatal", name, killed=killed)
             self.give_up(name, "could not be started (supervisord: FATAL after startretries)", stop=False)
 
 

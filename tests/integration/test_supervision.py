@@ -2,8 +2,9 @@
 (async_vapo.cluster.crashloop), on three small programs instead of the services: one that keeps crashing after it
 counts as running (restarted with doubling backoff until the limit trips, then left stopped with the reason written
 down), one SIGKILLed by the test while a child runs in its process group (the child is killed, the program
-restarted, its PID file rewritten), and one that exits 0 (stopped on purpose: not restarted). Then a shutdown:
-nothing is restarted, nothing is left. About 20 s."""
+restarted, its PID file rewritten), one that exits 0 (stopped on purpose: not restarted), and one that dies before
+``startsecs`` while a child runs in its group (supervisord retries it itself; the listener kills each dead attempt's
+leftovers). Then a shutdown: nothing is restarted, nothing is left. About 20 s."""
 
 from __future__ import annotations
 
@@ -35,6 +36,14 @@ def _events(run: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+def _runs_sleep(pid: int) -> bool:
+    """Whether ``pid`` is a live ``sleep`` (a zombie has an empty command line)."""
+    try:
+        return b"sleep" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def _wait(what: str, cond, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
@@ -52,7 +61,9 @@ def test_restarts_backoff_crash_loop_limit_and_shutdown(tmp_path):
     _launcher(run, "crashy", "sleep 1.5; exit 3")  # dies after startsecs: supervisord alone would restart it forever
     _launcher(run, "worker", f"sleep 300 & echo $! > {run}/worker.child\nwait")
     _launcher(run, "quitter", "sleep 1.5; exit 0")
-    conf = write_conf(run, "local", ["crashy", "worker", "quitter"], deploy, sys.executable, REPO)
+    # dies before startsecs (supervisord's BACKOFF, retried by supervisord itself) while a child runs in its group
+    _launcher(run, "early", f"sleep 300 & echo $! >> {run}/early.children\nsleep 0.2; exit 1")
+    conf = write_conf(run, "local", ["crashy", "worker", "quitter", "early"], deploy, sys.executable, REPO)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     subprocess.run([sys.executable, "-m", "supervisor.supervisord", "-c", str(conf)], check=True, env=env)
     sup_pid = None
@@ -64,10 +75,17 @@ def test_restarts_backoff_crash_loop_limit_and_shutdown(tmp_path):
         _wait("the worker's child", lambda: (run / "worker.child").exists(), 10)
         first, child = int((run / "pids" / "worker.pid").read_text()), int((run / "worker.child").read_text())
         assert os.getpgid(first) == first and os.getpgid(child) == first  # a process group of its own
+        _wait("the worker running", lambda: any(e["name"] == "worker" and e["event"] == "running"
+                                                 for e in _events(run)), 15)  # past startsecs: an EXITED death
         os.kill(first, signal.SIGKILL)
         _wait("the worker restarted", lambda: int((run / "pids" / "worker.pid").read_text()) != first, 10)
-        assert not Path(f"/proc/{child}").exists() or b"sleep" not in Path(f"/proc/{child}/cmdline").read_bytes()
+        assert not _runs_sleep(child)
         assert not group_alive(first)
+
+        # early: each attempt's child is killed with its dead attempt, though supervisord restarts it on its own
+        _wait("early's first child", lambda: (run / "early.children").exists(), 10)
+        early_first = int((run / "early.children").read_text().split()[0])
+        _wait("early's first child killed", lambda: not _runs_sleep(early_first), 10)
 
         # crashy: restarted after 0.5 s, then 1 s; the third crash within 60 s exceeds the limit of 2
         gave_up = run / "supervisor" / "crashy.gave_up"
@@ -95,10 +113,12 @@ def test_restarts_backoff_crash_loop_limit_and_shutdown(tmp_path):
         _wait("supervisord gone", lambda: not Path(f"/proc/{sup_pid}").exists(), 15)
         assert not group_alive(worker)
         assert int((run / "pids" / "worker.pid").read_text()) == worker
+        early = [int(x) for x in (run / "early.children").read_text().split()]
+        assert len(early) >= 2 and not [c for c in early if _runs_sleep(c)]  # every attempt's child went with it
     finally:
         if sup_pid and Path(f"/proc/{sup_pid}").exists():
             os.kill(sup_pid, signal.SIGKILL)
-        for name in ("crashy", "worker", "quitter"):
+        for name in ("crashy", "worker", "quitter", "early"):
             f = run / "pids" / f"{name}.pid"
             if f.exists() and group_alive(int(f.read_text())):
                 os.killpg(int(f.read_text()), signal.SIGKILL)
