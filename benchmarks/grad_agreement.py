@@ -8,7 +8,8 @@ real vLLM engine at the config's training temperature, grades them with the conf
 first optimiser step's policy gradient of each batch with the project's ``Learner`` (the config's loss; one
 mini-batch per batch, so every ratio is 1). Prints the cosine of every pair of batch gradients: near 0 when one
 batch's gradient is mostly noise (then an update moves the policy without a consistent direction), clearly
-positive when batches agree. Writes ``--out`` (JSON).
+positive when batches agree. Also prints each batch gradient's norm and the parameters with the largest shares of
+its squared norm. Writes ``--out`` (JSON).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def main() -> int:
 
     cfg = load_config([args.config])
     k = cfg.algo.group_size
-    cfg = load_config([args.config], [f"algo.mini_batch_size={args.prompts * k}", *args.overrides])
+    sizes = [f"algo.prompts_per_step={args.prompts}", f"algo.mini_batch_size={args.prompts * k}"]
+    cfg = load_config([args.config], [*sizes, *args.overrides])
     base = ensure_base_model(cfg, progress=False)
     tok = AutoTokenizer.from_pretrained(str(base))
     problems = random.Random(args.seed).sample(load_task(cfg)[0], args.batches * args.prompts)
@@ -69,27 +71,35 @@ def main() -> int:
         groups.append(Group(uid=q.uid, prompt=q.prompt, answer=q.answer, prompt_ids=ids, version=0, samples=samples))
     accuracy = sum(s.correct for g in groups for s in g.samples) / (len(groups) * k)
 
-    grads = []
+    grads, tops = [], []
     for b in range(args.batches):
         learner = Learner(cfg, base)
         got = {}
 
         def capture(model, opt, scaler, lr, steps_done, got=got):  # the optimiser step, replaced: keep the gradient
-            got["g"] = torch.cat([q.grad.flatten() for q in model.parameters() if q.grad is not None]).clone()
+            named = [(n, q.grad) for n, q in model.named_parameters() if q.grad is not None]
+            got["g"] = torch.cat([g.flatten() for _, g in named]).clone()
+            total = float(got["g"].pow(2).sum())
+            got["top"] = sorted(((float(g.pow(2).sum()) / total, n) for n, g in named), reverse=True)[:3]
             opt.zero_grad(set_to_none=True)
             return float(got["g"].norm())
 
         learner._step = capture
         learner.update(make_rollout_batch(groups[b * args.prompts:(b + 1) * args.prompts], tok.pad_token_id))
         grads.append(got["g"])
+        tops.append([[n, round(share, 3)] for share, n in got["top"]])
     cos = [float(torch.nn.functional.cosine_similarity(a, b, dim=0)) for a, b in itertools.combinations(grads, 2)]
     doc = {"config": args.config, "overrides": args.overrides, "batches": args.batches,
            "prompts_per_batch": args.prompts, "responses_per_batch": args.prompts * k,
            "temperature": cfg.rollout.temperature,
            "answer_format": v.answer_format, "accuracy": accuracy, "pairwise_cosine": cos,
-           "mean_cosine": sum(cos) / len(cos)}
+           "mean_cosine": sum(cos) / len(cos), "norms": [float(g.norm()) for g in grads],
+           "largest_shares": tops}
     print(f"{args.config}: {args.batches} batches of {args.prompts * k} responses, accuracy {accuracy:.3f}; gradient "
           f"cosine between batches: mean {doc['mean_cosine']:.3f} (min {min(cos):.3f}, max {max(cos):.3f})")
+    for b, (g, top) in enumerate(zip(grads, tops, strict=True)):
+        print(f"  batch {b}: norm {float(g.norm()):.3f}; largest shares of its squared norm: "
+              + ", ".join(f"{n} {share:.2f}" for n, share in top))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
