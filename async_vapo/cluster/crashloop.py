@@ -215,6 +215,11 @@ class Listener:
         log.info("%s: restarted", name)
         self.record("restarted", name)
 
+    def kill_dead_attempt(self, name: str) -> list[str]:
+        """What is left of a start attempt that died before ``startsecs`` (:func:`dead_attempt_group`)."""
+        pgid = dead_attempt_group(self.run_dir, name)
+        return kill_leftovers(self.run_dir, name, pgid, self.weights_dir) if pgid else []
+
     def handle(self, eventname: str, payload: str) -> None:
         h = parse_payload(payload)
         name = h.get("processname", "")
@@ -242,18 +247,14 @@ class Listener:
             threading.Thread(target=self.restart_later, args=(name, pid, d.delay_s), daemon=True).start()
         elif eventname == "PROCESS_STATE_BACKOFF":
             # died before startsecs: supervisord retries it itself, and what its process group started lives on
-            pgid = dead_attempt_group(self.run_dir, name)
-            killed = kill_leftovers(self.run_dir, name, pgid, self.weights_dir) if pgid else []
-            self.record("backoff", name, tries=h.get("tries"), killed=killed)
+            self.record("backoff", name, tries=h.get("tries"), killed=self.kill_dead_attempt(name))
             if self.shutting_down():
                 return
             d = self.policy.on_crash(name, time.monotonic())
             if not d.restart:
                 self.give_up(name, d.reason, stop=True)
         elif eventname == "PROCESS_STATE_FATAL":  # the last attempt died before startsecs too
-            pgid = dead_attempt_group(self.run_dir, name)
-            killed = kill_leftovers(self.run_dir, name, pgid, self.weights_dir) if pgid else []
-            self.record("fatal", name, killed=killed)
+            self.record("fatal", name, killed=self.kill_dead_attempt(name))
             self.give_up(name, "could not be started (supervisord: FATAL after startretries)", stop=False)
 
 
