@@ -7,8 +7,9 @@ Sockets (rank 0 only)
     min_version = v − max_staleness, received_cursor = the replay cursor of the last batch received, or of the
     checkpoint resumed from: the replay stores again what it served after it, so a restarted learner or a lost
     reply loses no group; -1 before either is known) at a time, each bounded by ``cluster.wire.batch_request_timeout_s``
-    (PeerTimeout: counted in ``replay_timeouts_total``, logged, asked again). An empty BatchMsg means
-    "not enough admissible groups yet": the learner services acks for ``cluster.wire.batch_poll_s`` and asks again.
+    (PeerTimeout: counted in ``replay_timeouts_total``, logged, asked again) and with wait_s =
+    ``cluster.wire.batch_poll_s``: the replay holds it until the groups are there, or answers with an empty
+    BatchMsg ("not enough admissible groups yet") after that long; the learner services acks and asks again.
   * ``weights`` (XPUB) and ``acks`` (PULL): the weight broadcast, ``async_vapo.weights.sync``.
 
 The step loop is ``async_vapo.learner.loop`` (the one-process trainer runs the same one) over a
@@ -156,8 +157,10 @@ class ReplaySource:
                     return REPUBLISH
                 received = self.cursor if self.cursor_known else -1
                 env = make_envelope(BatchRequest(n_groups=min(n - len(got), self.per_request), for_version=v,
-                                                 min_version=floor, received_cursor=received),
+                                                 min_version=floor, received_cursor=received,
+                                                 wait_s=c.wire.batch_poll_s),
                                     sender=self.ctx.name, policy_version=v)
+                asked = time.perf_counter()
                 try:
                     reply = self.req.request(env, c.wire.batch_request_timeout_s)
                 except PeerTimeout as exc:
@@ -183,7 +186,8 @@ class ReplaySource:
                     if len(got) >= n:
                         return got, {"time/wait_batch_s": time.perf_counter() - t0}
                     continue
-                self.sync.poll(c.wire.batch_poll_s)
+                # the replay held the request for batch_poll_s (a refused one comes back at once: wait the rest)
+                self.sync.poll(max(0.0, c.wire.batch_poll_s - (time.perf_counter() - asked)))
             return None
         finally:
             self.wait_seconds.inc(time.perf_counter() - t0)

@@ -4,9 +4,11 @@ Sockets
   * ``in``: PULL, binds ``cluster.ports.replay_port``; GroupsMsg (and Heartbeat) from the verifier. HWM
     ``DEFAULT_HWM`` messages; at the HWM the verifier's PUSH holds (backpressure to the verifier).
   * ``batches``: ROUTER, binds ``cluster.ports.replay_batch_port``; BatchRequest (and READY) from the learner,
-    answered at once by a BatchMsg: ``n_groups`` whole groups when the buffer holds that many admissible
-    for ``for_version``, else an *empty* BatchMsg ("not yet"; the learner asks again after
-    ``cluster.wire.batch_poll_s``). Replies never wait, so a slow learner holds nothing here.
+    answered by a BatchMsg: ``n_groups`` whole groups as soon as the buffer holds that many admissible
+    for ``for_version``, or an *empty* BatchMsg ("not yet") once the request's ``wait_s`` (at most
+    ``MAX_HOLD_S``; the learner sends ``cluster.wire.batch_poll_s``) has passed without them; the learner then
+    asks again. A request is held in the replay, never the replay in a request: a new request from the same
+    learner answers its held one (empty) first, and a slow learner holds nothing here.
 
 Invariant (enforced by :class:`~async_vapo.replay.ReplayBuffer`, not here): a batch for learner version
 v never holds a group older than the ``min_version`` the learner sent with its request (the learner owns
@@ -32,7 +34,9 @@ unconsumed groups and continues the cursor (``BatchMsg.cursor`` = groups served 
 groups served after it again (``ReplayBuffer.rewind``, counted in ``requeued_groups_total``), so a group the replay
 acknowledged is trained on by an update that survives, or dropped with a reason.
 
-The loop alternates the two sockets with short polls; one bad group is counted and skipped.
+The loop waits on both sockets at once (``Transport.wait_any``), so a group or a request is handled as it arrives
+and a held request is answered as soon as the groups that fill it are stored; one bad group is counted and
+skipped.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ from async_vapo.transport import BatchMsg, BatchRequest, GroupsMsg, Heartbeat, T
 class ReplayService:
     RETRY_S = 1.0
     """Seconds between attempts to store held groups."""
+    MAX_HOLD_S = 5.0
+    """The longest a batch request is held for groups still to come (half the learner's default request timeout)."""
 
     def __init__(self, ctx: ServiceContext, transport: Transport, *, in_endpoint: str | None = None,
                  batch_endpoint: str | None = None, store_path=None, vocab_size: int | None = None):
@@ -75,6 +81,8 @@ class ReplayService:
                                                 "error): held and retried, never dropped.", labels=("errno",))
         self.held = ctx.metrics.gauge("held_groups", "Groups received but not yet stored (waiting for the disk).")
         self._held: list = []
+        self._waiting: list[tuple] = []
+        """Batch requests held for groups still to come: (request, answer-empty-at monotonic time)."""
         self._holding = False
         self._retry_at = 0.0
         self.bad_requests = ctx.metrics.counter("rejected_requests_total",
@@ -131,17 +139,46 @@ class ReplayService:
 
     def handle_request(self, env) -> None:
         req: BatchRequest = env.body
-        batch = None
+        for held in [w for w in self._waiting if w[0].sender == env.sender]:  # it asked again: it wants the new one
+            self._waiting.remove(held)
+            self._answer(held[0], None)
         error = self.buffer.request_error(req.n_groups, req.for_version, req.min_version)
         if error is not None:
             self.bad_requests.labels(reason=error).inc()
             self.ctx.log.warning("replay: refused batch request from %s (%s): %s", env.sender, error, req)
-        else:
-            try:
-                self._rewind(req.received_cursor, env.sender)
-                batch = self.buffer.make_batch(req.n_groups, req.for_version, req.min_version)
-            except Exception:
-                self.ctx.processing_error("make_batch", f"batch request {req}")
+            self._answer(env, None)
+            return
+        try:
+            self._rewind(req.received_cursor, env.sender)
+        except Exception:
+            self.ctx.processing_error("make_batch", f"batch request {req}")
+            self._answer(env, None)
+            return
+        hold = min(req.wait_s, self.MAX_HOLD_S) if req.wait_s > 0 else 0.0  # (NaN: no hold)
+        self._serve(env, time.monotonic() + hold)
+
+    def _serve(self, env, answer_by: float) -> None:
+        """Answer ``env`` with its batch if the buffer holds it; else hold it until ``answer_by``, then answer
+        with none."""
+        req: BatchRequest = env.body
+        try:
+            batch = self.buffer.make_batch(req.n_groups, req.for_version, req.min_version)
+        except Exception:
+            self.ctx.processing_error("make_batch", f"batch request {req}")
+            self._answer(env, None)
+            return
+        if batch is None and time.monotonic() < answer_by:
+            self._waiting.append((env, answer_by))
+            self._publish_stats()
+            return
+        self._answer(env, batch)
+
+    def _serve_waiting(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        for env, answer_by in waiting:
+            self._serve(env, answer_by)
+
+    def _answer(self, env, batch) -> None:
         stats_before = self._stats
         self._publish_stats()
         dropped = self._stats.stale_dropped_total - stats_before.stale_dropped_total
@@ -173,21 +210,26 @@ class ReplayService:
                               f", {missing} no longer in the log (compacted)" if missing else "")
 
     def step(self, poll_s: float = 0.05) -> None:
+        now = time.monotonic()
+        timeout = min([poll_s, *(max(0.0, t - now) for _, t in self._waiting)])
         if self._held:  # backpressure: the pipe fills up to its HWM and the verifier holds its sends
-            if time.monotonic() >= self._retry_at:
+            if now >= self._retry_at:
                 self._store(self._held)
             else:
-                time.sleep(min(poll_s, max(0.0, self._retry_at - time.monotonic())))
+                self.transport.wait_any([self.router], min(timeout, self._retry_at - now))
         else:
-            env = self.pull.recv(poll_s)
+            self.transport.wait_any([self.pull, self.router], timeout)
+            env = self.pull.recv(0)
             while env is not None and not self._held:
                 if isinstance(env.body, GroupsMsg):
                     self.handle_groups(env.body)
                 env = None if self._held else self.pull.recv(0)
-        req = self.router.recv(poll_s)
+        req = self.router.recv(0)
         while req is not None:
             self.handle_request(req)
             req = self.router.recv(0)
+        if self._waiting:
+            self._serve_waiting()
 
     def run(self) -> None:
         self.ctx.ready(stored_groups=len(self.buffer))

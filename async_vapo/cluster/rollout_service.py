@@ -35,18 +35,23 @@ call the engine knows its served version ``s`` and the learner's latest announce
 started now is consumed at a learner version ≥ L, so it is usable only if L − s ≤ max_staleness:
 
   * ``s < L − max_staleness`` -> do not generate, wait for weights (reason ``stale_weights``);
-  * a group of version s can only feed updates made at learner versions s .. s + max_staleness, each
-    taking ``prompts_per_step`` groups (plus the value-pretraining batches, all at version 0, and DAPO's
-    resampling rounds), so each engine generates at most its 1/N share of that per served version
-    (reason ``version_budget``). With max_staleness = 0 every engine generates exactly its share of one
-    batch per version and then waits for the next weights: synchronous on-policy training. Fast problems
-    are not favoured: a generate call takes its prompts in sampler order and ships all of them together.
+  * a group of version s can only feed updates made at learner versions up to s + max_staleness, and the
+    learner takes one batch per update (``prompts_per_step`` groups, plus the value-pretraining batches, all
+    at version 0, and DAPO's resampling rounds). So, counted from the learner version the engine first saw
+    (its base b), the engine's groups while it serves s are worth generating only while it has made fewer
+    than its 1/N share of (s − b + max_staleness + 1) batches (reason ``version_budget``), the pretraining
+    batches added when b = 0. The bound is cumulative: an engine faster than the learner runs
+    max_staleness batches ahead and then makes one batch per version, never a batch that can only go stale
+    (a bound per version would let it make max_staleness + 1 batches of every version, of which the learner
+    uses one). With max_staleness = 0 every engine generates exactly its share of one batch per version and
+    then waits for the next weights: synchronous on-policy training. Fast problems are not favoured: a
+    generate call takes its prompts in sampler order and ships all of them together.
   * a budget that is spent while no new version arrives for ``cluster.rollout.admission_refill_s`` is topped
     up by one share (groups lost to a crash elsewhere must not starve the learner forever; logged, counted in
     ``admission_refills_total``).
-  * an announce below the learner's last version (a learner restarted from an older checkpoint) forgets the
-    budgets of the versions above it: they were spent on weights that no longer exist, and the learner's next
-    versions are new weights that need their groups.
+  * an announce below the learner's last version (a learner restarted from an older checkpoint) starts the
+    count again from that version: the groups made since were made for weights that no longer exist, and
+    the learner's next versions are new weights that need their groups.
 
 ``max_staleness`` is the learner's: every announce carries its staleness floor (``min_version``), and the
 engine takes the bound from it (its own config's ``async.max_staleness`` only until the first announce).
@@ -96,41 +101,47 @@ class Admission:
     rounds_per_batch: int = 1
     """Generation rounds one update may consume (1 + DAPO's max_resample_rounds with dynamic sampling)."""
     refill_s: float = 60.0
-    used: dict[int, int] = field(default_factory=dict)
-    refills: dict[int, int] = field(default_factory=dict)
+    base: int | None = None
+    """The learner version the count starts from: the first one this engine saw (or the one it rolled back to)."""
+    made: int = 0
+    """Groups generated since ``base``."""
+    refills: int = 0
+    """Shares added since ``base`` by :meth:`check` after ``refill_s`` without a new version."""
     last_change: float = field(default_factory=time.monotonic)
 
     def share(self) -> int:
         return math.ceil(self.prompts_per_step * self.rounds_per_batch / self.num_engines)
 
-    def budget(self, version: int) -> int:
-        batches = self.max_staleness + 1 + (self.pretrain_batches if version == 0 else 0)
-        return batches * self.share() + self.refills.get(version, 0) * self.share()
+    def budget(self, served: int) -> int:
+        """Groups this engine may have made since ``base`` while it serves version ``served``."""
+        base = served if self.base is None else self.base
+        batches = served - base + self.max_staleness + 1 + (self.pretrain_batches if base == 0 else 0)
+        return max(0, batches + self.refills) * self.share()
 
     def versions_changed(self, now: float | None = None) -> None:
         self.last_change = time.monotonic() if now is None else now
 
     def check(self, served: int, learner: int, now: float | None = None) -> str | None:
         """None when a group may start; else the reason it may not."""
+        if self.base is None:
+            self.base = learner
         if served < learner - self.max_staleness:
             return "stale_weights"
-        if self.used.get(served, 0) >= self.budget(served):
+        if self.made >= self.budget(served):
             now = time.monotonic() if now is None else now
             if now - self.last_change < self.refill_s:
                 return "version_budget"
-            self.refills[served] = self.refills.get(served, 0) + 1
+            self.refills += 1
             self.last_change = now
         return None
 
     def record(self, version: int, groups: int) -> None:
-        self.used[version] = self.used.get(version, 0) + groups
+        self.made += groups
 
     def rolled_back(self, version: int) -> None:
-        """The learner went back to ``version`` (restarted from a checkpoint): the budgets of the versions above it
-        were spent on weights that no longer exist, and its versions from here on are new weights."""
-        for d in (self.used, self.refills):
-            for v in [v for v in d if v > version]:
-                del d[v]
+        """The learner went back to ``version`` (restarted from a checkpoint): what was made since is for weights
+        that no longer exist (or already in the replay, for ``version`` itself), so the count starts again there."""
+        self.base, self.made, self.refills = version, 0, 0
 
 
 class RolloutService:
@@ -402,10 +413,10 @@ class RolloutService:
             self.poll_weights(0.0)
             self.heartbeat()
             self.maybe_evaluate()
-            refills = sum(self.admission.refills.values())
+            refills = self.admission.refills
             reason = "no_learner" if self.latest is None else self.admission.check(self.engine.version,
                                                                                     self.learner_version)
-            if sum(self.admission.refills.values()) > refills:
+            if self.admission.refills > refills:
                 self.ctx.metrics.counter("admission_refills_total", "Budgets topped up after "
                                          "cluster.rollout.admission_refill_s without a new version.").inc()
                 self.ctx.log.warning("%s: no new version for %.0f s with the budget of version %d spent: one more "

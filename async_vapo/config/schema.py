@@ -503,7 +503,8 @@ class WireConfig(_Section):
     batch_request_timeout_s: float = Field(10.0, gt=0)
     """Learner's wait for one reply of the replay (PeerTimeout, logged and counted, then it asks again)."""
     batch_poll_s: float = Field(0.2, gt=0)
-    """Learner's pause between BatchRequests that found too few admissible groups."""
+    """How long the replay holds a BatchRequest for groups still to come before it answers "not yet" (the
+    learner then services acks and asks again); a batch is answered as soon as its groups are stored."""
     max_message_bytes: int = Field(256 * 2**20, ge=1024)
     """Largest frame any service socket accepts; a bigger one is rejected ("oversized") before decoding."""
     send_timeout_s: float = Field(5.0, gt=0)

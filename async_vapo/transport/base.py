@@ -118,6 +118,10 @@ class Receiver(_Endpoint):
     def recv_frame(self, timeout_s: float) -> Frame | None:
         """One raw frame, or None after ``timeout_s``."""
 
+    def _has_input(self) -> bool:
+        """Whether a frame may be waiting (for :meth:`Transport.wait_any`; True when unknown)."""
+        return True
+
     def recv(self, timeout_s: float) -> Envelope | None:
         """The next valid envelope, or None after ``timeout_s``; rejected frames are counted and skipped."""
         deadline = time.monotonic() + check_timeout(timeout_s)
@@ -205,6 +209,10 @@ class Replier(_Endpoint):
     def _recv_request(self, timeout_s: float) -> tuple[Any, Frame] | None:
         """(route back to the requester, frame), or None after ``timeout_s``."""
 
+    def _has_input(self) -> bool:
+        """Whether a request may be waiting (for :meth:`Transport.wait_any`; True when unknown)."""
+        return True
+
     @abstractmethod
     def _send_reply(self, route: Any, frame: bytes, timeout_s: float) -> None:
         """Raises BackpressureFull (peer's queue full) or PeerDead (peer gone)."""
@@ -291,6 +299,14 @@ class Transport(ABC):
         self, endpoint: str, *, decoder: Decoder, hwm: int = DEFAULT_HWM,
         peer: str | None = None,
     ) -> Subscriber: ...
+
+    def wait_any(self, endpoints: list[Receiver | Replier], timeout_s: float) -> None:
+        """Return when one of ``endpoints`` (made by this transport) may have something to read, or after
+        ``timeout_s``: one wait for a service that reads several sockets, instead of a poll of each in turn.
+        This default looks every millisecond; a transport with a real poller overrides it."""
+        deadline = time.monotonic() + check_timeout(timeout_s)
+        while not any(e._has_input() for e in endpoints) and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     @abstractmethod
     def close(self) -> None: ...

@@ -112,6 +112,9 @@ class InprocReceiver(_Closable, Receiver):
         self._check_open()
         return self._inbox.get(check_timeout(timeout_s))
 
+    def _has_input(self) -> bool:
+        return not self._inbox.q.empty()
+
     def close(self) -> None:
         if not self._closed and self._bound:
             self._hub._release(self.endpoint)
@@ -150,6 +153,9 @@ class InprocReplier(_Closable, Replier):
     def _recv_request(self, timeout_s: float) -> tuple[_Inbox, Frame] | None:
         self._check_open()
         return self._requests.get(timeout_s)
+
+    def _has_input(self) -> bool:
+        return not self._requests.q.empty()
 
     def _send_reply(self, route: _Inbox, frame: bytes, timeout_s: float) -> None:
         self._check_open()
@@ -229,6 +235,9 @@ class InprocSubscriber(_Closable, Subscriber):
     def recv_frame(self, timeout_s: float) -> Frame | None:
         self._check_open()
         return self._inbox.get(check_timeout(timeout_s))
+
+    def _has_input(self) -> bool:
+        return not self._inbox.q.empty()
 
     def close(self) -> None:
         self._closed = True

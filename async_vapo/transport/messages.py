@@ -145,6 +145,9 @@ class BatchRequest(_Body, tag="batch_request"):
     received_cursor: int = -1
     """Groups ever served that the learner's weights include (the cursor of its last batch, or its checkpoint's
     after a restart); the replay stores again what it served after that (``ReplayBuffer.rewind``). -1: unknown."""
+    wait_s: float = 0.0
+    """How long the replay may hold the request for groups still to come before it answers with none (0: answer
+    now); the replay caps it at ``ReplayService.MAX_HOLD_S``."""
 
 
 # replay -> learner (reply to BatchRequest)

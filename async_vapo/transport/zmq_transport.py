@@ -398,6 +398,12 @@ class ZmqTransport(Transport):
                    ) -> ZmqSubscriber:
         return self._keep(ZmqSubscriber(self.ctx, endpoint, decoder=decoder, hwm=hwm, **self._sec(peer)))
 
+    def wait_any(self, endpoints: list, timeout_s: float) -> None:
+        poller = zmq.Poller()
+        for e in endpoints:
+            poller.register(e._sock, zmq.POLLIN)
+        poller.poll(_ms(check_timeout(timeout_s)))
+
     def close(self) -> None:
         made, self._made = self._made, []
         for obj in made:

@@ -28,20 +28,51 @@ def test_admission_waits_for_weights_beyond_the_bound():
 def test_admission_budgets_value_pretraining_and_staleness():
     # version 0 feeds 3 pretraining batches and the first update; with max_staleness=1 also the second update.
     adm = Admission(max_staleness=1, prompts_per_step=4, num_engines=1, pretrain_batches=3)
+    assert adm.check(served=0, learner=0) is None
     assert adm.budget(0) == (3 + 2) * 4
-    assert adm.budget(1) == 2 * 4
+    assert adm.budget(1) == (3 + 3) * 4  # cumulative: one more batch per version
 
 
-def test_admission_forgets_the_budgets_of_a_lineage_the_learner_left():
-    # the learner published 5 and 6, the engine spent both budgets, then the learner restarted from checkpoint 4:
+def test_admission_never_makes_a_batch_that_can_only_go_stale():
+    # An engine faster than the learner: with a budget per version it made max_staleness + 1 batches of every
+    # version while the learner used one, and the rest went stale in the replay. Cumulatively it runs
+    # max_staleness batches ahead, then makes one batch per version.
+    adm = Admission(max_staleness=1, prompts_per_step=4, num_engines=1, refill_s=1e9)
+    made = {}
+    for v in range(6):  # the learner publishes v; the engine loads it and generates while it may
+        while adm.check(served=v, learner=v) is None:
+            adm.record(v, 4)
+            made[v] = made.get(v, 0) + 1
+    assert made == {0: 2, 1: 1, 2: 1, 3: 1, 4: 1, 5: 1}
+    # the learner's update at version u takes the u-th batch, of version max(0, u - 1): age 1 at most
+    order = [v for v in sorted(made) for _ in range(made[v])]
+    assert all(u - order[u] <= 1 for u in range(len(order)))
+
+
+def test_admission_counts_from_the_version_an_engine_joins_at():
+    # an engine (re)started while the learner is at version 10 fills the pipeline once, then one batch a version
+    adm = Admission(max_staleness=2, prompts_per_step=6, num_engines=2, pretrain_batches=5, refill_s=1e9)
+    assert adm.check(served=10, learner=10) is None
+    assert adm.budget(10) == 3 * 3  # max_staleness + 1 batches of its 3-group share; no pretraining after 0
+    adm.record(10, 9)
+    assert adm.check(served=10, learner=10) == "version_budget"
+    assert adm.check(served=11, learner=11) is None
+
+
+def test_admission_starts_again_from_a_version_the_learner_rolled_back_to():
+    # the learner published 5 and 6, the engine spent its budget, then the learner restarted from checkpoint 4:
     # its versions 5 and 6 are new weights, which need their groups (without waiting for a refill)
     adm = Admission(max_staleness=1, prompts_per_step=4, num_engines=1, refill_s=1e9)
+    adm.check(served=4, learner=4)
     for v in (4, 5, 6):
-        adm.record(v, adm.budget(v))
+        while adm.check(served=v, learner=v) is None:
+            adm.record(v, 4)
     assert adm.check(served=6, learner=6) == "version_budget"
     adm.rolled_back(4)
-    assert adm.check(served=4, learner=4) == "version_budget"  # version 4 is the same weights: its groups count
-    assert adm.check(served=5, learner=5) is None and adm.check(served=6, learner=6) is None
+    assert adm.check(served=4, learner=4) is None
+    adm.record(4, 8)
+    assert adm.check(served=4, learner=4) == "version_budget"
+    assert adm.check(served=5, learner=5) is None
 
 
 def test_admission_refills_a_spent_budget_after_a_quiet_period():
