@@ -84,7 +84,7 @@ def test_a_new_request_answers_the_held_one_of_the_same_learner(replay):
     svc, _, req, peer = replay
     earlier = peer.requester(svc.router.endpoint, decoder=Decoder((BatchMsg,)), name="learner-0")
     got = {}
-    t = threading.Thread(target=lambda: got.update(zip(("batch", "waited"), _ask(earlier, wait_s=4.0))))
+    t = threading.Thread(target=lambda: got.update(zip(("batch", "waited"), _ask(earlier, wait_s=4.0), strict=True)))
     t.start()
     deadline = time.monotonic() + 3
     while not svc._waiting:
