@@ -33,7 +33,8 @@ def test_paper_settings_in_qwen_config():
     assert a.batch_size // a.mini_batch_size == 16  # optimiser steps per rollout step, as in the paper
 
 
-@pytest.mark.parametrize(("vapo", "arms", "per_step"), [("tiny_cpu.toml", "", 128), ("tiny_long_cpu.toml", "long", 64)])
+@pytest.mark.parametrize(("vapo", "arms", "per_step"),
+                         [("tiny_cpu.toml", "", 128), ("tiny_long_cpu.toml", "long", 256)])
 def test_baselines_and_ablations_flip_exactly_their_switch(vapo, arms, per_step):
     base = load_config([ROOT / vapo]).algo.model_dump()
     flips = {
