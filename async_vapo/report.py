@@ -5,7 +5,9 @@ Recognised folders (by what they hold):
 * ``staleness_<s>/`` run directories of ``benchmarks/async_vs_sync.sh`` (cluster runs, one per staleness
   bound): learner-consumed samples/s, wall-clock per update, each stage's busy fraction and how much
   generation and learning overlap, pipeline efficiency, held-out accuracy vs wall-clock, the replay's
-  age histogram, the critic's error by sample age, peak memory per service;
+  age histogram, the critic's error by sample age, peak memory per service; with ``one_process/`` (the
+  one-process trainer on every core, the best synchronous configuration) also each run against it and the
+  ideal bound against it;
   -> ``async_vs_sync.md``, ``async_vs_sync.json``, ``async_vs_sync.png``, ``timeline.png``;
 * the runs of ``async-vapo experiment`` (``<method>_s<seed>/``) -> see :mod:`async_vapo.experiments`;
 * ``result.json`` of ``benchmarks/weight_sync.py`` / ``benchmarks/transport.py`` -> ``<name>.md`` + PNG.
@@ -116,6 +118,20 @@ def analyse_cluster_run(run: Path) -> dict:
     }
 
 
+def analyse_one_process_run(run: Path) -> dict:
+    """Samples/s and seconds per update of a one-process trainer run over its training window (first to last
+    update), the window :func:`analyse_cluster_run` uses."""
+    train = sorted((r for r in _rows(run) if r.get("kind") == "train"), key=lambda r: r["step"])
+    if len(train) < 2:
+        raise ValueError(f"{run}: fewer than two policy updates in metrics.jsonl")
+    window = train[-1]["wall_s"] - train[0]["wall_s"]
+    samples = train[-1]["samples_seen"] - train[0]["samples_seen"]
+    return {"updates": len(train) - 1, "window_s": window, "samples": samples, "samples_per_s": samples / window,
+            "seconds_per_update": window / (len(train) - 1),
+            "generate_s_per_update": statistics.fmean(r["time/generate_s"] for r in train[1:]),
+            "learn_s_per_update": statistics.fmean(r["time/learn_s"] for r in train[1:])}
+
+
 def report_async(out: Path) -> dict:
     runs = sorted((d for d in out.iterdir() if d.is_dir() and d.name.startswith("staleness_")),
                   key=lambda d: int(d.name.split("_")[1]))
@@ -135,12 +151,15 @@ def report_async(out: Path) -> dict:
     # a perfect pipeline runs at the slowest stage's pace: its speed-up over sync is bounded by the synchronous
     # update time (every stage plus hand-offs) over the slowest stage's busy time per update
     bound = alone[slowest] / sync["samples_per_s"]
+    one = analyse_one_process_run(out / "one_process") if (out / "one_process" / "metrics.jsonl").exists() else None
     table = ["| max_staleness | samples/s | × sync | s / update | busy: generate | verify | learn | "
              "gen ∥ learn | pipeline efficiency | max age | learner wait s/update | last held-out eval |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s, r in res.items():
         r["speedup_vs_sync"] = r["samples_per_s"] / sync["samples_per_s"]
         r["pipeline_efficiency"] = r["samples_per_s"] / alone[slowest]
+        if one is not None:
+            r["speedup_vs_one_process"] = r["samples_per_s"] / one["samples_per_s"]
         f = r["busy_fraction"]
         last_eval = f"{r['evals'][-1][1]:.3f} (version {r['evals'][-1][2]})" if r["evals"] else "–"
         table.append(f"| {s} | {r['samples_per_s']:.2f} | {r['speedup_vs_sync']:.2f} | {r['seconds_per_update']:.2f} | "
@@ -170,8 +189,28 @@ def report_async(out: Path) -> dict:
         "best_speedup_vs_sync": res[best]["speedup_vs_sync"],
         "best_pipeline_efficiency": res[best]["pipeline_efficiency"], "runs": {str(k): v for k, v in res.items()},
     }
+    one_text: list[str] = []
+    if one is not None:
+        # against the best synchronous configuration a perfect pipeline (the slowest stage's pace on its core)
+        # is bounded by the one-process trainer's samples/s: the bound can be below 1 when that trainer uses
+        # every core in each phase and one stage dominates
+        one_bound = alone[slowest] / one["samples_per_s"]
+        summary |= {"one_process": one, "ideal_bound_vs_one_process": one_bound,
+                    "best_speedup_vs_one_process": res[best]["speedup_vs_one_process"],
+                    "fraction_of_bound_vs_one_process": res[best]["speedup_vs_one_process"] / one_bound}
+        one_text = [
+            "## Against the one-process trainer (every core in each phase: the best synchronous configuration)", "",
+            f"One process: {one['samples_per_s']:.2f} samples/s, {one['seconds_per_update']:.2f} s per update "
+            f"(generation {one['generate_s_per_update']:.2f} s, learner {one['learn_s_per_update']:.2f} s). "
+            f"A perfect pipeline of the services (the slowest stage, {slowest}, alone on its core) reaches at most "
+            f"**{one_bound:.2f}×** that; the best run, max_staleness = {best}, reaches "
+            f"**{res[best]['speedup_vs_one_process']:.2f}×**, {summary['fraction_of_bound_vs_one_process']:.2f} of "
+            f"the bound.", "",
+            "| max_staleness | × one process |", "|---|---|",
+            *(f"| {s} | {r['speedup_vs_one_process']:.2f} |" for s, r in res.items()), "",
+        ]
     text = [
-        "# Async vs sync on the services (embedded default, rollout on core 0, learner on core 1)", "",
+        f"# Async vs sync on the services ({_config_name(out)}, rollout on core 0, learner on core 1)", "",
         "\n".join(table), "",
         f"Each stage alone on its core (busy time in the synchronous run): generate {alone['generate']:.1f}, "
         f"verify {alone['verify']:.0f}, learn {alone['learn']:.1f} samples/s. The slowest is **{slowest}**; "
@@ -180,6 +219,7 @@ def report_async(out: Path) -> dict:
         f"stage plus hand-offs, over the slowest stage's busy time per update).", "",
         f"Best bound: max_staleness = {best}: **{res[best]['speedup_vs_sync']:.2f}× sync** samples/s, pipeline "
         f"efficiency **{res[best]['pipeline_efficiency']:.2f}**.", "",
+        *one_text,
         "## Critic error by sample age (before each update, pooled over updates)", "", "\n".join(critic_rows), "",
         "## Peak resident memory per service (MiB, with child processes: vLLM engine core, sandbox workers)", "",
         "\n".join(mem_rows), "",
@@ -189,6 +229,16 @@ def report_async(out: Path) -> dict:
     _plot_async(out, res, alone, slowest)
     _plot_timeline(out, sorted({0, best}))
     return summary
+
+
+def _config_name(out: Path) -> str:
+    """The config the runs were made with (from ``command.txt``), or "embedded default"."""
+    cmd = (out / "command.txt").read_text() if (out / "command.txt").exists() else ""
+    words = cmd.split()
+    for w in words:
+        if w.startswith("CONFIG="):
+            return w.split("=", 1)[1].strip('"')
+    return "embedded default"
 
 
 def _plot_async(out: Path, res: dict[int, dict], alone: dict[str, float], slowest: str) -> None:

@@ -70,6 +70,26 @@ def test_async_report_ratios_against_the_synchronous_run(tmp_path):
         report_async(tmp_path / "staleness_1")
 
 
+def test_async_report_against_the_one_process_trainer(tmp_path):
+    # sync services 8 s per update, async 6.4 s, learner alone 6 s; the one-process trainer on both cores 5 s: a
+    # perfect pipeline of the services is bounded at 5/6 of it, and the async run reaches (5/6.4) / (5/6)
+    _write_run(tmp_path / "staleness_0", step_s=8.0, gen=2.0, learn=6.0, ages=[0])
+    _write_run(tmp_path / "staleness_1", step_s=6.4, gen=2.0, learn=6.0, ages=[0, 1])
+    one = tmp_path / "one_process"
+    one.mkdir()
+    rows = [{"kind": "train", "step": k, "wall_s": 50 + 5.0 * k, "samples_seen": 128 * k, "time/generate_s": 2.0,
+             "time/learn_s": 3.0} for k in range(1, 6)]
+    (one / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "command.txt").write_text("CONFIG=configs/tiny_long_cpu.toml BOUNDS=\"0 1\" bash ...\n")
+    s = report_async(tmp_path)
+    assert s["one_process"]["samples_per_s"] == pytest.approx(128 / 5)
+    assert s["ideal_bound_vs_one_process"] == pytest.approx(5 / 6)
+    assert s["best_speedup_vs_one_process"] == pytest.approx(5 / 6.4)
+    assert s["fraction_of_bound_vs_one_process"] == pytest.approx(6 / 6.4)
+    md = (tmp_path / "async_vs_sync.md").read_text()
+    assert "configs/tiny_long_cpu.toml" in md and "**0.83×**" in md and "| 1 | 0.78 |" in md
+
+
 def test_weight_sync_and_transport_reports_render_the_committed_results(tmp_path):
     import shutil
     from pathlib import Path
