@@ -222,8 +222,12 @@ class VLLMEngine:
 
     def join_weight_group(self, init_info: dict) -> None:
         """Join the learner's torch.distributed group for this engine (``async_vapo.weights.dist``); blocks until the
-        learner is in it too, at most ``init_info["timeout_s"]``. A new group replaces the previous one."""
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
+        learner is in it too, at most ``init_info["timeout_s"]``. A new group replaces the previous one.
+
+        The same worker call as vLLM's ``LLM.init_weight_transfer_engine``, with a deadline of its own: a worker that
+        dies or hangs in the rendezvous raises here (``TimeoutError``) instead of holding the rollout loop forever."""
+        deadline = float(init_info.get("timeout_s", 0.0)) + self.spec.weights_timeout_s
+        self.llm.collective_rpc("init_weight_transfer_engine", timeout=deadline, kwargs={"init_info": init_info})
 
     def receive_weights_dist(self, update_info: dict, version: int) -> None:
         """Receive one version over the group through vLLM's weight-transfer API while the learner sends it. A
