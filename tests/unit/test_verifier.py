@@ -658,7 +658,9 @@ def test_budget_cuts_a_batch_of_hangs_short(hook_pool):
     results = hook_pool.verify(items, budget_s=0.5)
     elapsed = time.monotonic() - t0
     print("batch with a 0.5 s budget:", f"{elapsed:.2f}s", reasons(results))
-    assert elapsed < 1.0
+    # without the budget the batch takes 3 s or more; 2.5 s leaves room for a loaded machine (1.16 s seen at load
+    # average ~6) and still fails if the budget does not cut the batch short
+    assert elapsed < 2.5
     assert reasons(results) == ["correct"] + ["over_budget"] * 6
     assert all(r.reward == -1.0 and not r.correct and "budget" in r.detail for r in results[1:])
     assert hook_pool.stats["over_budget"] - before["over_budget"] == 6
