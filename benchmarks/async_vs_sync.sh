@@ -36,6 +36,6 @@ for s in $BOUNDS; do
   bash deploy/start_cluster.sh --config "$CONFIG" --run-dir "$run" --wait -- \
     async.max_staleness="$s" async.rollout_devices=1 async.learner_devices=1 train.total_steps="$STEPS" \
     train.eval_every="$EVAL_EVERY" train.checkpoint_every=0 train.max_minutes=null "$@"
-  rm -rf "$run/checkpoints" "$run/replay" "$run/pids" "$run/weights"
+  rm -rf "$run/checkpoints" "$run/replay" "$run/pids" "$run/weights" "$run/keys" "$run/supervisor"
 done
 .venv/bin/async-vapo report "$out"
