@@ -45,7 +45,9 @@ started now is consumed at a learner version â‰¥ L, so it is usable only if L âˆ
     (a bound per version would let it make max_staleness + 1 batches of every version, of which the learner
     uses one). With max_staleness = 0 every engine generates exactly its share of one batch per version and
     then waits for the next weights: synchronous on-policy training. Fast problems are not favoured: a
-    generate call takes its prompts in sampler order and ships all of them together.
+    generate call takes its prompts in sampler order and ships all of them together. With several engines
+    each keeps to its own share, so a faster engine does not make up a slower one's (the learner waits for
+    the slower, or for the refill below); the engines cannot see each other's counts.
   * a budget that is spent while no new version arrives for ``cluster.rollout.admission_refill_s`` is topped
     up by one share (groups lost to a crash elsewhere must not starve the learner forever; logged, counted in
     ``admission_refills_total``).
