@@ -149,7 +149,7 @@ class ReplaySource:
         got: list = []
         try:
             while not self.ctx.stop.is_set():
-                self.sync.heartbeat(v)
+                self.sync.heartbeat(v, waiting_s=time.perf_counter() - t0)
                 self.sync.poll(0)
                 if not got and self.sync.needs_whole():  # every rank publishes the version again
                     from async_vapo.learner.loop import REPUBLISH

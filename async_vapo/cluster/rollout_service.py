@@ -50,7 +50,10 @@ started now is consumed at a learner version â‰¥ L, so it is usable only if L âˆ
     the slower, or for the refill below); the engines cannot see each other's counts.
   * a budget that is spent while no new version arrives for ``cluster.rollout.admission_refill_s`` is topped
     up by one share (groups lost to a crash elsewhere must not starve the learner forever; logged, counted in
-    ``admission_refills_total``).
+    ``admission_refills_total``). Sooner when the learner says it starves: its heartbeats carry how long it has
+    waited for its batch, and a wait of ``cluster.rollout.admission_starved_s``, reported that long after the
+    engine last shipped groups (so not groups still on their way), tops the budget up at once (counted in
+    ``admission_refills_total`` too).
   * an announce below the learner's last version (a learner restarted from an older checkpoint) starts the
     count again from that version: the groups made since were made for weights that no longer exist, and
     the learner's next versions are new weights that need their groups.
@@ -103,6 +106,7 @@ class Admission:
     rounds_per_batch: int = 1
     """Generation rounds one update may consume (1 + DAPO's max_resample_rounds with dynamic sampling)."""
     refill_s: float = 60.0
+    starved_s: float = 10.0
     base: int | None = None
     """The learner version the count starts from: the first one this engine saw (or the one it rolled back to)."""
     made: int = 0
@@ -110,6 +114,10 @@ class Admission:
     refills: int = 0
     """Shares added since ``base`` by :meth:`check` after ``refill_s`` without a new version."""
     last_change: float = field(default_factory=time.monotonic)
+    last_shipped: float = -math.inf
+    """When this engine last shipped groups."""
+    starving: bool = False
+    """The learner reported a wait of ``starved_s`` at least ``starved_s`` after ``last_shipped``."""
 
     def share(self) -> int:
         return math.ceil(self.prompts_per_step * self.rounds_per_batch / self.num_engines)
@@ -122,6 +130,16 @@ class Admission:
 
     def versions_changed(self, now: float | None = None) -> None:
         self.last_change = time.monotonic() if now is None else now
+        self.starving = False
+
+    def shipped(self, now: float | None = None) -> None:
+        self.last_shipped = time.monotonic() if now is None else now
+
+    def learner_waiting(self, waiting_s: float, now: float | None = None) -> None:
+        """The learner's heartbeat: it has waited ``waiting_s`` for its next batch (0: it is not waiting)."""
+        now = time.monotonic() if now is None else now
+        if waiting_s >= self.starved_s and now - self.last_shipped >= self.starved_s:
+            self.starving = True
 
     def check(self, served: int, learner: int, now: float | None = None) -> str | None:
         """None when a group may start; else the reason it may not."""
@@ -131,10 +149,11 @@ class Admission:
             return "stale_weights"
         if self.made >= self.budget(served):
             now = time.monotonic() if now is None else now
-            if now - self.last_change < self.refill_s:
+            if now - self.last_change < self.refill_s and not self.starving:
                 return "version_budget"
             self.refills += 1
             self.last_change = now
+            self.starving = False
         return None
 
     def record(self, version: int, groups: int) -> None:
@@ -161,7 +180,7 @@ class RolloutService:
         self.admission = Admission(cfg.async_.max_staleness, a.prompts_per_step, n_engines,
                                    pretrain_batches=pretrain_batches,
                                    rounds_per_batch=1 + (a.max_resample_rounds if a.dynamic_sampling else 0),
-                                   refill_s=c.rollout.admission_refill_s)
+                                   refill_s=c.rollout.admission_refill_s, starved_s=c.rollout.admission_starved_s)
         self.transport = transport
         self.groups_out = self.transport.sender(ctx.endpoint(c.hosts.verifier_host, c.ports.verifier_port),
                                                 peer="verifier")
@@ -235,8 +254,11 @@ class RolloutService:
                     self.join_group(body)
                 elif self.wants_group() and body.engine_id == self.engine_id:
                     self.ask_group()
-            elif isinstance(body, Heartbeat) and body.weights is not None:
-                self._on_announce(body.weights)
+            elif isinstance(body, Heartbeat):
+                if body.weights is not None:
+                    self._on_announce(body.weights)
+                if body.service == "learner":
+                    self.admission.learner_waiting(body.waiting_s)
             elif isinstance(body, Shutdown):
                 self.ctx.log.info("%s: shutdown announced by %s: %s", self.engine_id, env.sender, body.reason)
                 self.ctx.stop.set()
@@ -372,6 +394,7 @@ class RolloutService:
             for part in split_groups(groups, self.ctx.cfg.cluster.wire.max_message_bytes // 2):
                 self.ctx.send(self.groups_out, make_envelope(GroupsMsg(groups=part), sender=self.engine_id,
                                                              policy_version=version), "groups")
+            self.admission.shipped()
         finally:
             self.m.inflight_groups.set(0)
         return groups
@@ -415,15 +438,17 @@ class RolloutService:
             self.poll_weights(0.0)
             self.heartbeat()
             self.maybe_evaluate()
-            refills = self.admission.refills
+            refills, starving = self.admission.refills, self.admission.starving
             reason = "no_learner" if self.latest is None else self.admission.check(self.engine.version,
                                                                                     self.learner_version)
             if self.admission.refills > refills:
-                self.ctx.metrics.counter("admission_refills_total", "Budgets topped up after "
-                                         "cluster.rollout.admission_refill_s without a new version.").inc()
-                self.ctx.log.warning("%s: no new version for %.0f s with the budget of version %d spent: one more "
-                                     "share (groups lost downstream are made up)", self.engine_id,
-                                     self.admission.refill_s, self.engine.version)
+                self.ctx.metrics.counter("admission_refills_total", "Budgets topped up: the learner reported a "
+                                         "wait of cluster.rollout.admission_starved_s, or no new version came for "
+                                         "cluster.rollout.admission_refill_s.").inc()
+                why = (f"the learner has waited {self.admission.starved_s:.0f} s for groups since this engine last "
+                       "shipped" if starving else f"no new version for {self.admission.refill_s:.0f} s")
+                self.ctx.log.warning("%s: %s, with the budget of version %d spent: one more share (groups lost "
+                                     "downstream are made up)", self.engine_id, why, self.engine.version)
             if reason is not None:
                 self.m.admission_rejects_total.labels(reason=reason).inc()
                 self.poll_weights(0.2)

@@ -518,8 +518,13 @@ class WireConfig(_Section):
 class ClusterRolloutConfig(_Section):
     """The rollout service: admission and evaluation."""
     admission_refill_s: float = Field(60.0, gt=0)
-    """Rollout admission: when an engine's per-version budget is spent and no new version came for this
-    long, it gets one more batch worth of budget (groups lost to a crash must not starve the learner)."""
+    """Rollout admission: when an engine's budget is spent and no new version came for this long, it gets one
+    more batch worth of budget (groups lost to a crash must not starve the learner)."""
+    admission_starved_s: float = Field(10.0, gt=0)
+    """Rollout admission: when the learner's heartbeat says it has waited this long for a batch, this long after
+    the engine last shipped groups, an engine whose budget is spent gets one more batch worth of budget at once
+    (groups lost in flight, with a verifier or replay that died holding them, are made up without waiting for
+    ``admission_refill_s``, which must also allow for a learner that is simply slow)."""
     prompts_per_call: int = Field(0, ge=0)
     """Prompts per engine `generate` call; 0: ceil(algo.prompts_per_step / engines)."""
     eval: bool = True
@@ -649,6 +654,7 @@ LEGACY_CLUSTER_KEYS: dict[str, tuple[str, str]] = {
     "heartbeat_s": ("wire", "heartbeat_s"),
     "peer_dead_s": ("wire", "peer_dead_s"),
     "admission_refill_s": ("rollout", "admission_refill_s"),
+    "admission_starved_s": ("rollout", "admission_starved_s"),
     "rollout_prompts_per_call": ("rollout", "prompts_per_call"),
     "rollout_eval": ("rollout", "eval"),
     "fsync": ("replay", "fsync"),

@@ -260,6 +260,8 @@ class Heartbeat(_Body, tag="heartbeat"):
     served_version: int | None = None
     status: ServiceStatus = "ready"
     weights: WeightsAnnounce | None = None
+    waiting_s: float = 0.0
+    """The learner's: how long it has been waiting for its next batch (0: not waiting)."""
 
 
 # requester <-> replier, subscriber handshake: "I am up and speak PROTOCOL_VERSION"

@@ -327,13 +327,16 @@ class WeightBroadcast:
             self.dist_seconds.observe(got)
             self.chooser.sent(engine, version, got)
 
-    def heartbeat(self, version: int) -> None:
+    def heartbeat(self, version: int, waiting_s: float = 0.0) -> None:
+        """Publish a Heartbeat (at most every ``cluster.wire.heartbeat_s``) with the latest announce and, while the
+        learner waits for a batch, how long it has waited (the engines' admission makes up lost groups by it)."""
         now = time.monotonic()
         self.pub.pump()
         if now - self._last_beat >= self.ctx.cfg.cluster.wire.heartbeat_s:
             self._last_beat = now
             self.pub.publish(make_envelope(Heartbeat(service="learner", instance=str(self.ctx.instance),
-                                                     served_version=version, weights=self.latest),
+                                                     served_version=version, weights=self.latest,
+                                                     waiting_s=waiting_s),
                                            sender=self.ctx.name, policy_version=version))
 
     def _joined(self, engine: str, counted: list[tuple[int, float]], rejoined: bool, version: int) -> None:

@@ -31,8 +31,9 @@ def test_each_service_killed_once_loses_nothing(tiny_cfg, tiny_base, tmp_path):
     overrides = [*TINY_TEST_OVERRIDES, f"model.cache_dir={tiny_cfg.model.cache_dir}", f"train.total_steps={total}",
                  "train.checkpoint_every=3", "async.max_staleness=1", "cluster.rollout.eval=false",
                  "cluster.wire.heartbeat_s=0.5", "cluster.wire.peer_dead_s=5",
-                 # groups lost in flight to a killed verifier or replay are made up after this long
-                 "cluster.rollout.admission_refill_s=5",
+                 # groups lost in flight to a killed verifier or replay are made up once the learner has reported
+                 # waiting this long since the engine last shipped; the timer refill is kept out of the way
+                 "cluster.rollout.admission_starved_s=3", "cluster.rollout.admission_refill_s=120",
                  "cluster.deploy.health_timeout_s=240", "cluster.deploy.stop_grace_s=15"]
     plan = [Fault("kill", "replay", 2), Fault("kill", "verifier", 4), Fault("kill", "rollout-0", 6),
             Fault("kill", "learner", 8, when="mid_update")]
@@ -56,6 +57,8 @@ def test_each_service_killed_once_loses_nothing(tiny_cfg, tiny_base, tmp_path):
         assert f["fired_at"] is not None and f["version_at_fire"] >= f["fault"]["at_version"], f
         assert f["healthy_s"] is not None and f["new_pid"] != f["pid"], (f, logs())
         assert f["restart_delay_s"] is not None and f["restart_delay_s"] < 5, f  # backoff 1 s (+ the group's reaping)
+        if f["fault"]["service"] in ("replay", "verifier"):  # groups lost with it never waited for the 120 s timer
+            assert f["progress_s"] is not None and f["progress_s"] < 100, (f, logs())
     assert sorted(r["name"] for r in report["supervisor_restarts"]) == ["learner", "replay", "rollout-0", "verifier"]
     assert not list((run_dir / "supervisor").glob("*.gave_up"))
     for name in ("replay", "verifier", "rollout-0", "learner"):  # two starts each, the PID file names the second

@@ -85,6 +85,29 @@ def test_admission_refills_a_spent_budget_after_a_quiet_period():
     assert adm.check(0, 0, now=112.0) == "version_budget"
 
 
+def test_admission_makes_up_lost_groups_as_soon_as_the_learner_reports_starving():
+    # one engine at its budget; the groups it shipped at t=100 were lost downstream (a verifier died holding them)
+    adm = Admission(max_staleness=1, prompts_per_step=4, num_engines=1, refill_s=60.0, starved_s=10.0)
+    adm.versions_changed(now=90.0)
+    while adm.check(served=0, learner=0, now=95.0) is None:
+        adm.record(0, 4)
+    adm.shipped(now=100.0)
+    # waiting, but those groups may still be on their way: not yet
+    adm.learner_waiting(12.0, now=105.0)
+    assert adm.check(0, 0, now=105.0) == "version_budget"
+    # the learner has waited 10 s by the time 10 s have passed since the shipment: one more share at once
+    adm.learner_waiting(3.0, now=111.0)  # a wait shorter than starved_s says nothing
+    assert adm.check(0, 0, now=111.0) == "version_budget"
+    adm.learner_waiting(10.5, now=111.0)
+    assert adm.check(0, 0, now=111.0) is None and adm.refills == 1
+    adm.record(0, 4)
+    assert adm.check(0, 0, now=111.5) == "version_budget"  # one share per report
+    adm.shipped(now=118.0)
+    adm.versions_changed(now=119.0)  # a new version: the learner got its batch; any earlier report is void
+    adm.learner_waiting(0.0, now=120.0)
+    assert not adm.starving
+
+
 # -- rotation ------------------------------------------------------------------------------------------------------
 
 def test_rotation_after_a_learner_restarted_from_an_older_checkpoint():
