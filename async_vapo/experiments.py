@@ -238,31 +238,37 @@ def report(out: Path) -> dict:
         common = min(r["samples_generated"] for r in last.values())
         dapo_final = statistics.fmean(_final(d) for d in comp["dapo"]) if "dapo" in comp else None
         rows = ["| method | seeds | initial | final (mean ± sd) | best eval | responses generated | "
-                f"at {common:,} responses | steps to DAPO's final | minutes | paper AIME24 |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
+                f"at {common:,} responses | steps to DAPO's final | minutes | CPU minutes | paper AIME24 |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
         table = {}
         for k, runs in comp.items():
             finals = [_final(d) for d in runs]
             init = statistics.fmean(_evals(d)[0]["eval/accuracy"] for d in runs)
             best = statistics.fmean(max(e["eval/accuracy"] for e in _evals(d)) for d in runs)
-            mins = statistics.fmean(json.loads((d / "summary.json").read_text())["wall_s"] / 60 for d in runs)
+            summaries = [json.loads((d / "summary.json").read_text()) for d in runs]
+            mins = statistics.fmean(x["wall_s"] / 60 for x in summaries)
+            cpu = [x["cpu_s"] / 60 for x in summaries if "cpu_s" in x]  # runs from before it was recorded lack it
+            cpu_s = "–" if not cpu else f"{statistics.fmean(cpu):.1f}" + (
+                "" if len(cpu) == len(runs) else f" ({len(cpu)} of {len(runs)} runs)")
             reach = [_steps_to(d, dapo_final) for d in runs] if dapo_final is not None else []
             reach_s = ", ".join("never" if s is None else str(s) for s in reach) or "–"
             m, sd = _mean_sd(finals)
             generated = statistics.fmean(last[f]["samples_generated"] for f in budget[k])
             at_common, at_sd = _mean_sd([_accuracy_at(f, common) for f in budget[k]])
             table[k] = {"final_mean": m, "final_sd": sd, "finals": finals, "initial": init, "best": best,
-                        "steps_to_dapo_final": reach, "minutes": mins, "responses_generated": generated,
+                        "steps_to_dapo_final": reach, "minutes": mins,
+                        "cpu_minutes": statistics.fmean(cpu) if cpu else None, "responses_generated": generated,
                         "accuracy_at_common_budget": at_common, "common_budget": common}
             rows.append(f"| {k} | {len(runs)} | {init:.3f} | {m:.3f} ± {sd:.3f} | {best:.3f} | {generated:,.0f} | "
-                        f"{at_common:.3f} ± {at_sd:.3f} | {reach_s} | {mins:.1f} | {PAPER.get(k, '–')} |")
+                        f"{at_common:.3f} ± {at_sd:.3f} | {reach_s} | {mins:.1f} | {cpu_s} | {PAPER.get(k, '–')} |")
         updates = max(json.loads((d / "config.resolved.json").read_text())["train"]["total_steps"]
                       for runs in comp.values() for d in runs)
         (out / "comparison.md").write_text(
             f"Final = mean held-out accuracy of the last two evaluations ({updates} updates each); DAPO's final "
             f"(mean over seeds) = {dapo_final if dapo_final is None else round(dapo_final, 3)}. Responses generated "
             "include value pretraining (VAPO) and dynamic-sampling resamples (DAPO); 'at N responses' compares every "
-            "method at the smallest budget any of them used.\n\n" + "\n".join(rows) + "\n")
+            "method at the smallest budget any of them used. Minutes: wall-clock of a run; CPU minutes: user + system "
+            "time of the run's processes (its engine core and verifier workers included).\n\n" + "\n".join(rows) + "\n")
         result["comparison"] = table
     if "vapo" in done and any(k in done for k in ABLATIONS):
         vapo_m, vapo_sd = _mean_sd([_final(d) for d in done["vapo"]])

@@ -30,6 +30,22 @@ from async_vapo.tasks import PromptSampler, load_task
 from async_vapo.verify.sandbox import VerifierPool
 
 
+def process_tree_cpu_s() -> float:
+    """CPU seconds (user + system) of this process and every process under it: live ones (the engine core,
+    verifier workers) and those already reaped. Differences of two readings give a run's CPU time, also when the
+    engine was started before the run."""
+    import psutil
+
+    total = 0.0
+    for p in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:  # ended between the listing and the reading
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
 def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
           engine: VLLMEngine | None = None) -> dict:
     """Run the one-process trainer; returns a summary (base and final held-out accuracy, times).
@@ -43,6 +59,7 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
     from async_vapo.learner.vapo import Learner
 
     t_start = time.perf_counter()
+    cpu_start = process_tree_cpu_s()
     # Generation and learning alternate here, so with train.threads = 0 each uses every core of this process while
     # the other waits: the learner's torch threads, and the engine's OpenMP threads (unless
     # VLLM_CPU_OMP_THREADS_BIND says otherwise). vLLM by itself binds its worker to one core and reserves the rest.
@@ -112,7 +129,7 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
         final = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         evals = [x for x in final if x["kind"] == "eval"]
         summary.update({"final_eval_accuracy": evals[-1]["eval/accuracy"], "steps": learner.version,
-                        "wall_s": elapsed()})
+                        "wall_s": elapsed(), "cpu_s": process_tree_cpu_s() - cpu_start})
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -84,6 +85,8 @@ def test_few_step_training_run(tiny_cfg, vllm_engine, tiny_base):
     train_rows = [r for r in rows if r["kind"] == "train"]
     assert [r["version"] for r in train_rows] == [1, 2, 3]
     assert vllm_engine.version == 3 == summary["steps"]
+    # CPU time of this process and the engine's since the run started: some, and no more than its cores allow
+    assert 0 < summary["cpu_s"] <= summary["wall_s"] * (len(os.sched_getaffinity(0)) + 0.5)
     for key in ("rollout/reward", "rollout/accuracy", "rollout/response_length", "actor/entropy",
                 "actor/clipfrac_low", "actor/clipfrac_high", "critic/value_loss", "critic/explained_variance",
                 "lam_policy/mean", "time/step_s", "time/weight_push_s"):
