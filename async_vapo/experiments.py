@@ -195,14 +195,15 @@ def budget_metrics(run_dir: Path) -> Path:
     return out
 
 
-def _accuracy_at(budget_file: Path, samples: float) -> float:
-    """Held-out accuracy at ``samples`` generated samples, linearly interpolated between evaluations."""
-    pts = [(r["samples_generated"], r["eval/accuracy"]) for r in map(json.loads, budget_file.read_text().splitlines())
+def _accuracy_at(budget_file: Path, at: float, x: str = "samples_generated") -> float:
+    """Held-out accuracy at ``at`` of ``x`` (generated samples, or ``wall_s``), linearly interpolated between
+    evaluations."""
+    pts = [(r[x], r["eval/accuracy"]) for r in map(json.loads, budget_file.read_text().splitlines())
            if r.get("kind") == "eval"]
     for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
-        if x0 <= samples <= x1:
-            return y0 if x1 == x0 else y0 + (y1 - y0) * (samples - x0) / (x1 - x0)
-    raise ValueError(f"{budget_file}: no evaluation brackets {samples} samples")
+        if x0 <= at <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (at - x0) / (x1 - x0)
+    raise ValueError(f"{budget_file}: no evaluation brackets {x} = {at}")
 
 
 def _mean_sd(xs: list[float]) -> tuple[float, float]:
@@ -236,10 +237,13 @@ def report(out: Path) -> dict:
                                     y="critic/value_loss", kind="train")
         last = {f: [json.loads(x) for x in f.read_text().splitlines()][-1] for fs in budget.values() for f in fs}
         common = min(r["samples_generated"] for r in last.values())
+        evals = {f: [r for r in map(json.loads, f.read_text().splitlines()) if r.get("kind") == "eval"]
+                 for fs in budget.values() for f in fs}
+        common_wall = min(e[-1]["wall_s"] for e in evals.values())
         dapo_final = statistics.fmean(_final(d) for d in comp["dapo"]) if "dapo" in comp else None
         rows = ["| method | seeds | initial | final (mean ± sd) | best eval | responses generated | "
-                f"at {common:,} responses | steps to DAPO's final | minutes | CPU minutes | paper AIME24 |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]
+                f"at {common:,} responses | at {common_wall / 60:.1f} minutes | steps to DAPO's final | minutes | "
+                "CPU minutes | paper AIME24 |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         table = {}
         for k, runs in comp.items():
             finals = [_final(d) for d in runs]
@@ -255,20 +259,24 @@ def report(out: Path) -> dict:
             m, sd = _mean_sd(finals)
             generated = statistics.fmean(last[f]["samples_generated"] for f in budget[k])
             at_common, at_sd = _mean_sd([_accuracy_at(f, common) for f in budget[k]])
+            at_wall, at_wall_sd = _mean_sd([_accuracy_at(f, common_wall, "wall_s") for f in budget[k]])
             table[k] = {"final_mean": m, "final_sd": sd, "finals": finals, "initial": init, "best": best,
                         "steps_to_dapo_final": reach, "minutes": mins,
                         "cpu_minutes": statistics.fmean(cpu) if cpu else None, "responses_generated": generated,
-                        "accuracy_at_common_budget": at_common, "common_budget": common}
+                        "accuracy_at_common_budget": at_common, "common_budget": common,
+                        "accuracy_at_common_wall_s": at_wall, "common_wall_s": common_wall}
             rows.append(f"| {k} | {len(runs)} | {init:.3f} | {m:.3f} ± {sd:.3f} | {best:.3f} | {generated:,.0f} | "
-                        f"{at_common:.3f} ± {at_sd:.3f} | {reach_s} | {mins:.1f} | {cpu_s} | {PAPER.get(k, '–')} |")
+                        f"{at_common:.3f} ± {at_sd:.3f} | {at_wall:.3f} ± {at_wall_sd:.3f} | {reach_s} | {mins:.1f} | "
+                        f"{cpu_s} | {PAPER.get(k, '–')} |")
         updates = max(json.loads((d / "config.resolved.json").read_text())["train"]["total_steps"]
                       for runs in comp.values() for d in runs)
         (out / "comparison.md").write_text(
             f"Final = mean held-out accuracy of the last two evaluations ({updates} updates each); DAPO's final "
             f"(mean over seeds) = {dapo_final if dapo_final is None else round(dapo_final, 3)}. Responses generated "
             "include value pretraining (VAPO) and dynamic-sampling resamples (DAPO); 'at N responses' compares every "
-            "method at the smallest budget any of them used. Minutes: wall-clock of a run; CPU minutes: user + system "
-            "time of the run's processes (its engine core and verifier workers included).\n\n" + "\n".join(rows) + "\n")
+            "method at the smallest budget any of them used, 'at M minutes' at the shortest run's wall-clock (its last "
+            "evaluation). Minutes: wall-clock of a run; CPU minutes: user + system time of the run's processes (its "
+            "engine core and verifier workers included).\n\n" + "\n".join(rows) + "\n")
         result["comparison"] = table
     if "vapo" in done and any(k in done for k in ABLATIONS):
         vapo_m, vapo_sd = _mean_sd([_final(d) for d in done["vapo"]])

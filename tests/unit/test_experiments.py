@@ -32,7 +32,7 @@ def test_unknown_ablation_row_is_an_error():
 
 
 def _fake_run(out: Path, name: str, accs: list[float], *, wall_s: float, cpu_s: float | None,
-              pretrain: int = 0, per_step: int = 4) -> None:
+              pretrain: int = 0, per_step: int = 4, s_per_update: float = 10.0) -> None:
     """A finished run's files as the trainer writes them: an evaluation every 2 updates."""
     d = out / name
     d.mkdir(parents=True)
@@ -45,29 +45,33 @@ def _fake_run(out: Path, name: str, accs: list[float], *, wall_s: float, cpu_s: 
             rows += [{"kind": "train", "step": s, "samples_seen": s * per_step, "actor/entropy": 1.0,
                       "rollout/response_length": 10.0, "critic/explained_variance": 0.0, "critic/value_loss": 1.0}
                      for s in (step - 1, step)]
-        rows.append({"kind": "eval", "step": step, "samples_seen": step * per_step, "wall_s": 10.0 * step,
+        rows.append({"kind": "eval", "step": step, "samples_seen": step * per_step, "wall_s": s_per_update * step,
                      "eval/accuracy": acc})
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary = {"wall_s": wall_s, **({} if cpu_s is None else {"cpu_s": cpu_s})}
     (d / "summary.json").write_text(json.dumps(summary))
 
 
-def test_report_gives_accuracy_at_equal_responses_and_cpu_minutes_where_recorded(tmp_path):
+def test_report_gives_accuracy_at_equal_responses_and_wall_clock_and_cpu_minutes_where_recorded(tmp_path):
     from async_vapo.experiments import report
 
     # VAPO spends 2 x 4 responses on value pretraining; its seed 1 ran before CPU time was recorded.
     _fake_run(tmp_path, "vapo_s0", [0.2, 0.4, 0.6], wall_s=600, cpu_s=1200, pretrain=2)
     _fake_run(tmp_path, "vapo_s1", [0.2, 0.2, 0.4], wall_s=600, cpu_s=None, pretrain=2)
-    _fake_run(tmp_path, "grpo_s0", [0.2, 0.3, 0.5], wall_s=300, cpu_s=360)
-    _fake_run(tmp_path, "grpo_s1", [0.2, 0.5, 0.5], wall_s=300, cpu_s=480)
+    _fake_run(tmp_path, "grpo_s0", [0.2, 0.3, 0.5], wall_s=300, cpu_s=360, s_per_update=4.0)
+    _fake_run(tmp_path, "grpo_s1", [0.2, 0.5, 0.5], wall_s=300, cpu_s=480, s_per_update=4.0)
     result = report(tmp_path)["comparison"]
     # GRPO generated 16 responses, VAPO 8 + 16 = 24; at 16, VAPO is at its first evaluation after pretraining
     # (8 + 8 = 16 responses): 0.4 and 0.2
     assert result["vapo"]["common_budget"] == 16
     assert result["vapo"]["accuracy_at_common_budget"] == pytest.approx(0.3)
     assert result["grpo"]["accuracy_at_common_budget"] == pytest.approx(0.5)
+    # GRPO's runs end at 16 s, 4/5 of the way from VAPO's first evaluation (0.2, 0.2) to its second (0.4, 0.2)
+    assert result["vapo"]["common_wall_s"] == 16.0
+    assert result["vapo"]["accuracy_at_common_wall_s"] == pytest.approx((0.36 + 0.2) / 2)
+    assert result["grpo"]["accuracy_at_common_wall_s"] == pytest.approx(0.5)
     assert result["vapo"]["final_mean"] == pytest.approx((0.5 + 0.3) / 2)
     assert result["grpo"]["cpu_minutes"] == pytest.approx(7.0) and result["vapo"]["cpu_minutes"] == 20.0
     table = (tmp_path / "comparison.md").read_text()
-    assert "| 10.0 | 20.0 (1 of 2 runs) |" in table and "| 5.0 | 7.0 |" in table
+    assert "at 0.3 minutes" in table and "| 10.0 | 20.0 (1 of 2 runs) |" in table and "| 5.0 | 7.0 |" in table
     assert (tmp_path / "accuracy_vs_samples.png").stat().st_size > 0
