@@ -11,10 +11,17 @@ character), 1 − Var(G − V) / Var(G), as ``critic/explained_variance`` is in 
 - **length only**: knows the problem's number of steps n, not what has been written:
   V = 2 (1 − q)^(n + 1) − 1, with q the per-step slip rate fitted on the same samples (n steps and the box);
 - **slip-aware**: also knows whether the prefix has already gone wrong (the first character that differs from the
-  correct solution, as ``long_task_errors.py`` finds it): V = −1 from that character on, before it
+  correct solution, as ``long_task_errors.py`` finds it): V = −1 once that character is in the prefix, before it
   2 (1 − q)^m − 1 with m the steps (and box) not yet finished.
 
-A critic that predicts only the mean scores 0. Writes ``--out`` (JSON) and prints the figures.
+As in training, the value at a response token is that of the state before it (the prefix up to the previous token).
+A critic that predicts only the mean scores 0.
+
+With ``--fit-steps N`` it then trains the config's critic (the reward-like head VAPO starts from) on the Monte-Carlo
+returns of the responses to three quarters of the problems, ``--fit-batch`` responses per Adam step at the config's
+critic learning rate, and scores it on the responses to the other quarter every ``--fit-eval-every`` steps: whether
+this critic can learn the signal the ceilings say is there, given more optimiser steps than a training run gives it.
+Writes ``--out`` (JSON) and prints the figures.
 """
 
 from __future__ import annotations
@@ -35,7 +42,59 @@ def explained_variance(values: list[float], returns: list[float]) -> float:
     var_g = sum((g - mean_g) ** 2 for g in returns) / n
     resid = [g - v for g, v in zip(returns, values, strict=True)]
     mean_r = sum(resid) / n
+    if var_g == 0:
+        return float("nan")  # every return the same: nothing to explain
     return 1.0 - (sum((r - mean_r) ** 2 for r in resid) / n) / var_g
+
+
+def fit_critic(cfg, base: Path, pad_id: int, samples: list, args) -> dict:
+    """Train the config's initial critic on Monte-Carlo returns of most problems' responses, score it on the rest."""
+    import torch
+
+    from async_vapo.models.reward import resolve_critic_path
+    from async_vapo.models.rl import load_critic, make_token_batch, response_values
+
+    torch.manual_seed(args.seed)
+    problems = sorted({i for i, *_ in samples})
+    held = set(random.Random(args.seed).sample(problems, len(problems) // 4))
+    train = [x for x in samples if x[0] not in held]
+    test = [x for x in samples if x[0] in held]
+    path = resolve_critic_path(cfg, base, progress=False)
+    critic = load_critic(path)
+    opt = torch.optim.Adam(critic.parameters(), lr=cfg.optim.critic_lr)
+
+    def values(batch: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tb = make_token_batch([x[1] for x in batch], [x[2] for x in batch], pad_id)
+        returns = torch.tensor([x[3] for x in batch])[:, None].expand_as(tb.response_mask)
+        return response_values(critic, tb), returns, tb.response_mask.bool()
+
+    def score(batch: list) -> float:
+        critic.eval()
+        with torch.no_grad():
+            v, g, m = zip(*(values(batch[j: j + 32]) for j in range(0, len(batch), 32)), strict=True)
+        critic.train()
+        return explained_variance(torch.cat([x[y] for x, y in zip(v, m, strict=True)]).tolist(),
+                                  torch.cat([x[y] for x, y in zip(g, m, strict=True)]).tolist())
+
+    curve = [{"step": 0, "held_out_ev": score(test)}]
+    print(f"critic {path}: held-out explained variance at step 0 {curve[0]['held_out_ev']:.3f}", flush=True)
+    rng = random.Random(args.seed)
+    order: list = []
+    for step in range(1, args.fit_steps + 1):
+        if len(order) < args.fit_batch:
+            order += rng.sample(train, len(train))
+        batch, order = order[: args.fit_batch], order[args.fit_batch:]
+        v, g, m = values(batch)
+        loss = ((v - g) ** 2)[m].mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % args.fit_eval_every == 0 or step == args.fit_steps:
+            curve.append({"step": step, "train_loss": loss.item(), "held_out_ev": score(test)})
+            print(f"step {step}: batch MSE {loss.item():.3f}, held-out explained variance "
+                  f"{curve[-1]['held_out_ev']:.3f}", flush=True)
+    return {"critic": str(path), "lr": cfg.optim.critic_lr, "batch": args.fit_batch, "train_responses": len(train),
+            "held_out_responses": len(test), "curve": curve}
 
 
 def main() -> int:
@@ -44,6 +103,9 @@ def main() -> int:
     p.add_argument("--problems", type=int, default=128)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--seed", type=int, default=2)
+    p.add_argument("--fit-steps", type=int, default=0)
+    p.add_argument("--fit-batch", type=int, default=32)
+    p.add_argument("--fit-eval-every", type=int, default=50)
     p.add_argument("--out", default="benchmarks/results/long_task/critic_ceiling.json")
     args = p.parse_args()
 
@@ -68,12 +130,13 @@ def main() -> int:
         engine.close()
 
     # (response text, correct solution, index of the first wrong character or None)
-    rows = []
-    for q, group in zip(problems, groups, strict=True):
+    rows, samples = [], []
+    for i, (q, group) in enumerate(zip(problems, groups, strict=True)):
         truth = arith.solution(q)
         for s in group:
             text = tok.decode(s.token_ids, skip_special_tokens=True).strip()
             rows.append((text, truth, None if text == truth else first_error(text, truth)[0]))
+            samples.append((i, prompts[i], list(s.token_ids), 1.0 if text == truth else -1.0))
     # per-step slip rate: slips over the steps (and boxes) at risk, each response at risk up to its first slip
     slips = sum(k is not None for _, _, k in rows)
     at_risk = sum(truth.count(";") + 1 if k is None else truth[:k].count(";") + 1 for _, truth, k in rows)
@@ -86,8 +149,8 @@ def main() -> int:
         for t in range(max(1, len(text))):
             returns.append(g)
             v_length.append(2 * (1 - q) ** units - 1)
-            wrong = k is not None and t >= k
-            v_slip.append(-1.0 if wrong else 2 * (1 - q) ** (units - truth[: t + 1].count(";")) - 1)
+            wrong = k is not None and t > k  # the state before token t holds characters 0..t-1
+            v_slip.append(-1.0 if wrong else 2 * (1 - q) ** (units - truth[:t].count(";")) - 1)
     accuracy = sum(k is None for _, _, k in rows) / len(rows)
     doc = {"config": args.config, "base_model": str(base), "problems": args.problems, "samples": args.samples,
            "seed": args.seed, "temperature": cfg.rollout.temperature, "responses": len(rows),
@@ -97,6 +160,8 @@ def main() -> int:
     print(f"{len(rows)} responses, whole-solution accuracy {accuracy:.3f}, per-step slip rate {q:.4f}; explained "
           f"variance of the Monte-Carlo return over {len(returns):,} tokens: length only "
           f"{doc['explained_variance']['length only']:.3f}, slip-aware {doc['explained_variance']['slip-aware']:.3f}")
+    if args.fit_steps:
+        doc["fit"] = fit_critic(cfg, base, tok.pad_token_id, samples, args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {args.out}")
