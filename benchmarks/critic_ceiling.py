@@ -27,13 +27,12 @@ Writes ``--out`` (JSON) and prints the figures.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from long_task_errors import first_error  # noqa: E402
+from bench_io import write_result
+from long_task_errors import first_error, sample_base_model
 
 
 def explained_variance(values: list[float], returns: list[float]) -> float:
@@ -109,25 +108,10 @@ def main() -> int:
     p.add_argument("--out", default="benchmarks/results/long_task/critic_ceiling.json")
     args = p.parse_args()
 
-    from transformers import AutoTokenizer
+    from async_vapo.tasks import arith
 
-    from async_vapo.config import load_config
-    from async_vapo.models.base import ensure_base_model
-    from async_vapo.rollout.engine import EngineSpec, VLLMEngine
-    from async_vapo.tasks import arith, load_task
-
-    cfg = load_config([args.config])
-    base = ensure_base_model(cfg, progress=False)
-    tok = AutoTokenizer.from_pretrained(str(base))
-    problems = random.Random(args.seed).sample(load_task(cfg)[0], args.problems)
+    cfg, base, tok, problems, (groups,) = sample_base_model(args.config, args.problems, args.samples, args.seed)
     prompts = [tok(cfg.task.prompt_template.format(prompt=q.prompt)).input_ids for q in problems]
-    engine = VLLMEngine(EngineSpec.from_config(cfg, str(base), longest_prompt=max(map(len, prompts))))
-    try:
-        groups = engine.generate(prompts, n=args.samples, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                 max_tokens=cfg.rollout.max_response_tokens, stop_token_ids=[tok.eos_token_id],
-                                 seed=args.seed)
-    finally:
-        engine.close()
 
     # (response text, correct solution, index of the first wrong character or None)
     rows, samples = [], []
@@ -162,9 +146,7 @@ def main() -> int:
           f"{doc['explained_variance']['length only']:.3f}, slip-aware {doc['explained_variance']['slip-aware']:.3f}")
     if args.fit_steps:
         doc["fit"] = fit_critic(cfg, base, tok.pad_token_id, samples, args)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, doc)
     return 0
 
 

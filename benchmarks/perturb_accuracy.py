@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench_io import write_result
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -54,9 +56,7 @@ def main() -> int:
                            stdout=subprocess.DEVNULL)
             doc["accuracy"][scale] = json.loads(res.read_text())["eval/accuracy"]
             print(f"±{scale} on every parameter: held-out accuracy {doc['accuracy'][scale]:.3f}", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, doc)
     return 0
 
 

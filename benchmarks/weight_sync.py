@@ -59,6 +59,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_io import write_result
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -445,9 +447,7 @@ def main() -> None:
             mem = r["memcpy"]["median_s"]
             print(f"{size}: reload_weights {b['median_reload_s']:.3f} s ({b['median_reload_s'] / mem:.1f}x memcpy), "
                   f"of which oneDNN repacking {b['median_repack_s']:.3f} s ({b['median_repack_s'] / mem:.1f}x memcpy)")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, doc)
 
 
 if __name__ == "__main__":
