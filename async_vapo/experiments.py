@@ -282,9 +282,18 @@ def report(out: Path) -> dict:
         vapo_m, vapo_sd = _mean_sd([_final(d) for d in done["vapo"]])
         labels, vals, errs, ref = ["VAPO"], [vapo_m], [vapo_sd], [60.4]
         vapo_by_seed = {d.name.rsplit("_s", 1)[1]: _final(d) for d in done["vapo"]}
+        rows_budget = {k: [budget_metrics(d) for d in done[k]] for k in ["vapo", *ABLATIONS] if k in done}
+        abl_common = min(json.loads(f.read_text().splitlines()[-1])["samples_generated"]
+                         for fs in rows_budget.values() for f in fs)
+
+        def at_common(k: str) -> tuple[float, float]:
+            return _mean_sd([_accuracy_at(f, abl_common) for f in rows_budget[k]])
+
         rows = ["| run | seeds | final held-out accuracy (mean ± sd) | Δ vs VAPO (all its seeds) | "
-                "Δ vs VAPO, same seeds (paired) | paper AIME24 | paper Δ |", "|---|---|---|---|---|---|---|",
-                f"| VAPO | {len(done['vapo'])} | {vapo_m:.3f} ± {vapo_sd:.3f} | 0 | 0 | 60.4 | 0 |"]
+                f"Δ vs VAPO, same seeds (paired) | at {abl_common:,} responses | paper AIME24 | paper Δ |",
+                "|---|---|---|---|---|---|---|---|",
+                f"| VAPO | {len(done['vapo'])} | {vapo_m:.3f} ± {vapo_sd:.3f} | 0 | 0 | "
+                "{:.3f} ± {:.3f} | 60.4 | 0 |".format(*at_common("vapo"))]
         abl = {}
         for k, (what, paper) in ABLATIONS.items():
             if k not in done:
@@ -294,13 +303,14 @@ def report(out: Path) -> dict:
                       if d.name.rsplit("_s", 1)[1] in vapo_by_seed]
             paired_d = statistics.fmean(paired) if paired else float("nan")
             abl[k] = {"final_mean": m, "final_sd": sd, "seeds": len(done[k]), "paper": paper,
-                      "paired_delta": paired_d}
+                      "paired_delta": paired_d, "accuracy_at_common_budget": at_common(k)[0],
+                      "common_budget": abl_common}
             labels.append(f"w/o {what}")
             vals.append(m)
             errs.append(sd)
             ref.append(paper)
             rows.append(f"| w/o {what} | {len(done[k])} | {m:.3f} ± {sd:.3f} | {m - vapo_m:+.3f} | {paired_d:+.3f} | "
-                        f"{paper} | {paper - 60.4:+.1f} |")
+                        "{:.3f} ± {:.3f} | ".format(*at_common(k)) + f"{paper} | {paper - 60.4:+.1f} |")
         (out / "ablation.md").write_text("\n".join(rows) + "\n")
         bar_chart(labels, [100 * v for v in vals], out / "ablation.png", reference=ref,
                   errors=[100 * e for e in errs], title="VAPO ablations: toy held-out accuracy (%) vs paper AIME24",

@@ -75,3 +75,17 @@ def test_report_gives_accuracy_at_equal_responses_and_wall_clock_and_cpu_minutes
     table = (tmp_path / "comparison.md").read_text()
     assert "at 0.3 minutes" in table and "| 10.0 | 20.0 (1 of 2 runs) |" in table and "| 5.0 | 7.0 |" in table
     assert (tmp_path / "accuracy_vs_samples.png").stat().st_size > 0
+
+
+def test_ablation_table_compares_rows_at_equal_responses_and_pairs_seeds(tmp_path):
+    from async_vapo.experiments import report
+
+    _fake_run(tmp_path, "vapo_s0", [0.2, 0.4, 0.6], wall_s=600, cpu_s=600, pretrain=2)
+    _fake_run(tmp_path, "vapo_s1", [0.2, 0.2, 0.4], wall_s=600, cpu_s=600, pretrain=2)
+    # without value pretraining: no pretraining responses, so it ends at 16 responses, where VAPO is at update 2
+    _fake_run(tmp_path, "no_value_pretrain_s0", [0.2, 0.2, 0.3], wall_s=500, cpu_s=500)
+    abl = report(tmp_path)["ablation"]["no_value_pretrain"]
+    assert abl["common_budget"] == 16 and abl["accuracy_at_common_budget"] == pytest.approx(0.3)
+    assert abl["paired_delta"] == pytest.approx(0.25 - 0.5)  # against VAPO's seed 0 only
+    table = (tmp_path / "ablation.md").read_text()
+    assert "at 16 responses" in table and "| 0.300 ± 0.141 |" in table  # VAPO's seeds at 16: 0.4 and 0.2
