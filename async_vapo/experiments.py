@@ -242,8 +242,8 @@ def report(out: Path) -> dict:
         common_wall = min(e[-1]["wall_s"] for e in evals.values())
         dapo_final = statistics.fmean(_final(d) for d in comp["dapo"]) if "dapo" in comp else None
         rows = ["| method | seeds | initial | final (mean ± sd) | best eval | responses generated | "
-                f"at {common:,} responses | at {common_wall / 60:.1f} minutes | steps to DAPO's final | minutes | "
-                "CPU minutes | paper AIME24 |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                f"at {common:,} responses | gain over its start at {common:,} | at {common_wall / 60:.1f} minutes | "
+                "steps to DAPO's final | minutes | CPU minutes | paper AIME24 |", "|---" * 13 + "|"]
         table = {}
         for k, runs in comp.items():
             finals = [_final(d) for d in runs]
@@ -259,15 +259,19 @@ def report(out: Path) -> dict:
             m, sd = _mean_sd(finals)
             generated = statistics.fmean(last[f]["samples_generated"] for f in budget[k])
             at_common, at_sd = _mean_sd([_accuracy_at(f, common) for f in budget[k]])
+            # each seed samples its held-out evaluation with its own seed, so its start differs: the gain over it
+            gain, gain_sd = _mean_sd([_accuracy_at(f, common) - _evals(d)[0]["eval/accuracy"]
+                                      for f, d in zip(budget[k], runs, strict=True)])
             at_wall, at_wall_sd = _mean_sd([_accuracy_at(f, common_wall, "wall_s") for f in budget[k]])
             table[k] = {"final_mean": m, "final_sd": sd, "finals": finals, "initial": init, "best": best,
                         "steps_to_dapo_final": reach, "minutes": mins,
                         "cpu_minutes": statistics.fmean(cpu) if cpu else None, "responses_generated": generated,
                         "accuracy_at_common_budget": at_common, "common_budget": common,
+                        "gain_at_common_budget": gain, "gain_at_common_budget_sd": gain_sd,
                         "accuracy_at_common_wall_s": at_wall, "common_wall_s": common_wall}
             rows.append(f"| {k} | {len(runs)} | {init:.3f} | {m:.3f} ± {sd:.3f} | {best:.3f} | {generated:,.0f} | "
-                        f"{at_common:.3f} ± {at_sd:.3f} | {at_wall:.3f} ± {at_wall_sd:.3f} | {reach_s} | {mins:.1f} | "
-                        f"{cpu_s} | {PAPER.get(k, '–')} |")
+                        f"{at_common:.3f} ± {at_sd:.3f} | {gain:+.3f} ± {gain_sd:.3f} | "
+                        f"{at_wall:.3f} ± {at_wall_sd:.3f} | {reach_s} | {mins:.1f} | {cpu_s} | {PAPER.get(k, '–')} |")
         updates = max(json.loads((d / "config.resolved.json").read_text())["train"]["total_steps"]
                       for runs in comp.values() for d in runs)
         (out / "comparison.md").write_text(

@@ -66,6 +66,7 @@ def test_report_gives_accuracy_at_equal_responses_and_wall_clock_and_cpu_minutes
     assert result["vapo"]["common_budget"] == 16
     assert result["vapo"]["accuracy_at_common_budget"] == pytest.approx(0.3)
     assert result["grpo"]["accuracy_at_common_budget"] == pytest.approx(0.5)
+    assert result["grpo"]["gain_at_common_budget"] == pytest.approx(0.3)  # both seeds started at 0.2
     # GRPO's runs end at 16 s, 4/5 of the way from VAPO's first evaluation (0.2, 0.2) to its second (0.4, 0.2)
     assert result["vapo"]["common_wall_s"] == 16.0
     assert result["vapo"]["accuracy_at_common_wall_s"] == pytest.approx((0.36 + 0.2) / 2)
