@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -223,7 +224,9 @@ def bar_chart(labels: Sequence[str], values: Sequence[float], out: PathLike, ref
                    edgecolor="black", linewidth=0.5)
         a.bar_label(rb, labels=["" if math.isnan(v) else f"{v:.3g}" for v in ref], fontsize="small", padding=2)
         a.legend(fontsize="small")
-    a.set_xticks(pos, list(labels), rotation=20 if n > 4 else 0, ha="right" if n > 4 else "center")
+    # long labels on few bars wrap onto two lines rather than run into each other; many bars turn theirs
+    ticks = list(labels) if n > 4 else [textwrap.fill(x, 16) for x in labels]
+    a.set_xticks(pos, ticks, rotation=20 if n > 4 else 0, ha="right" if n > 4 else "center")
     a.set(ylabel=ylabel, title=title)
     a.margins(y=0.12)  # room for the value labels above the bars
     a.grid(axis="y", alpha=0.3)
