@@ -36,14 +36,13 @@ from long_task_errors import first_error, sample_base_model
 
 
 def explained_variance(values: list[float], returns: list[float]) -> float:
-    n = len(returns)
-    mean_g = sum(returns) / n
-    var_g = sum((g - mean_g) ** 2 for g in returns) / n
-    resid = [g - v for g, v in zip(returns, values, strict=True)]
-    mean_r = sum(resid) / n
-    if var_g == 0:
-        return float("nan")  # every return the same: nothing to explain
-    return 1.0 - (sum((r - mean_r) ** 2 for r in resid) / n) / var_g
+    """``critic/explained_variance`` as training computes it, over a flat list of tokens."""
+    import torch
+
+    from async_vapo.algo import explained_variance as ev
+
+    v, g = torch.tensor([values], dtype=torch.float64), torch.tensor([returns], dtype=torch.float64)
+    return float(ev(v, g, torch.ones_like(v)))
 
 
 def fit_critic(cfg, base: Path, pad_id: int, samples: list, args) -> dict:
