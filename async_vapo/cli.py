@@ -44,7 +44,7 @@ def _make_base(cfg, *, force: bool, ship: bool, command: str) -> None:
     reward-like critic; print their paths. ``force``: build both anew. ``ship``: copy them into the package."""
     import shutil
 
-    from async_vapo.models.base import base_model_key, base_model_path, ensure_base_model, make_base
+    from async_vapo.models.base_model import base_model_key, base_model_path, ensure_base_model, make_base
     from async_vapo.models.reward import make_reward_critic, resolve_critic_path, reward_critic_key, reward_critic_path
 
     path = make_base(cfg, base_model_path(cfg)) if force else ensure_base_model(cfg)
@@ -68,11 +68,11 @@ def _make_base(cfg, *, force: bool, ship: bool, command: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["experiment"]:  # its own parser: run / report of the comparison and ablation plan
-        from async_vapo.experiments import main as experiment_main
+        from async_vapo.experiments.comparison import main as experiment_main
 
         return experiment_main(argv[1:])
     if argv[:1] == ["report"]:
-        from async_vapo.report import main as report_main
+        from async_vapo.experiments.report import main as report_main
 
         return report_main(argv[1:])
     parser = argparse.ArgumentParser(prog="async-vapo", description=__doc__,
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p_export.add_argument("--model", choices=["policy", "critic"], default="policy")
     p_export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p_plan = sub.add_parser("plan", help="placement, memory per learner / engine GPU and weight-sync arithmetic "
-                                         "(async_vapo/cluster/scale.py states every assumption)")
+                                         "(async_vapo/deploy/scale.py states every assumption)")
     p_plan.add_argument("config_file", metavar="CONFIG")
     p_plan.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     p_plan.add_argument("--hosts", type=int, required=True)
@@ -191,9 +191,9 @@ def main(argv: list[str] | None = None) -> int:
 
             print(export(args.checkpoint, args.out, args.model, args.dtype))
         elif args.cmd == "plan":
-            from async_vapo.cluster.placement import PlacementError
-            from async_vapo.cluster.scale import report
             from async_vapo.config import load_config
+            from async_vapo.deploy.placement import PlacementError
+            from async_vapo.deploy.scale import report
 
             if args.hosts < 1 or args.gpus_per_host < 1:
                 print("async-vapo plan: --hosts and --gpus-per-host must be >= 1", file=sys.stderr)
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"async-vapo plan: {e}", file=sys.stderr)
                 return 2
         elif args.cmd == "plot":
-            from async_vapo.metrics.plots import plot_runs
+            from async_vapo.experiments.plots import plot_runs
 
             print(plot_runs(args.runs, args.out))
     except ConfigError as e:

@@ -52,9 +52,9 @@ def run_eval(cfg: Config, policy: Path | None, *, out_dir: Path, n: int | None =
     import torch
     from transformers import AutoTokenizer
 
-    from async_vapo.metrics.evaluation import default_ks
     from async_vapo.metrics.jsonl import JsonlWriter
-    from async_vapo.models.base import ensure_base_model
+    from async_vapo.metrics.passk import default_ks
+    from async_vapo.models.base_model import ensure_base_model
     from async_vapo.rollout.engine import EngineSpec, VLLMEngine
     from async_vapo.rollout.generate import PromptEncoder, Rollout, run_evaluation
     from async_vapo.tasks import load_task

@@ -22,7 +22,7 @@ import torch
 
 from async_vapo.config import Config, save_resolved
 from async_vapo.metrics.jsonl import JsonlWriter
-from async_vapo.models.base import ensure_base_model
+from async_vapo.models.base_model import ensure_base_model
 from async_vapo.models.reward import resolve_critic_path
 from async_vapo.rollout.engine import EngineSpec, VLLMEngine, engine_cpu_env
 from async_vapo.rollout.generate import PromptEncoder, Rollout, evaluate

@@ -26,7 +26,7 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from async_vapo.config import load_config
-    from async_vapo.models.base import ensure_base_model
+    from async_vapo.models.base_model import ensure_base_model
     from async_vapo.rollout.engine import EngineSpec, VLLMEngine
     from async_vapo.rollout.generate import PromptEncoder, Rollout, evaluate
     from async_vapo.tasks import load_task

@@ -101,7 +101,7 @@ def main() -> None:
 
     import benchmarks.weight_sync as ws
     from async_vapo.rollout.engine import EngineSpec, VLLMEngine
-    from async_vapo.weights.dist import EngineGroup, plan_buckets, update_info, version_meta
+    from async_vapo.weights.collective import EngineGroup, plan_buckets, update_info, version_meta
 
     torch.set_num_threads(1)
     ws.SIZES["10m"] = (384, 6, 1536, 6, 2)

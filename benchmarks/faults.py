@@ -7,7 +7,7 @@ schedule. Each schedule is drawn from ``--seed`` (logged in the results) and, in
 previous service is back: SIGKILL of the replay, of the verifier and of the rollout engine, each at a random
 version; SIGKILL of the learner in the middle of an update, and right after one of its checkpoints; and SIGSTOP of
 the rollout engine for a random 5-20 s beyond ``cluster.wire.peer_dead_s`` (it stops acking, leaves rotation, and
-rejoins after SIGCONT). The machinery and the audit are async_vapo.cluster.faults.
+rejoins after SIGCONT). The machinery and the audit are async_vapo.deploy.faults.
 
 ``train.total_steps`` is reduced to ``--steps`` (40 instead of 100: six runs of 100 updates do not fit this 2-core
 machine's budget), ``train.checkpoint_every`` to ``--checkpoint-every`` (5; the default 50 would make a learner crash
@@ -32,8 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from async_vapo.cluster.faults import Fault, audit_run, run_cluster, stall_after  # noqa: E402
 from async_vapo.config import load_config  # noqa: E402
+from async_vapo.deploy.faults import Fault, audit_run, run_cluster, stall_after  # noqa: E402
 
 
 def draw_plan(rng: random.Random, steps: int, checkpoint_every: int, peer_dead_s: float) -> list[Fault]:
@@ -122,7 +122,7 @@ def markdown(summary: dict, meta: dict) -> str:
         f"`{meta['command']}` on {meta['date']}: {meta['config']} with train.total_steps={meta['steps']}, "
         f"train.checkpoint_every={meta['checkpoint_every']}, seed {meta['seed']}; "
         f"{'one undisturbed run and ' if 'baseline' in runs else ''}{meta['schedules']} schedule(s) of faults "
-        "(async_vapo.cluster.faults), each fault once the previous one's service was back.",
+        "(async_vapo.deploy.faults), each fault once the previous one's service was back.",
         "",
         "| run | updates done | wall-clock to DONE | acknowledged groups | lost | served twice | staleness violations "
         "| engine version violations | updates redone | final held-out accuracy |",

@@ -37,10 +37,10 @@ def main() -> int:
 
     from async_vapo.config import load_config
     from async_vapo.learner.vapo import Learner, make_rollout_batch
-    from async_vapo.models.base import ensure_base_model
+    from async_vapo.models.base_model import ensure_base_model
     from async_vapo.rollout.engine import EngineSpec, VLLMEngine
-    from async_vapo.rollout.types import Group, Trajectory
     from async_vapo.tasks import load_task
+    from async_vapo.types import Group, Trajectory
     from async_vapo.verify.check import check_answer
 
     cfg = load_config([args.config])

@@ -55,9 +55,9 @@ def one_size(size: str, model_dir: str, algo: str = "vapo") -> dict:
     import torch
 
     from async_vapo.config import load_config
-    from async_vapo.learner.dist import data_parallel_world, init_process_group
+    from async_vapo.learner.process_group import data_parallel_world, init_process_group
     from async_vapo.learner.vapo import Learner, make_rollout_batch
-    from async_vapo.rollout.types import Group, Trajectory
+    from async_vapo.types import Group, Trajectory
 
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -108,7 +108,7 @@ def one_size(size: str, model_dir: str, algo: str = "vapo") -> dict:
     out["optim_bytes"] = sum(_opt_bytes(o) for _, o in models)
     out["state_bytes"] = out["param_bytes"] + out["grad_bytes"] + out["optim_bytes"]
     if world > 1:
-        from async_vapo.learner.dist import destroy_process_group
+        from async_vapo.learner.process_group import destroy_process_group
 
         destroy_process_group()
     return out

@@ -36,7 +36,7 @@ def sample_base_model(config: str, n_problems: int, samples: int, seed: int, tem
     from transformers import AutoTokenizer
 
     from async_vapo.config import load_config
-    from async_vapo.models.base import ensure_base_model
+    from async_vapo.models.base_model import ensure_base_model
     from async_vapo.rollout.engine import EngineSpec, VLLMEngine
     from async_vapo.tasks import load_task
 

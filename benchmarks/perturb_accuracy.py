@@ -34,7 +34,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from async_vapo.config import load_config
-    from async_vapo.models.base import ensure_base_model
+    from async_vapo.models.base_model import ensure_base_model
 
     base = ensure_base_model(load_config([args.config]), progress=False)
     doc = {"config": args.config, "base_model": str(base), "seed": args.seed, "accuracy": {}}

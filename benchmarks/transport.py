@@ -67,7 +67,7 @@ def raw_spec(seed: int, n_groups: int, n_samples: int) -> list[dict]:
 
 
 def build_groups(spec: list[dict]):
-    from async_vapo.rollout.types import Group, Trajectory
+    from async_vapo.types import Group, Trajectory
 
     return [Group(uid=g["uid"], prompt=g["prompt"], answer=g["answer"], prompt_ids=g["prompt_ids"],
                   version=g["version"], samples=[Trajectory(**s) for s in g["samples"]]) for g in spec]
@@ -94,7 +94,7 @@ def receiver_main(conn, n_groups: int, keys_dir: str = "") -> None:
     import zmq
 
     from async_vapo.transport import Decoder, GroupsMsg, ZmqTransport
-    from async_vapo.transport.base import DEFAULT_HWM
+    from async_vapo.transport.interface import DEFAULT_HWM
     from async_vapo.transport.zmq_transport import bind_to_random_port, make_socket, shared_context
 
     ctx = shared_context()
@@ -151,7 +151,7 @@ def run_trial(conn, kind: str, warmup: int, n: int, groups, frame_size: int, key
     import zmq
 
     from async_vapo.transport import ZmqTransport
-    from async_vapo.transport.base import DEFAULT_HWM
+    from async_vapo.transport.interface import DEFAULT_HWM
     from async_vapo.transport.zmq_transport import make_socket, shared_context
 
     conn.send((kind, warmup, n))
@@ -198,7 +198,7 @@ def git_rev() -> str:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "async_vapo/transport/messages.py",
-                                "async_vapo/rollout/types.py"], cwd=ROOT, capture_output=True, text=True).stdout
+                                "async_vapo/types.py"], cwd=ROOT, capture_output=True, text=True).stdout
         return rev + (" + uncommitted changes to the codec" if dirty.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

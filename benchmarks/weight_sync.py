@@ -26,7 +26,7 @@ engine's load through the same functions the services call (``load_announced``):
 * ``cluster_zmq``: the same slot fetched over ZeroMQ on loopback TCP in 16 MiB crc32-checked chunks into
   the engine's own buffer (what an engine on another host does), then loaded from it.
 
-and the torch.distributed path (``async_vapo.weights.dist``), beside what it is made of:
+and the torch.distributed path (``async_vapo.weights.collective``), beside what it is made of:
 
 * ``cluster_dist``: the learner's EngineGroup streams the state dict in ``--bucket-mb`` buckets over the engine's
   gloo group while the engine receives it through vLLM's weight-transfer API (``update_weights``, layerwise reload);
@@ -240,7 +240,7 @@ def bench_dist(engine, model, states, prompt, pushes: int, version: int, bucket_
     """``cluster_dist``: the learner's EngineGroup -> the engine's gloo weight-transfer engine."""
     import threading
 
-    from async_vapo.weights.dist import EngineGroup, plan_buckets, update_info, version_meta
+    from async_vapo.weights.collective import EngineGroup, plan_buckets, update_info, version_meta
 
     group = EngineGroup("bench", timeout_s=300)
     joiner = threading.Thread(target=group.connect)
@@ -286,7 +286,7 @@ def bare_gloo_seconds(state: dict, bucket_bytes: int, pushes: int) -> list[float
     import torch
     import torch.distributed as dist
 
-    from async_vapo.weights.dist import plan_buckets, version_meta
+    from async_vapo.weights.collective import plan_buckets, version_meta
 
     sizes = [b.nbytes for b in plan_buckets(version_meta(list(state.items())), bucket_bytes)]
     timeout = datetime.timedelta(seconds=300)

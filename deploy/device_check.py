@@ -21,7 +21,7 @@ updates on responses of ``--response-tokens`` tokens. Checks, each recorded with
   error. On the CPU (``--tiny``) the same step runs over gloo as a smoke test and is recorded as skipped.
 
 vLLM is not on the device machine: the engine steps, and the weight transfer through vLLM's NCCL weight-transfer
-engine (``async_vapo.weights.dist``), are recorded as skipped with that reason.
+engine (``async_vapo.weights.collective``), are recorded as skipped with that reason.
 
     python deploy/device_check.py OUT_DIR [--tiny]      (--tiny: a 2-layer model, any device, for a smoke test)
 """
@@ -115,7 +115,7 @@ def build(directory: Path, shape: dict, vocab: int, max_len: int) -> None:
 def groups(n_groups: int, group_size: int, prompt_tokens: int, response_tokens: int, vocab: int, eos: int):
     import random
 
-    from async_vapo.rollout.types import Group, Trajectory
+    from async_vapo.types import Group, Trajectory
 
     rng = random.Random(0)
     out = []
@@ -265,8 +265,8 @@ def main() -> int:
     import torch
 
     from async_vapo.config import load_config
-    from async_vapo.learner.dist import data_parallel_world, init_process_group
     from async_vapo.learner.export import export
+    from async_vapo.learner.process_group import data_parallel_world, init_process_group
     from async_vapo.learner.sharding import full_state_dict
     from async_vapo.learner.vapo import Learner, make_rollout_batch
     from async_vapo.models.rl import response_logits
@@ -296,7 +296,7 @@ def main() -> int:
                               else "this check starts no vLLM engine: ")
                       + "the learner's NCCL group and send (vLLM's PyNcclCommunicator and packed producer) and the "
                         "engine's receive (vLLM's NCCL weight-transfer engine with our watchdog, "
-                        "async_vapo.weights.dist) did not run; nccl_weight_transfer measures the bare broadcast")
+                        "async_vapo.weights.collective) did not run; nccl_weight_transfer measures the bare broadcast")
         try:
             weight_transfer(checks, cuda, args.tiny)
         except Exception:

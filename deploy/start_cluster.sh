@@ -17,17 +17,17 @@
 # and socket there too) runs that host's services, each in a process group of its own, and restarts one that dies:
 # after cluster.deploy.restart_backoff_s, doubling per crash, and not again after more than
 # cluster.deploy.crash_loop_max_restarts crashes within cluster.deploy.crash_loop_window_s
-# (async_vapo.cluster.crashloop; it writes RUN_DIR/supervisor/<name>.gave_up). A restarted learner resumes from the
+# (async_vapo.deploy.crashloop; it writes RUN_DIR/supervisor/<name>.gave_up). A restarted learner resumes from the
 # newest checkpoint of this run.
 # Each service appends its log to RUN_DIR/logs/<name>.log, and its PID (= its process-group id) is rewritten to
 # RUN_DIR/pids/<name>.pid at every start; deploy/stop_cluster.sh RUN_DIR stops the supervisors, then makes sure none
-# of those groups is left. `python -m async_vapo.cluster.supervise status RUN_DIR` shows states, starts, decisions.
+# of those groups is left. `python -m async_vapo.deploy.supervise status RUN_DIR` shows states, starts, decisions.
 # RUN_DIR/prometheus/{targets.json,prometheus.yml} list what was started; --prometheus also runs a prometheus server
 # on that config (when the binary exists), supervised too. If a service is not healthy within
 # cluster.deploy.health_timeout_s (or its first process exits first), its log tail is printed, everything started is
 # stopped, exit 1.
 #
-# Placement with GPUs (async_vapo/cluster/placement.py): async.rollout_devices GPUs go to engines of
+# Placement with GPUs (async_vapo/deploy/placement.py): async.rollout_devices GPUs go to engines of
 # rollout.tensor_parallel_size GPUs each, async.learner_devices GPUs to the learner's ranks (one torchrun per learner
 # host, the ranks split evenly, each on its host's lowest GPUs); each process gets its CUDA_VISIBLE_DEVICES, several
 # engines may share a host.
@@ -161,7 +161,7 @@ for h in "$(hostname -f 2>/dev/null)" "$(hostname -s 2>/dev/null)"; do [ -n "$h"
 [ -n "$HOSTFILE" ] && plan_args+=(--hostfile "$HOSTFILE")
 [ "$DRY_RUN" = 1 ] && plan_args+=(--dry-run)
 [ "$NEW_RUN" = 1 ] && plan_args+=(--new-run)
-PLAN=$("$PY" -m async_vapo.cluster.common plan "${CONFIGS[@]}" ${RUN_DIR_ARG:+--run-dir "$RUN_DIR_ARG"} \
+PLAN=$("$PY" -m async_vapo.deploy.launch plan "${CONFIGS[@]}" ${RUN_DIR_ARG:+--run-dir "$RUN_DIR_ARG"} \
        ${RESUME:+--resume "$RESUME"} --scrape-interval "$INTERVAL" "${plan_args[@]}" -- "${OVERRIDES[@]}") \
   || { echo "start_cluster: no plan (above: why)" >&2; exit 2; }
 eval "$PLAN"
@@ -281,7 +281,7 @@ fail_start() {  # fail_start MESSAGE: stop what was started, exit 1
   "$REPO/deploy/stop_cluster.sh" "$RUN_DIR" >&2 || true
   exit 1
 }
-# One supervisord per host runs that host's services (async_vapo.cluster.supervise). `start` writes a service's
+# One supervisord per host runs that host's services (async_vapo.deploy.supervise). `start` writes a service's
 # launcher, RUN_DIR/supervisor/NAME.sh, which supervisord runs at every (re)start: it records the PID (= the
 # service's process-group id: supervisord gives each program a group of its own, and the launcher ends in exec) in
 # RUN_DIR/pids/NAME.pid and one line per start in RUN_DIR/supervisor/NAME.starts, and appends to RUN_DIR/logs/NAME.log.
@@ -351,7 +351,7 @@ launch_supervisors() {  # writes each host's RUN_DIR/supervisor/TAG.conf and sta
     host=${SUP_HOST[$tag]} conf="$SUP/$tag.conf" extra=()
     [ "$tag" = local ] && [ -n "$PROM_LAUNCHED" ] && extra=(--extra prometheus)
     # shellcheck disable=SC2086  # the names are words
-    "$PY" -m async_vapo.cluster.supervise conf "${CONFIGS[@]}" --run-dir "$RUN_DIR" --tag "$tag" --python "$PY" \
+    "$PY" -m async_vapo.deploy.supervise conf "${CONFIGS[@]}" --run-dir "$RUN_DIR" --tag "$tag" --python "$PY" \
       --programs ${SUP_PROGS[$tag]} "${extra[@]}" -- "${OVERRIDES[@]}" > /dev/null \
       || fail_start "writing the supervisor config of $host failed"
     if [ "$tag" = local ]; then
@@ -461,7 +461,7 @@ supervised() {  # supervised NAME: runs, or will be restarted (not given up); ov
 wait_health_remote() {  # wait_health_remote NAME URL TIMEOUT_S: wait-health in short rounds, checking the process
   local deadline=$(( SECONDS + $3 ))
   while :; do
-    "$PY" -m async_vapo.cluster.common wait-health "${HEALTH_OPTS[@]}" "$2" 5 2>/dev/null && return 0
+    "$PY" -m async_vapo.deploy.launch wait-health "${HEALTH_OPTS[@]}" "$2" 5 2>/dev/null && return 0
     alive "$1" || { echo "$1 ($(cat "$RUN_DIR/pids/$1.host")) exited before $2 became healthy" >&2; return 1; }
     [ "$SECONDS" -lt "$deadline" ] || { echo "$2 not healthy after $3 s" >&2; return 1; }
   done
@@ -469,7 +469,7 @@ wait_health_remote() {  # wait_health_remote NAME URL TIMEOUT_S: wait-health in 
 wait_health_learners() {  # wait_health_learners URL TIMEOUT_S: rank 0's health in short rounds, while every agent runs
   local deadline=$(( SECONDS + $2 )) a
   while :; do
-    "$PY" -m async_vapo.cluster.common wait-health "${HEALTH_OPTS[@]}" "$1" 5 2>/dev/null && return 0
+    "$PY" -m async_vapo.deploy.launch wait-health "${HEALTH_OPTS[@]}" "$1" 5 2>/dev/null && return 0
     for a in "${LEARNERS[@]}"; do
       alive "$a" || { echo "$a ($(host_of "$a")) exited before $1 became healthy" >&2; name=$a; return 1; }
     done
@@ -488,7 +488,7 @@ for name in "${STARTED[@]}"; do
   elif [ -e "$RUN_DIR/pids/$name.host" ]; then
     wait_health_remote "$name" "$(health_url "$name")" "$HEALTH_TIMEOUT" && ok=1 || ok=0
   else
-    "$PY" -m async_vapo.cluster.common wait-health "${HEALTH_OPTS[@]}" "$(health_url "$name")" "$HEALTH_TIMEOUT" \
+    "$PY" -m async_vapo.deploy.launch wait-health "${HEALTH_OPTS[@]}" "$(health_url "$name")" "$HEALTH_TIMEOUT" \
       "$(cat "$RUN_DIR/pids/$name.pid")" && ok=1 || ok=0
   fi
   if [ "$ok" = 0 ]; then

@@ -1,4 +1,4 @@
-"""Learner service: value pretraining, VAPO updates, weight broadcast (async_vapo.cluster.learner_service).
+"""Learner service: value pretraining, VAPO updates, weight broadcast (async_vapo.services.learner).
 
     services/learner.py --config FILE [--run-dir DIR] [--resume CKPT|auto] [key.sub=value ...]
     torchrun --nproc-per-node N services/learner.py ...     (ranks > 0 serve /metrics on port + rank)
@@ -9,11 +9,11 @@
 import os
 import sys
 
-from async_vapo.cluster.common import run_service, service_arg_parser
+from async_vapo.services.context import run_service, service_arg_parser
 
 
 def _body(ctx, args):
-    from async_vapo.cluster.learner_service import run_learner
+    from async_vapo.services.learner import run_learner
 
     run_learner(ctx, resume=args.resume, resume_since=args.resume_since)
 
@@ -30,7 +30,7 @@ if __name__ == "__main__":
                              "ranks per agent + local rank, so that rank 0 is on the first learner host")
     argv = sys.argv[1:]
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        from async_vapo.learner.dist import die_with_agent, rank_by_node
+        from async_vapo.learner.process_group import die_with_agent, rank_by_node
 
         die_with_agent(agent)
         node = parser.parse_args(argv).node_rank

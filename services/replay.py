@@ -1,15 +1,15 @@
-"""Replay service: durable, staleness-bounded buffer of verified groups (async_vapo.cluster.replay_service).
+"""Replay service: durable, staleness-bounded buffer of verified groups (async_vapo.services.replay).
 
     services/replay.py --config FILE [--run-dir DIR] [key.sub=value ...]
 """
 
 import sys
 
-from async_vapo.cluster.common import run_service
+from async_vapo.services.context import run_service
 
 
 def _body(ctx, args):
-    from async_vapo.cluster.replay_service import run_replay
+    from async_vapo.services.replay import run_replay
 
     run_replay(ctx)
 

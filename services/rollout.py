@@ -1,15 +1,15 @@
-"""Rollout service: one vLLM engine generating version-stamped groups (async_vapo.cluster.rollout_service).
+"""Rollout service: one vLLM engine generating version-stamped groups (async_vapo.services.rollout).
 
     services/rollout.py --config FILE [--run-dir DIR] [--instance I] [key.sub=value ...]
 """
 
 import sys
 
-from async_vapo.cluster.common import run_service
+from async_vapo.services.context import run_service
 
 
 def _body(ctx, args):
-    from async_vapo.cluster.rollout_service import run_rollout
+    from async_vapo.services.rollout import run_rollout
 
     run_rollout(ctx)
 

@@ -1,15 +1,15 @@
-"""Verifier service: sandboxed answer checking between rollout and replay (async_vapo.cluster.verifier_service).
+"""Verifier service: sandboxed answer checking between rollout and replay (async_vapo.services.verifier).
 
     services/verifier.py --config FILE [--run-dir DIR] [key.sub=value ...]
 """
 
 import sys
 
-from async_vapo.cluster.common import run_service
+from async_vapo.services.context import run_service
 
 
 def _body(ctx, args):
-    from async_vapo.cluster.verifier_service import run_verifier
+    from async_vapo.services.verifier import run_verifier
 
     run_verifier(ctx)
 

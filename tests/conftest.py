@@ -8,7 +8,7 @@ import random
 import pytest
 
 from async_vapo.config import load_config
-from async_vapo.rollout.types import Group, Trajectory
+from async_vapo.types import Group, Trajectory
 
 # A small embedded model that still learns the format: built once per session into a temp cache.
 TINY_TEST_OVERRIDES = [
@@ -32,7 +32,7 @@ def tiny_cfg(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_base(tiny_cfg):
-    from async_vapo.models.base import ensure_base_model
+    from async_vapo.models.base_model import ensure_base_model
 
     return ensure_base_model(tiny_cfg, progress=False)
 

@@ -9,7 +9,6 @@ import time
 
 import msgspec
 
-from async_vapo.rollout.types import Group, Trajectory
 from async_vapo.transport import (
     PROTOCOL_VERSION,
     Ack,
@@ -26,6 +25,7 @@ from async_vapo.transport import (
     encode,
     make_envelope,
 )
+from async_vapo.types import Group, Trajectory
 
 
 def _group(n: int = 2) -> Group:

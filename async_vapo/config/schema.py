@@ -230,7 +230,7 @@ class RolloutConfig(_Section):
     """Sampling seed of the engine."""
     tensor_parallel_size: int = Field(1, ge=1)
     """GPUs per engine (vLLM tensor parallelism, within one host): async.rollout_devices / tensor_parallel_size
-    engines run (``async_vapo.cluster.placement``)."""
+    engines run (``async_vapo.deploy.placement``)."""
 
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:
@@ -464,7 +464,7 @@ class WeightsConfig(_Section):
     faster. "shm" / "zmq": every engine that way ("shm" fails on another host). "file": a safetensors file per
     version in ``weights_dir`` (across hosts only over a shared filesystem). "dist": each engine gets a
     torch.distributed group of its own (``dist_backend``) and the learner streams every version to the engines in
-    rotation through vLLM's weight-transfer API (``async_vapo.weights.dist``); the slots of "auto" stay, for an
+    rotation through vLLM's weight-transfer API (``async_vapo.weights.collective``); the slots of "auto" stay, for an
     engine not yet in a group or whose receive failed."""
     auto_trials: int = Field(2, ge=0)
     """"auto", an engine on another host: timed loads of each way (the fetch, then its group) after one warm-up
@@ -597,7 +597,7 @@ class MetricsHttpConfig(_Section):
 
 class DeployConfig(_Section):
     """start_cluster.sh / stop_cluster.sh, and the supervision of the services they start (one supervisord per
-    host, ``async_vapo.cluster.supervise``; restarts and the crash-loop limit by ``async_vapo.cluster.crashloop``)."""
+    host, ``async_vapo.deploy.supervise``; restarts and the crash-loop limit by ``async_vapo.deploy.crashloop``)."""
     health_timeout_s: float = Field(600.0, gt=0)
     """start_cluster.sh: seconds to wait for each service's /health before giving up."""
     stop_grace_s: float = Field(20.0, gt=0)

@@ -35,8 +35,8 @@ def export(ckpt: str | Path, out: str | Path, model: str = "policy", dtype: str 
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-    from async_vapo.learner.dist import single_process_checkpoint
     from async_vapo.learner.precision import DTYPES
+    from async_vapo.learner.process_group import single_process_checkpoint
 
     ckpt, out = Path(ckpt), Path(out)
     meta = ckpt / "hf_meta" / model

@@ -9,7 +9,7 @@ Where a step's scored groups come from is a :class:`BatchSource`:
 
 * :class:`InProcessSource` generates them with this process's engine and grades them with its verifier
   pool (the one-process trainer: staleness 0, each batch from the weights the learner holds);
-* ``ReplaySource`` (``async_vapo.cluster.learner_service``) fetches them from the replay service;
+* ``ReplaySource`` (``async_vapo.services.learner``) fetches them from the replay service;
 * :class:`BroadcastSource` wraps either for data-parallel ranks: rank 0 broadcasts what its source returned,
   the other ranks receive it, and every rank runs this same loop on the same groups. Only rank 0 (the
   *leader*) decides when to stop and to checkpoint, publishes and writes rows; the others run until their
@@ -43,10 +43,10 @@ import torch
 
 from async_vapo.algo.dapo import dynamic_sampling_keep
 from async_vapo.config import Config
-from async_vapo.learner.dist import broadcast_object
+from async_vapo.learner.process_group import broadcast_object
 from async_vapo.rollout.generate import Rollout, group_stats
-from async_vapo.rollout.types import Group
 from async_vapo.tasks import PromptSampler
+from async_vapo.types import Group
 
 log = logging.getLogger(__name__)
 

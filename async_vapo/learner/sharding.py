@@ -167,7 +167,7 @@ class _Gather:
 
 def stream_sharded(model: torch.nn.Module, dtype: torch.dtype, groups=None, *, bucket_bytes: int,
                    timeout_s: float | None = None, keep: bool = False) -> dict:
-    """Stream a sharded model's weights to the engines' weight groups (``async_vapo.weights.dist.EngineGroup``),
+    """Stream a sharded model's weights to the engines' weight groups (``async_vapo.weights.collective.EngineGroup``),
     one bucket gathered at a time, so no rank holds a whole extra copy of the model. A collective: every rank calls
     it; ``groups`` (rank 0's, in order), ``keep`` and ``bucket_bytes`` are rank 0's, sent to the others with one
     ``broadcast_object``.
@@ -198,8 +198,8 @@ def stream_sharded(model: torch.nn.Module, dtype: torch.dtype, groups=None, *, b
 
     import torch.distributed as dist
 
-    from async_vapo.learner.dist import broadcast_object
-    from async_vapo.weights.dist import EngineSyncFailed, EngineSyncTimeout, plan_buckets
+    from async_vapo.learner.process_group import broadcast_object
+    from async_vapo.weights.collective import EngineSyncFailed, EngineSyncTimeout, plan_buckets
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     groups = list(groups or []) if rank == 0 else []

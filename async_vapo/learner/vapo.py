@@ -62,14 +62,14 @@ from async_vapo.algo.losses import (
 from async_vapo.algo.utils import entropy_from_logits, logprobs_from_logits, masked_mean, masked_whiten
 from async_vapo.config import Config
 from async_vapo.learner import sharding
-from async_vapo.learner.dist import (
+from async_vapo.learner.precision import Precision
+from async_vapo.learner.process_group import (
     all_gather_objects,
     all_reduce_sum_,
     data_parallel_world,
     local_device,
     single_process_checkpoint,
 )
-from async_vapo.learner.precision import Precision
 from async_vapo.models.rl import (
     TokenBatch,
     attn_implementation,
@@ -83,7 +83,7 @@ from async_vapo.models.rl import (
     response_logits,
     response_values,
 )
-from async_vapo.rollout.types import Group
+from async_vapo.types import Group
 
 
 def _dist_initialized() -> bool:

@@ -1,6 +1,5 @@
-"""Observability: Prometheus metrics and health endpoints (:mod:`.prom`), run plots (:mod:`.plots`).
-
-``plots`` is not imported here so that services do not pay for matplotlib."""
+"""Observability: Prometheus metrics and health endpoints (:mod:`.prom`), metric rows (:mod:`.jsonl`), evaluation
+figures (:mod:`.passk`). Plots are ``async_vapo.experiments.plots`` (matplotlib stays out of the services)."""
 
 from async_vapo.metrics.prom import (
     HEALTH_STATUSES,

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from async_vapo.config import Config
-from async_vapo.models.base import base_model_key, use_shipped
+from async_vapo.models.base_model import base_model_key, use_shipped
 from async_vapo.models.rl import load_critic, make_token_batch, response_values
 from async_vapo.tasks import arith, load_task
 from async_vapo.verify.check import check_answer

@@ -63,7 +63,7 @@ from dataclasses import dataclass, replace
 import msgspec
 
 from async_vapo.replay.store import GroupStore
-from async_vapo.rollout.types import Group
+from async_vapo.types import Group
 
 logger = logging.getLogger(__name__)
 

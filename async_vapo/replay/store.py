@@ -72,7 +72,7 @@ from typing import Literal
 
 import msgspec
 
-from async_vapo.rollout.types import Group, enc_hook
+from async_vapo.types import Group, enc_hook
 
 try:
     import fcntl

@@ -27,7 +27,7 @@ Weights reach the engine's workers (``worker_ext.py``) in one of these ways, all
   host): the caller fills the engine's own shared buffer (fetched over ZeroMQ) and it is loaded as above.
 * ``load_weights_from_file(path, version)``: a safetensors file (``cluster.weights.transfer = "file"``).
 * ``join_weight_group(init_info)`` then ``receive_weights_dist(update_info, version)`` per version: streamed by the
-  learner over a torch.distributed group through vLLM's own weight-transfer API (``async_vapo.weights.dist``;
+  learner over a torch.distributed group through vLLM's own weight-transfer API (``async_vapo.weights.collective``;
   ``cluster.weights.transfer = "dist"``, or "auto" on another host), loaded by vLLM's layerwise reload rather than
   ``reload_weights``. The engine is created with one backend, ``weight_backend``: NCCL (vLLM's engine) when its
   workers are on CUDA, gloo (ours) on the CPU, or as ``EngineSpec.dist_backend`` says.
@@ -52,7 +52,7 @@ from typing import Literal
 
 import torch
 
-from async_vapo.weights.dist import VLLM_BACKENDS, engine_backend
+from async_vapo.weights.collective import VLLM_BACKENDS, engine_backend
 from async_vapo.weights.layout import Layout, SharedWeightBuffer, shm_dir, tensor_nbytes, unshared_state
 
 
@@ -121,7 +121,7 @@ class VLLMEngine:
         t0 = time.perf_counter()
         self.spec = spec
         self.weight_backend = engine_backend(spec.dist_backend, cuda=not on_cpu)
-        """"gloo" or "nccl": the torch.distributed groups this engine can join (``async_vapo.weights.dist``)."""
+        """"gloo" or "nccl": the torch.distributed groups this engine can join (``async_vapo.weights.collective``)."""
         self.llm = LLM(
             model=spec.model_path,
             dtype=spec.dtype,
@@ -134,7 +134,7 @@ class VLLMEngine:
             tensor_parallel_size=spec.tensor_parallel_size,
             logprobs_mode="processed_logprobs",  # of the tempered distribution sampled from (module docstring)
             worker_extension_cls="async_vapo.rollout.worker_ext.WeightSyncExtension",
-            # async_vapo.weights.dist's engines, registered by worker_ext
+            # async_vapo.weights.collective's engines, registered by worker_ext
             weight_transfer_config={"backend": VLLM_BACKENDS[self.weight_backend]},
             # With chunked prefill, vLLM rewinds the generator of a seeded request whose prefill was split
             # (gpu_model_runner: gen.set_offset), which a CPU generator cannot do ("CPU Generator does not use
@@ -221,8 +221,8 @@ class VLLMEngine:
         self.version = version
 
     def join_weight_group(self, init_info: dict) -> None:
-        """Join the learner's torch.distributed group for this engine (``async_vapo.weights.dist``); blocks until the
-        learner is in it too, at most ``init_info["timeout_s"]``. A new group replaces the previous one.
+        """Join the learner's torch.distributed group for this engine (``async_vapo.weights.collective``); blocks
+        until the learner is in it too, at most ``init_info["timeout_s"]``. A new group replaces the previous one.
 
         The same worker call as vLLM's ``LLM.init_weight_transfer_engine``, with a deadline of its own: a worker that
         dies or hangs in the rendezvous raises here (``TimeoutError``) instead of holding the rollout loop forever."""

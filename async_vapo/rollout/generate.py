@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from async_vapo.config import Config
-from async_vapo.metrics.evaluation import default_ks, difficulty, summarize
-from async_vapo.rollout.types import Group, Trajectory
-from async_vapo.tasks.base import Problem
+from async_vapo.metrics.passk import default_ks, difficulty, summarize
+from async_vapo.tasks.task import Problem
+from async_vapo.types import Group, Trajectory
 
 
 class PromptEncoder:

@@ -13,7 +13,7 @@ are not restarted):
   learner writes its versions into a few such files (slots, ``async_vapo.weights``) that the
   workers of every engine on its host map once each.
 
-Importing this module also registers our weight-transfer engines with vLLM (``async_vapo.weights.dist``: gloo, and
+Importing this module also registers our weight-transfer engines with vLLM (``async_vapo.weights.collective``: gloo, and
 vLLM's NCCL engine with a receive watchdog), the third way in, which vLLM drives itself; ``async_vapo_dist_stats()``
 reports the gloo engine's last receive.
 
@@ -27,9 +27,9 @@ import mmap
 import os
 import time
 
-from async_vapo.weights.dist import register as _register_engines
+from async_vapo.weights.collective import register as _register_engines
 
-_register_engines()  # the torch.distributed way in (async_vapo.weights.dist), before vLLM creates its engine
+_register_engines()  # the torch.distributed way in (async_vapo.weights.collective), before vLLM creates its engine
 
 MAX_MAPPINGS = 8
 """Shared weight files a worker keeps mapped (the engine's own buffer plus the learner's slots)."""
@@ -37,7 +37,7 @@ MAX_MAPPINGS = 8
 
 class WeightSyncExtension:
     def async_vapo_dist_stats(self) -> dict[str, float]:
-        """Stages of the last version received over torch.distributed (``async_vapo.weights.dist``)."""
+        """Stages of the last version received over torch.distributed (``async_vapo.weights.collective``)."""
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(engine, "stats", {}))
 

@@ -4,9 +4,9 @@ Nothing here imports torch; ``pyarrow`` is imported only when a Parquet file is 
 """
 
 from async_vapo.tasks import arith, wordprob
-from async_vapo.tasks.base import Problem, prompt_uid
 from async_vapo.tasks.files import ProblemFileError, load_problems
 from async_vapo.tasks.sampler import PromptSampler, load_task
+from async_vapo.tasks.task import Problem, prompt_uid
 
 __all__ = ["Problem", "ProblemFileError", "PromptSampler", "arith", "load_problems", "load_task", "prompt_uid",
            "wordprob"]

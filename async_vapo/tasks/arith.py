@@ -53,7 +53,7 @@ import sys
 from collections.abc import Sequence
 from functools import cache
 
-from async_vapo.tasks.base import Problem, prompt_uid
+from async_vapo.tasks.task import Problem, prompt_uid
 
 LABELS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 """The operation labels of labelled chains, in order: the k-th operation is ``LABELS[k - 1]``."""

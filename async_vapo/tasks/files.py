@@ -10,7 +10,7 @@ Layouts recognised when no keys are given (decided from the first record, then r
 
 Explicit ``prompt_key`` / ``answer_key`` may be dotted paths into nested objects
 (``"reward_model.ground_truth"``). A record's ``id``, ``ID`` or ``extra_info.index`` becomes its
-``uid``; otherwise the uid is the prompt's hash (:func:`~async_vapo.tasks.base.prompt_uid`), so
+``uid``; otherwise the uid is the prompt's hash (:func:`~async_vapo.tasks.task.prompt_uid`), so
 duplicated prompts share a uid.
 
 No record is ever skipped: a missing field, a wrong type, an empty prompt or answer, an invalid
@@ -26,7 +26,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from async_vapo.tasks.base import Problem, prompt_uid
+from async_vapo.tasks.task import Problem, prompt_uid
 
 PROMPT_KEYS = ("prompt", "problem", "Problem")
 """Prompt fields tried in order when ``prompt_key`` is not given."""

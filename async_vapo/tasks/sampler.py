@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 from async_vapo.config import Config
 from async_vapo.tasks import arith, wordprob
-from async_vapo.tasks.base import Problem
 from async_vapo.tasks.files import load_problems
+from async_vapo.tasks.task import Problem
 
 
 def load_task(cfg: Config) -> tuple[list[Problem], list[Problem]]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import random
 
-from async_vapo.tasks.base import Problem, prompt_uid
+from async_vapo.tasks.task import Problem, prompt_uid
 
 MAX_LEVEL = 4
 MAX_COUNT = 99

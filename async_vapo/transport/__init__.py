@@ -3,7 +3,8 @@ process and tests) behind the small interfaces of ``base``."""
 
 from __future__ import annotations
 
-from async_vapo.transport.base import (
+from async_vapo.transport.inproc import InprocTransport
+from async_vapo.transport.interface import (
     DEFAULT_HWM,
     BackpressureFull,
     HeartbeatMonitor,
@@ -18,7 +19,6 @@ from async_vapo.transport.base import (
     Transport,
     connect_with_handshake,
 )
-from async_vapo.transport.inproc import InprocTransport
 from async_vapo.transport.messages import (
     ALL_MESSAGES,
     DEFAULT_MAX_BYTES,

@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any
 
-from async_vapo.transport.base import (
+from async_vapo.transport.interface import (
     DEFAULT_HWM,
     BackpressureFull,
     Frame,

@@ -5,10 +5,10 @@ version, a message id, the sender, the send time, the sender's policy version wh
 id of the request it answers (``reply_to``), and a ``body``: exactly one of the tagged structs below
 (tag field ``"type"``, explicit tag names so a class rename never changes the wire).
 
-Rollout data reuses :class:`async_vapo.rollout.types.Group` / ``Trajectory`` unchanged: the structs
+Rollout data reuses :class:`async_vapo.types.Group` / ``Trajectory`` unchanged: the structs
 that the in-process trainer passes around are the ones on the wire. Their token ids and log-probs are
 packed arrays and travel as one msgpack ``bin`` each (int32 / float32, little-endian; see
-``async_vapo.rollout.types``): as one msgpack number per token, decoding a message of 16 groups x 8
+``async_vapo.types``): as one msgpack number per token, decoding a message of 16 groups x 8
 samples took ~6x as long as ZeroMQ took to move it (``benchmarks/transport.py``).
 
 Invariants
@@ -48,7 +48,7 @@ from typing import Any, Literal, Union
 
 import msgspec
 
-from async_vapo.rollout.types import Group, enc_hook
+from async_vapo.types import Group, enc_hook
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class WeightsAnnounce(_Body, tag="weights_announce"):
     learner owns the bound; engines admit generation by it). -1: not stated."""
     dist_engines: list[str] = []
     """``cluster.weights.transfer = "dist"``: engines the learner streams this version to over their
-    torch.distributed groups right after this announce (``async_vapo.weights.dist``), in ``layout`` order and
+    torch.distributed groups right after this announce (``async_vapo.weights.collective``), in ``layout`` order and
     in buckets of ``dist_bucket_bytes``; the others (and one whose receive fails) load the slot."""
     dist_bucket_bytes: int = 0
 

@@ -52,7 +52,7 @@ import zlib
 
 import zmq
 
-from async_vapo.transport.base import (
+from async_vapo.transport.interface import (
     DEFAULT_HWM,
     BackpressureFull,
     Frame,

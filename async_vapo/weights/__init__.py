@@ -13,10 +13,10 @@
 ``benchmarks/weight_sync.py`` measures the ways against a plain memcpy of the same bytes.
 """
 
-from async_vapo.weights.base import FilePublisher, Publisher, SlotPublisher, make_publisher
 from async_vapo.weights.fetch import WeightServer, fetch_weights
 from async_vapo.weights.file import write_file_version
 from async_vapo.weights.layout import Layout, SharedWeightBuffer, copy_into, flat_layout, named_tensors, unshared_state
+from async_vapo.weights.publish import FilePublisher, Publisher, SlotPublisher, make_publisher
 from async_vapo.weights.receive import load_announced
 from async_vapo.weights.slots import (
     HEADER_BYTES,

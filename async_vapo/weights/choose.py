@@ -5,7 +5,7 @@ Where the engine is decides the candidates:
 * on the learner's host (its workers read the learner's slot: the slot file exists there and its header carries
   the announce's token): the shared-memory slot, and nothing else is tried. It was the fastest way at every size
   measured on this machine (``RECORDED``), and an NCCL group cannot join two processes on one GPU anyway.
-* on another host: the ZeroMQ fetch, and the torch.distributed group (``async_vapo.weights.dist``) when the engine
+* on another host: the ZeroMQ fetch, and the torch.distributed group (``async_vapo.weights.collective``) when the engine
   can join one. The engine finds out that it is remote at its first load (the slot is not readable: it fetched) and
   then asks for a group; a learner that cannot match the engine's backend gives it none.
 

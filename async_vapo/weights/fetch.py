@@ -15,7 +15,7 @@ import time
 
 import zmq
 
-from async_vapo.transport.base import PeerTimeout
+from async_vapo.transport.interface import PeerTimeout
 from async_vapo.transport.messages import (
     Ack,
     Decoder,

@@ -15,9 +15,9 @@ load the latest). The learner never waits for acks: they are serviced between ba
 engine costs nothing but its share of the groups; its groups need no special treatment (once older than
 the replay's floor they are dropped as stale).
 
-``cluster.weights.transfer = "dist"`` (``async_vapo.weights.dist``): an engine asks for a group (WeightsGroupJoin on
-the acks socket), the learner makes one (gloo, or NCCL for an engine on CUDA when the learner is on CUDA:
-``dist.group_backend``), offers it on the weights socket (WeightsGroupOffer) and forms it in a thread while the
+``cluster.weights.transfer = "dist"`` (``async_vapo.weights.collective``): an engine asks for a group
+(WeightsGroupJoin on the acks socket), the learner makes one (gloo, or NCCL for an engine on CUDA when the learner
+is on CUDA: ``collective.group_backend``), offers it on the weights socket (WeightsGroupOffer) and forms it in a thread while the
 engine joins. Each version is then written to its slot as with "auto", announced with the engines whose groups are
 formed (``dist_engines``), and streamed to them one after another, each within ``cluster.weights.dist_timeout_s``.
 An engine whose send fails or times out loses its group (torn down, counted in ``weight_dist_failures_total``) and
@@ -59,9 +59,9 @@ from async_vapo.transport import (
     WeightsGroupOffer,
     make_envelope,
 )
-from async_vapo.weights.base import NamedTensors, make_publisher
 from async_vapo.weights.choose import WAYS, WayChooser
 from async_vapo.weights.layout import named_tensors
+from async_vapo.weights.publish import NamedTensors, make_publisher
 
 
 @dataclass
@@ -134,7 +134,7 @@ class WeightBroadcast:
         which decides whether the learner can make NCCL groups, and their device."""
         import torch
 
-        from async_vapo.weights.dist import check_learner_backend
+        from async_vapo.weights.collective import check_learner_backend
 
         c = ctx.cfg.cluster
         self.ctx = ctx
@@ -252,7 +252,7 @@ class WeightBroadcast:
     def _offer_group(self, engine: str, workers: int, backend: str = "gloo") -> None:
         import threading
 
-        from async_vapo.weights.dist import EngineGroup, group_backend
+        from async_vapo.weights.collective import EngineGroup, group_backend
 
         c = self.ctx.cfg.cluster
         if not self.chooser.group_asked(engine):
@@ -283,7 +283,7 @@ class WeightBroadcast:
                           g.init_info["master_addr"], g.init_info["master_port"])
 
     def _form(self, g) -> None:
-        from async_vapo.weights.dist import EngineSyncTimeout
+        from async_vapo.weights.collective import EngineSyncTimeout
 
         try:
             g.connect()
@@ -294,7 +294,7 @@ class WeightBroadcast:
     def _stream(self, a: WeightsAnnounce, tensors: dict, engines: list[str]) -> None:
         import torch
 
-        from async_vapo.weights.dist import EngineSyncFailed, EngineSyncTimeout, plan_buckets
+        from async_vapo.weights.collective import EngineSyncFailed, EngineSyncTimeout, plan_buckets
 
         buckets = plan_buckets([(n, getattr(torch, d), tuple(sh)) for n, d, sh, _ in a.layout], a.dist_bucket_bytes)
         names = [n for n, *_ in a.layout]
@@ -309,7 +309,7 @@ class WeightBroadcast:
 
     def _sent(self, engine: str, version: int, got) -> None:
         """One engine's send of ``version``: its seconds, or the EngineSync* error that tore its group down."""
-        from async_vapo.weights.dist import EngineSyncFailed, EngineSyncTimeout
+        from async_vapo.weights.collective import EngineSyncFailed, EngineSyncTimeout
 
         if isinstance(got, (EngineSyncTimeout, EngineSyncFailed)):
             self.dist_failures.inc()

@@ -26,7 +26,7 @@ def embedded(config: str, overrides: list[str] | None = None) -> Embedded:
     from transformers import AutoTokenizer
 
     from async_vapo.config import load_config
-    from async_vapo.models.base import ensure_base_model
+    from async_vapo.models.base_model import ensure_base_model
     from async_vapo.rollout.generate import PromptEncoder
     from async_vapo.tasks import load_task
 

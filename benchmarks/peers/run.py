@@ -124,7 +124,7 @@ def cluster_clock(train: list[dict]) -> dict[int, float]:
 
 def trl_spec(seed: int, updates: int, every: int, threads: int) -> dict:
     from async_vapo.config import load_config
-    from async_vapo.models.base import ensure_base_model
+    from async_vapo.models.base_model import ensure_base_model
     from async_vapo.tasks import PromptSampler, load_task
 
     cfg = load_config([str(REPO / CONFIGS["trl"])], [f"train.seed={seed}"])

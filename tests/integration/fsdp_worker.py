@@ -51,7 +51,7 @@ def updates(cfg, n: int = 2, resume: str | None = None, save_after: str | None =
     from transformers import AutoTokenizer
 
     from async_vapo.learner.vapo import Learner, make_rollout_batch
-    from async_vapo.models.base import ensure_base_model
+    from async_vapo.models.base_model import ensure_base_model
 
     base = ensure_base_model(cfg, progress=False)
     tok = AutoTokenizer.from_pretrained(str(base))
@@ -108,7 +108,7 @@ def run_loop(cfg, run_dir: Path, world: int) -> tuple[dict[str, torch.Tensor], i
     from async_vapo.learner.loop import BroadcastSource, StepLoop
     from async_vapo.learner.vapo import Learner
     from async_vapo.metrics.jsonl import JsonlWriter
-    from async_vapo.models.base import ensure_base_model
+    from async_vapo.models.base_model import ensure_base_model
 
     base = ensure_base_model(cfg, progress=False)
     tok = AutoTokenizer.from_pretrained(str(base))

@@ -66,7 +66,7 @@ def group_engine(transport, ctx, engine_id: str, got: queue.Queue, versions: int
         make_envelope,
     )
     from async_vapo.transport.messages import Decoder
-    from async_vapo.weights.dist import _views, plan_buckets
+    from async_vapo.weights.collective import _views, plan_buckets
 
     c = ctx.cfg.cluster
     sub = transport.subscriber(ctx.endpoint(c.hosts.learner_host, c.ports.weights_port),
@@ -137,10 +137,10 @@ def views(data: bytearray, layout) -> dict[str, torch.Tensor]:
 def main() -> None:
     from torch.distributed.tensor import DTensor
 
-    from async_vapo.cluster.common import make_context
-    from async_vapo.cluster.learner_service import LearnerService
     from async_vapo.learner.loop import BroadcastSource, StepLoop
     from async_vapo.metrics.jsonl import JsonlWriter
+    from async_vapo.services.context import make_context
+    from async_vapo.services.learner import LearnerService
     from async_vapo.transport import InprocTransport, WeightsAck, make_envelope
     from async_vapo.weights.receive import load_announced
     from async_vapo.weights.slots import WeightsUnavailable

@@ -49,8 +49,8 @@ def main() -> None:
 
     from async_vapo.learner.sharding import engine_meta, stream_sharded
     from async_vapo.learner.vapo import Learner
-    from async_vapo.models.base import ensure_base_model
-    from async_vapo.weights.dist import EngineGroup, plan_buckets
+    from async_vapo.models.base_model import ensure_base_model
+    from async_vapo.weights.collective import EngineGroup, plan_buckets
 
     cache, out = sys.argv[1], Path(sys.argv[2])
     dist.init_process_group("gloo")

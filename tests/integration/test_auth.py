@@ -14,9 +14,8 @@ import pytest
 import torch
 import zmq
 
-from async_vapo.cluster.common import make_context
 from async_vapo.config import load_config
-from async_vapo.rollout.types import Group, Trajectory
+from async_vapo.services.context import make_context
 from async_vapo.transport import (
     BatchMsg,
     BatchRequest,
@@ -28,6 +27,7 @@ from async_vapo.transport import (
     shared_context,
 )
 from async_vapo.transport.security import CurveKeys, Security, SecurityError, create_keys
+from async_vapo.types import Group, Trajectory
 from async_vapo.weights import WeightSlots, WeightsUnavailable, fetch_weights, slot_announce
 from async_vapo.weights.fetch import WeightServer
 
@@ -55,7 +55,7 @@ def _transport(keys_dir, role: str, ctx: zmq.Context | None = None) -> ZmqTransp
 
 
 def test_only_the_verifier_stores_groups_and_only_the_learner_gets_batches(tmp_path, keys):
-    from async_vapo.cluster.replay_service import ReplayService
+    from async_vapo.services.replay import ReplayService
 
     cluster, stranger = keys
     cfg = load_config([], ["algo.group_size=2", "algo.prompts_per_step=1", "algo.mini_batch_size=2",

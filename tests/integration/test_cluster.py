@@ -19,9 +19,8 @@ import pytest
 import zmq
 from conftest import free_ports, group_alive
 
-from async_vapo.cluster.common import make_context
 from async_vapo.config import load_config
-from async_vapo.rollout.types import Group, Trajectory
+from async_vapo.services.context import make_context
 from async_vapo.transport import (
     PROTOCOL_VERSION,
     BatchMsg,
@@ -33,6 +32,7 @@ from async_vapo.transport import (
     make_envelope,
 )
 from async_vapo.transport.messages import Decoder
+from async_vapo.types import Group, Trajectory
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,7 +51,7 @@ def _reject_count(ctx, reason: str) -> float:
 
 
 def test_replay_service_counts_bad_frames_and_keeps_serving(tmp_path):
-    from async_vapo.cluster.replay_service import ReplayService
+    from async_vapo.services.replay import ReplayService
 
     cfg = load_config([], ["algo.group_size=2", "algo.prompts_per_step=2", "algo.mini_batch_size=4",
                            "algo.micro_batch_size=4", "cluster.replay.fsync=never"])
@@ -162,7 +162,7 @@ def test_cluster_end_to_end_with_prometheus(tiny_cfg, tiny_base, tmp_path):
     py = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else "python"
     env = {**os.environ, "PYTHON": py}
     # The scrape config as start_cluster.sh writes it (same plan helper), so Prometheus is up before the services.
-    subprocess.run([py, "-m", "async_vapo.cluster.common", "plan", "--config", str(config), "--run-dir", str(run_dir),
+    subprocess.run([py, "-m", "async_vapo.deploy.launch", "plan", "--config", str(config), "--run-dir", str(run_dir),
                     "--scrape-interval", "1s", "--", *overrides], check=True, cwd=REPO, env=env,
                    stdout=subprocess.DEVNULL)
     prom = subprocess.Popen([prometheus, f"--config.file={run_dir / 'prometheus' / 'prometheus.yml'}",
@@ -255,7 +255,7 @@ def test_cluster_end_to_end_with_prometheus(tiny_cfg, tiny_base, tmp_path):
     assert children  # the verifier's sandbox workers were recorded, and are gone too
     assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]
     # Each service left its statistics: busy intervals per stage, peak memory (the engine core counted in rollout's)
-    from async_vapo.report import analyse_cluster_run
+    from async_vapo.experiments.report import analyse_cluster_run
 
     stats = {p.stem: json.loads(p.read_text()) for p in (run_dir / "stats").glob("*.json")}
     assert set(stats) == {"replay-0", "verifier-0", "rollout-0", "learner-0"}
@@ -284,8 +284,8 @@ def _learner_cfg(tiny_cfg, total_steps: int):
 
 def _run_learner_until_done(cfg, run_dir: Path, tok, resume: str | None = None):
     """Replay and learner services on real sockets; the test feeds the replay groups of the learner's version."""
-    from async_vapo.cluster.learner_service import LearnerService
-    from async_vapo.cluster.replay_service import ReplayService
+    from async_vapo.services.learner import LearnerService
+    from async_vapo.services.replay import ReplayService
 
     rctx = make_context("replay", cfg=cfg, run_dir=run_dir, serve_metrics=False, install_signals=False)
     transport = ZmqTransport()
@@ -345,7 +345,7 @@ def test_learner_service_checkpoints_and_resumes(tiny_cfg, tiny_base, tmp_path):
 
 
 def test_verifier_service_counts_bad_frames_and_keeps_verifying(tmp_path):
-    from async_vapo.cluster.verifier_service import VerifierService
+    from async_vapo.services.verifier import VerifierService
 
     cfg = load_config([], ["verifier.num_workers=1", "cluster.wire.max_message_bytes=4096"])
     ctx = make_context("verifier", cfg=cfg, run_dir=tmp_path, serve_metrics=False, install_signals=False)
@@ -381,7 +381,7 @@ def test_verifier_service_counts_bad_frames_and_keeps_verifying(tmp_path):
 
 
 def test_verifier_service_holds_each_message_to_its_budget(tmp_path):
-    from async_vapo.cluster.verifier_service import VerifierService
+    from async_vapo.services.verifier import VerifierService
     from async_vapo.verify import VerifierPool
 
     cfg = load_config([], ["verifier.num_workers=1", "verifier.timeout_s=0.5", "verifier.message_budget_s=1.0"])

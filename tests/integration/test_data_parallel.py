@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fsdp_worker import LOOP, SCENARIOS, cfg_for, run_loop, updates  # noqa: E402
 
-from async_vapo.models.base import ensure_base_model  # noqa: E402
+from async_vapo.models.base_model import ensure_base_model  # noqa: E402
 from async_vapo.models.rl import load_policy  # noqa: E402
 
 GRAD_RTOL, W_ATOL = 1e-5, 2e-5

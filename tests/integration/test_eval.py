@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import pytest
 
-from async_vapo.metrics.evaluation import pass_at_k
+from async_vapo.metrics.passk import pass_at_k
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """Every service killed once during a cluster run, on the test model: the supervisors restart each, and the run
-loses nothing (async_vapo.cluster.faults). One fixed schedule, in order, each once the previous service is healthy:
+loses nothing (async_vapo.deploy.faults). One fixed schedule, in order, each once the previous service is healthy:
 the replay (SIGKILL) at version 2, the verifier at 4, the rollout engine at 6 and the learner in the middle of
 an update at version >= 8, three updates after its checkpoint at 6 (checkpoint_every 3). 12 updates; about 4
 minutes here, at most 8. The random schedules and the comparison with an undisturbed run are
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import TINY_TEST_OVERRIDES, free_ports, group_alive
 
-from async_vapo.cluster.faults import Fault, run_cluster
 from async_vapo.config.schema import PortsConfig
+from async_vapo.deploy.faults import Fault, run_cluster
 
 REPO = Path(__file__).resolve().parents[2]
 BUDGET_S = 8 * 60

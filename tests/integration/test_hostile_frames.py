@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from async_vapo.cluster.common import make_context
 from async_vapo.config import load_config
-from async_vapo.rollout.types import Group, Trajectory
+from async_vapo.services.context import make_context
 from async_vapo.transport import (
     BatchMsg,
     BatchRequest,
@@ -30,6 +29,7 @@ from async_vapo.transport import (
     make_envelope,
     shared_context,
 )
+from async_vapo.types import Group, Trajectory
 from async_vapo.weights import WeightBroadcast, fetch_weights
 
 HOSTILE = Path(__file__).resolve().parents[1] / "hostile.py"
@@ -47,8 +47,8 @@ def _group(uid: str, version: int) -> Group:
 def test_every_bound_port_survives_hostile_frames(tmp_path, auth):
     """Plaintext: the frames reach every decoder and are counted. CURVE: the strangers' connections never
     complete a handshake, so no frame reaches a decoder; either way every service still does its job."""
-    from async_vapo.cluster.replay_service import ReplayService
-    from async_vapo.cluster.verifier_service import VerifierService
+    from async_vapo.services.replay import ReplayService
+    from async_vapo.services.verifier import VerifierService
     from async_vapo.transport.security import CurveKeys, Security, create_keys
 
     cfg = load_config([], ["algo.group_size=2", "algo.prompts_per_step=1", "algo.mini_batch_size=2",

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fsdp_worker import cfg_for, updates  # noqa: E402
 
-from async_vapo.models.base import ensure_base_model  # noqa: E402
+from async_vapo.models.base_model import ensure_base_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from conftest import TINY_TEST_OVERRIDES, assert_engine_serves, free_ports
 
-from async_vapo.cluster.common import SERVICES, make_context
 from async_vapo.config import load_config
+from async_vapo.services.context import SERVICES, make_context
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,15 +29,15 @@ def test_pipeline_in_one_process_over_the_inproc_transport(tiny_cfg, tiny_base, 
     """Budget: about a minute each (3 updates of 4 prompts x 4 samples, one held-out evaluation). Frames are limited
     to 8 KiB, about a step's groups in one message: they travel in chunks of at most 4 KiB, and the learner asks the
     replay for fewer groups than a step per request. With "dist" every version reaches the engine over its
-    torch.distributed group (async_vapo.weights.dist); with "auto" the engine, on the learner's host, maps its
+    torch.distributed group (async_vapo.weights.collective); with "auto" the engine, on the learner's host, maps its
     slot and never asks for a group."""
     from transformers import AutoTokenizer
 
-    from async_vapo.cluster.learner_service import LearnerService
-    from async_vapo.cluster.replay_service import ReplayService
-    from async_vapo.cluster.rollout_service import RolloutService
-    from async_vapo.cluster.verifier_service import VerifierService
     from async_vapo.models.rl import load_policy
+    from async_vapo.services.learner import LearnerService
+    from async_vapo.services.replay import ReplayService
+    from async_vapo.services.rollout import RolloutService
+    from async_vapo.services.verifier import VerifierService
     from async_vapo.tasks import load_task
     from async_vapo.transport import InprocTransport
 

@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from async_vapo.cluster.common import make_context
 from async_vapo.config import load_config
-from async_vapo.rollout.types import Group, Trajectory
+from async_vapo.services.context import make_context
 from async_vapo.transport import BackpressureFull, GroupsMsg, ZmqTransport, make_envelope
+from async_vapo.types import Group, Trajectory
 
 GROUPS = 400
 
@@ -39,7 +39,7 @@ def small_fs(tmp_path):
 
 
 def test_a_full_disk_holds_the_sender_and_loses_nothing(small_fs, tmp_path):
-    from async_vapo.cluster.replay_service import ReplayService
+    from async_vapo.services.replay import ReplayService
 
     cfg = load_config([], ["algo.group_size=2", "algo.prompts_per_step=1", "algo.mini_batch_size=2",
                            "algo.micro_batch_size=2", "cluster.replay.fsync=always"])

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from async_vapo.cluster.common import make_context
 from async_vapo.config import load_config
-from async_vapo.rollout.types import Group, Trajectory
+from async_vapo.services.context import make_context
 from async_vapo.transport import BatchMsg, BatchRequest, Decoder, GroupsMsg, ZmqTransport, make_envelope
+from async_vapo.types import Group, Trajectory
 
 
 def _group(i: int) -> Group:
@@ -23,7 +23,7 @@ def _group(i: int) -> Group:
 
 @pytest.fixture
 def replay(tmp_path):
-    from async_vapo.cluster.replay_service import ReplayService
+    from async_vapo.services.replay import ReplayService
 
     cfg = load_config([], ["algo.group_size=2", "algo.prompts_per_step=2", "algo.mini_batch_size=4",
                            "algo.micro_batch_size=4"])

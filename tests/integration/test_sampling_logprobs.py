@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from async_vapo.algo.utils import logprobs_from_logits
 from async_vapo.learner.vapo import Learner, make_rollout_batch
 from async_vapo.models.rl import make_token_batch, response_logits
-from async_vapo.rollout.types import Group, Trajectory
+from async_vapo.types import Group, Trajectory
 
 pytestmark = pytest.mark.slow
 

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fsdp_worker import cfg_for  # noqa: E402
 from publish_worker import BUCKET_BYTES  # noqa: E402
 
-from async_vapo.models.base import ensure_base_model  # noqa: E402
-from async_vapo.weights.dist import plan_buckets, version_meta  # noqa: E402
+from async_vapo.models.base_model import ensure_base_model  # noqa: E402
+from async_vapo.weights.collective import plan_buckets, version_meta  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""A real supervisord with the config start_cluster.sh gets (async_vapo.cluster.supervise) and the crash-loop listener
-(async_vapo.cluster.crashloop), on three small programs instead of the services: one that keeps crashing after it
+"""A real supervisord with the config start_cluster.sh gets (async_vapo.deploy.supervise) and the crash-loop listener
+(async_vapo.deploy.crashloop), on three small programs instead of the services: one that keeps crashing after it
 counts as running (restarted with doubling backoff until the limit trips, then left stopped with the reason written
 down), one SIGKILLed by the test while a child runs in its process group (the child is killed, the program
 restarted, its PID file rewritten), one that exits 0 (stopped on purpose: not restarted), and one that dies before
@@ -18,8 +18,8 @@ from pathlib import Path
 
 from conftest import group_alive
 
-from async_vapo.cluster.supervise import status, write_conf
 from async_vapo.config import load_config
+from async_vapo.deploy.supervise import status, write_conf
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -112,7 +112,7 @@ def test_few_step_training_run(tiny_cfg, vllm_engine, tiny_base):
 
 def test_dynamic_sampling_keeps_informative_groups_and_refills():
     from async_vapo.learner.loop import dynamic_sampling
-    from async_vapo.rollout.types import Group, Trajectory
+    from async_vapo.types import Group, Trajectory
 
     def group(uid, rewards):
         return Group(uid=uid, prompt="1+1=", answer="2", prompt_ids=[1], version=0,

@@ -1,5 +1,5 @@
 """Versions over torch.distributed (gloo) into the real vLLM engine through vLLM's weight-transfer API
-(``async_vapo.weights.dist``): the engine joins its group and serves each version exactly; an engine that never
+(``async_vapo.weights.collective``): the engine joins its group and serves each version exactly; an engine that never
 answers, or dies mid-broadcast, costs the learner its deadline at most, and a rejoining engine gets a new group.
 ``test_a_second_real_engine_killed_mid_broadcast_is_dropped_and_rejoins`` does the last with two real engines (the
 session's and a rollout service started in a subprocess) behind the learner's WeightBroadcast."""
@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import assert_engine_serves
 
-from async_vapo.weights.dist import (
+from async_vapo.weights.collective import (
     EngineGroup,
     EngineSyncFailed,
     EngineSyncTimeout,
@@ -305,10 +305,10 @@ def test_a_second_real_engine_killed_mid_broadcast_is_dropped_and_rejoins(vllm_e
     from conftest import TINY_TEST_OVERRIDES, free_ports
     from transformers import AutoTokenizer
 
-    from async_vapo.cluster.common import make_context
-    from async_vapo.cluster.rollout_service import RolloutService
     from async_vapo.config import load_config
     from async_vapo.models.rl import load_policy
+    from async_vapo.services.context import make_context
+    from async_vapo.services.rollout import RolloutService
     from async_vapo.tasks import load_task
     from async_vapo.transport import GroupsMsg, Heartbeat, ZmqTransport
     from async_vapo.transport.messages import Decoder
@@ -503,8 +503,8 @@ def test_learner_publish_goes_on_past_an_engine_that_stops_answering(tmp_path):
     """The learner's WeightBroadcast in "dist": an engine asks for a group, joins it, then never receives. The
     publish of the next version returns within cluster.weights.dist_timeout_s, drops that engine's group and counts
     the failure; the version after is announced to no group and costs nothing."""
-    from async_vapo.cluster.common import make_context
     from async_vapo.config import load_config
+    from async_vapo.services.context import make_context
     from async_vapo.transport import (
         Heartbeat,
         InprocTransport,
@@ -568,8 +568,8 @@ def test_auto_times_an_engine_on_another_host_over_its_group_and_drops_a_slower_
 
     import torch.distributed as dist
 
-    from async_vapo.cluster.common import make_context
     from async_vapo.config import load_config
+    from async_vapo.services.context import make_context
     from async_vapo.transport import (
         Heartbeat,
         InprocTransport,
@@ -669,12 +669,12 @@ def test_auto_on_the_real_engine_maps_the_slot_here_and_times_fetch_against_grou
     from conftest import TINY_TEST_OVERRIDES, free_ports
     from transformers import AutoTokenizer
 
-    import async_vapo.cluster.rollout_service as rs
+    import async_vapo.services.rollout as rs
     import async_vapo.weights.receive as receive
-    from async_vapo.cluster.common import make_context
-    from async_vapo.cluster.rollout_service import RolloutService
     from async_vapo.config import load_config
     from async_vapo.models.rl import load_policy
+    from async_vapo.services.context import make_context
+    from async_vapo.services.rollout import RolloutService
     from async_vapo.tasks import load_task
     from async_vapo.transport import InprocTransport
     from async_vapo.weights import WeightBroadcast

@@ -7,9 +7,9 @@ import configparser
 
 import pytest
 
-from async_vapo.cluster.crashloop import CrashLoopPolicy, parse_payload
-from async_vapo.cluster.supervise import socket_path, write_conf
 from async_vapo.config import load_config
+from async_vapo.deploy.crashloop import CrashLoopPolicy, parse_payload
+from async_vapo.deploy.supervise import socket_path, write_conf
 
 
 def test_backoff_doubles_within_the_window_up_to_its_bound():

@@ -1,4 +1,4 @@
-"""pass@k, avg@n and accuracy by difficulty (async_vapo.metrics.evaluation)."""
+"""pass@k, avg@n and accuracy by difficulty (async_vapo.metrics.passk)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import pytest
 
-from async_vapo.metrics.evaluation import default_ks, difficulty, pass_at_k, summarize
+from async_vapo.metrics.passk import default_ks, difficulty, pass_at_k, summarize
 
 
 def _brute_pass_at_k(verdicts: list[bool], k: int) -> Fraction:

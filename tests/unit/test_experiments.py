@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from async_vapo.experiments import ABLATIONS, COMPARISON, Arms, Run, plan
+from async_vapo.experiments.comparison import ABLATIONS, COMPARISON, Arms, Run, plan
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,7 +53,7 @@ def _fake_run(out: Path, name: str, accs: list[float], *, wall_s: float, cpu_s: 
 
 
 def test_report_gives_accuracy_at_equal_responses_and_wall_clock_and_cpu_minutes_where_recorded(tmp_path):
-    from async_vapo.experiments import report
+    from async_vapo.experiments.comparison import report
 
     # VAPO spends 2 x 4 responses on value pretraining; its seed 1 ran before CPU time was recorded.
     _fake_run(tmp_path, "vapo_s0", [0.2, 0.4, 0.6], wall_s=600, cpu_s=1200, pretrain=2)
@@ -79,7 +79,7 @@ def test_report_gives_accuracy_at_equal_responses_and_wall_clock_and_cpu_minutes
 
 
 def test_ablation_table_compares_rows_at_equal_responses_and_pairs_seeds(tmp_path):
-    from async_vapo.experiments import report
+    from async_vapo.experiments.comparison import report
 
     _fake_run(tmp_path, "vapo_s0", [0.2, 0.4, 0.6], wall_s=600, cpu_s=600, pretrain=2)
     _fake_run(tmp_path, "vapo_s1", [0.2, 0.2, 0.4], wall_s=600, cpu_s=600, pretrain=2)

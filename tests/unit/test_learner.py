@@ -11,8 +11,8 @@ from transformers import AutoTokenizer
 
 from async_vapo.config import load_config
 from async_vapo.learner.vapo import Learner, make_rollout_batch
-from async_vapo.models.base import ensure_base_model
-from async_vapo.rollout.types import Group, Trajectory
+from async_vapo.models.base_model import ensure_base_model
+from async_vapo.types import Group, Trajectory
 
 FAST = ["base_model.hidden_size=32", "base_model.num_layers=1", "base_model.num_heads=2",
         "base_model.num_kv_heads=1", "base_model.intermediate_size=64", "base_model.sft_steps=3",

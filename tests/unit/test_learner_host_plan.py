@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from async_vapo.cluster.placement import PlacementError, parse_hostfile, place, shell_assignments
+from async_vapo.deploy.placement import PlacementError, parse_hostfile, place, shell_assignments
 
 REPO = Path(__file__).resolve().parents[2]
 HOSTS = "n1 learner\nn1 replay\nn1 verifier\nn2 learner\nn2 rollout\nn3 rollout\n"
@@ -119,7 +119,7 @@ def test_dry_run_refuses_an_uneven_split_and_names_this_machine_by_its_address(t
 
 
 def test_ranks_are_taken_by_node_rank_whatever_the_rendezvous_order():
-    from async_vapo.learner.dist import rank_by_node
+    from async_vapo.learner.process_group import rank_by_node
 
     # c10d made the agent on the second learner host rendezvous rank 0: its ranks become 2 and 3
     for local in (0, 1):
@@ -132,7 +132,7 @@ def test_ranks_are_taken_by_node_rank_whatever_the_rendezvous_order():
 
 
 def test_a_restarted_learner_resumes_from_the_newest_checkpoint_since_the_start(tmp_path):
-    from async_vapo.cluster.learner_service import newest_checkpoint_since
+    from async_vapo.services.learner import newest_checkpoint_since
 
     def checkpoint(step: int) -> None:
         d = tmp_path / "checkpoints" / f"step_{step}"

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from async_vapo.algo.utils import entropy_from_logits, logprobs_from_logits
 from async_vapo.config import load_config
 from async_vapo.learner.vapo import Learner, make_rollout_batch
-from async_vapo.models.base import ensure_base_model
+from async_vapo.models.base_model import ensure_base_model
 from async_vapo.models.rl import (
     attn_implementation,
     build_critic,

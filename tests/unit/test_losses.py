@@ -468,7 +468,7 @@ def test_decoupled_correction_leaves_on_policy_updates_alone_and_moves_stale_one
 
     from async_vapo.config import load_config
     from async_vapo.learner.vapo import Learner, make_rollout_batch
-    from async_vapo.models.base import ensure_base_model
+    from async_vapo.models.base_model import ensure_base_model
 
     def run(correction: bool, shift: float) -> tuple[dict, dict]:
         cfg = load_config([], FAST + [f"model.cache_dir={tmp_path}", f"algo.behavior_correction={correction}"])

@@ -8,7 +8,6 @@ import random
 
 import pytest
 
-from async_vapo.rollout.types import Group, Trajectory
 from async_vapo.transport import (
     BatchMsg,
     Decoder,
@@ -20,6 +19,7 @@ from async_vapo.transport import (
     make_envelope,
     split_groups,
 )
+from async_vapo.types import Group, Trajectory
 
 
 def long_group(uid: str, samples: int, tokens: int, rng: random.Random) -> Group:

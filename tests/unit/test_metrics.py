@@ -175,7 +175,7 @@ def test_learner_rows_with_undefined_values_export_nan_gauges():
     still go through."""
     import math
 
-    from async_vapo.cluster.learner_service import export_row
+    from async_vapo.services.learner import export_row
 
     m = ServiceMetrics("learner", gpu=False)
     export_row(m, {"kind": "train", "step": 3, "critic/explained_variance": 0.5, "critic_age/0/explained_variance": 0.5,
@@ -717,9 +717,9 @@ def test_prometheus_template_renders_tls_and_basic_auth(tmp_path, self_signed):
 def test_cluster_plan_and_services_follow_the_metrics_http_section(tmp_path, self_signed):
     """One config section drives the servers make_context starts, the rendered scrape config, the health URLs
     and the options start_cluster.sh hands to wait-health."""
-    from async_vapo.cluster.common import main as cluster_main
-    from async_vapo.cluster.common import make_context
     from async_vapo.config import load_config
+    from async_vapo.deploy.launch import main as cluster_main
+    from async_vapo.services.context import make_context
 
     cert, key = self_signed
     password_file = tmp_path / "password"
@@ -742,7 +742,7 @@ def test_cluster_plan_and_services_follow_the_metrics_http_section(tmp_path, sel
         ctx.ready()
         assert scrape(f"{ctx.server.url}/health", context=trusted, auth=("prometheus", PASSWORD))[0] == 200
 
-        plan = subprocess.run([sys.executable, "-m", "async_vapo.cluster.common", "plan", "--run-dir",
+        plan = subprocess.run([sys.executable, "-m", "async_vapo.deploy.launch", "plan", "--run-dir",
                                str(tmp_path / "run"), "--", *section], capture_output=True, text=True, check=True,
                               env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
         assert f"HEALTH_REPLAY_0='https://127.0.0.1:{port}/health'" in plan.stdout

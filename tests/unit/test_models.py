@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from async_vapo.config import load_config
-from async_vapo.models.base import base_model_path, ensure_base_model, make_base
+from async_vapo.models.base_model import base_model_path, ensure_base_model, make_base
 from async_vapo.models.rl import load_critic, load_policy, make_token_batch, response_logits, response_values
 from async_vapo.models.tiny import build_char_tokenizer
 from async_vapo.tasks import arith
@@ -56,7 +56,7 @@ def test_base_model_is_deterministic_and_cached(tmp_path):
 def test_base_keys_of_earlier_recipes_stay_and_new_settings_change_them(tmp_path):
     """The shipped base is found by its key: settings added later (labels, sft_min_ops) leave the key of a config
     that does not set them as it was, and change it when set."""
-    from async_vapo.models.base import base_model_key
+    from async_vapo.models.base_model import base_model_key
     from async_vapo.models.ship import manifest
 
     shipped = manifest()["models"]["base"]["key"]
@@ -70,7 +70,7 @@ def test_base_keys_of_earlier_recipes_stay_and_new_settings_change_them(tmp_path
 def test_shorter_chains_join_the_demonstrations(tmp_path):
     """base_model.sft_min_ops: a build on labelled chains of 3 operations with sft_min_ops=1 also demonstrates
     chains of 1-2, none of them held out; the build runs on both."""
-    from async_vapo.models.base import sft_pools
+    from async_vapo.models.base_model import sft_pools
     from async_vapo.tasks import load_task
 
     over = FAST + ["task.min_ops=3", "task.max_ops=3", "task.labels=true", "base_model.sft_min_ops=1",

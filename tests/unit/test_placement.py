@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from async_vapo.cluster.placement import PlacementError, parse_hostfile, place, shell_assignments
+from async_vapo.deploy.placement import PlacementError, parse_hostfile, place, shell_assignments
 
 REPO = Path(__file__).resolve().parents[2]
 

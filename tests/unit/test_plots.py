@@ -9,11 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from matplotlib.colors import to_rgb
-from matplotlib.image import imread
-
-from async_vapo.metrics.jsonl import JsonlWriter
-from async_vapo.metrics.plots import (
+from async_vapo.experiments.plots import (
     bar_chart,
     mean_and_spread,
     plot_curves_with_spread,
@@ -21,6 +17,10 @@ from async_vapo.metrics.plots import (
     read_metrics,
     series,
 )
+from matplotlib.colors import to_rgb
+from matplotlib.image import imread
+
+from async_vapo.metrics.jsonl import JsonlWriter
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

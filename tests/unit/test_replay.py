@@ -27,7 +27,7 @@ from async_vapo.replay import (
     StoreLockedError,
 )
 from async_vapo.replay.store import FILE_MAGIC
-from async_vapo.rollout.types import Group, Trajectory
+from async_vapo.types import Group, Trajectory
 
 REPO = Path(__file__).resolve().parents[2]
 RECORD_MAGIC_TORN = b"\xabVR\x01\xff\x00\x00\x00"  # a record header declaring 255 bytes, then nothing
@@ -269,7 +269,7 @@ def test_acknowledged_groups_survive_a_killed_writer(tmp_path):
 import sys
 sys.path.insert(0, {str(REPO)!r})
 from async_vapo.replay import GroupStore, ReplayBuffer
-from async_vapo.rollout.types import Group, Trajectory
+from async_vapo.types import Group, Trajectory
 buf = ReplayBuffer(GroupStore({str(path)!r}, fsync="never"), max_staleness=1)
 t = Trajectory(response_ids=list(range(60)), behavior_logprobs=[-0.5] * 60, finish_reason="stop")
 i = 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 from async_vapo.replay import DROP_FUTURE, DROP_STALE, GroupStore, ReplayBuffer
-from async_vapo.rollout.types import Group, Trajectory
+from async_vapo.types import Group, Trajectory
 
 
 def _group(uid: str, version: int) -> Group:

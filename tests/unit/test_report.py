@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from async_vapo.report import _covered, _intersection, analyse_cluster_run, report_async
+from async_vapo.experiments.report import _covered, _intersection, analyse_cluster_run, report_async
 
 
 def test_covered_merges_overlaps_and_clips_to_the_window():
@@ -94,7 +94,7 @@ def test_weight_sync_and_transport_reports_render_the_committed_results(tmp_path
     import shutil
     from pathlib import Path
 
-    from async_vapo.report import report_transport, report_weight_sync
+    from async_vapo.experiments.report import report_transport, report_weight_sync
 
     root = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
     for name, fn in (("weight_sync", report_weight_sync), ("transport", report_transport)):

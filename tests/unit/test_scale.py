@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from async_vapo.cluster.scale import (
+from async_vapo.deploy.scale import (
     QWEN25_32B,
     GiB,
     ModelShape,

@@ -9,7 +9,7 @@ import pytest
 
 from async_vapo.config import load_config
 from async_vapo.models import ship
-from async_vapo.models.base import base_model_key, base_model_path, ensure_base_model, make_base
+from async_vapo.models.base_model import base_model_key, base_model_path, ensure_base_model, make_base
 from async_vapo.models.reward import reward_critic_key
 
 FAST = ["base_model.hidden_size=32", "base_model.num_layers=1", "base_model.num_heads=2",

@@ -20,7 +20,6 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from async_vapo.rollout.types import Group, Trajectory
 from async_vapo.transport import (
     ALL_MESSAGES,
     PROTOCOL_VERSION,
@@ -59,6 +58,7 @@ from async_vapo.transport import (
 )
 from async_vapo.transport.messages import MESSAGE_TAGS
 from async_vapo.transport.zmq_transport import make_socket
+from async_vapo.types import Group, Trajectory
 
 EP = "tcp://127.0.0.1:*"
 

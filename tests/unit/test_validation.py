@@ -14,7 +14,7 @@ from conftest import FAST, _groups
 from async_vapo.config import load_config
 from async_vapo.replay import GroupStore, ReplayBuffer
 from async_vapo.replay.buffer import DROP_STALE, GroupLimits, validate_group
-from async_vapo.rollout.types import Group, Trajectory
+from async_vapo.types import Group, Trajectory
 
 LIMITS = GroupLimits(group_size=2, vocab_size=100, rewards=frozenset({1.0, -1.0}), reward_correct=1.0)
 
@@ -110,7 +110,7 @@ def test_the_learner_refuses_groups_it_cannot_train_on(tmp_path, poison):
     from async_vapo.learner.loop import StepLoop
     from async_vapo.learner.vapo import Learner
     from async_vapo.metrics.jsonl import JsonlWriter
-    from async_vapo.models.base import ensure_base_model
+    from async_vapo.models.base_model import ensure_base_model
 
     if "response_ids" in poison or "behavior_logprobs" in poison:
         n = len(poison.get("response_ids", poison.get("behavior_logprobs")))

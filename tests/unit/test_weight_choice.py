@@ -1,5 +1,5 @@
 """``cluster.weights.transfer = "auto"`` chooses each engine's way (``async_vapo.weights.choose``), and the
-torch.distributed path picks gloo or NCCL by device (``async_vapo.weights.dist``): the bookkeeping, the backend
+torch.distributed path picks gloo or NCCL by device (``async_vapo.weights.collective``): the bookkeeping, the backend
 rules and the config errors, on the CPU. The real engine and real groups are in
 tests/integration/test_weight_dist.py."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from async_vapo.weights.choose import MAX_DIST_FAILURES, RECORDED, WayChooser
-from async_vapo.weights.dist import (
+from async_vapo.weights.collective import (
     EngineGroup,
     check_learner_backend,
     engine_backend,
@@ -130,8 +130,8 @@ def test_config_names_the_backend_and_the_trials():
 
 
 def test_a_cpu_learner_refuses_nccl_at_start(tmp_path):
-    from async_vapo.cluster.common import make_context
     from async_vapo.config import load_config
+    from async_vapo.services.context import make_context
     from async_vapo.transport import InprocTransport
     from async_vapo.weights import WeightBroadcast
 
@@ -162,7 +162,7 @@ def test_each_backend_gets_its_own_init_and_update_info():
 
 def _nccl_engine():
     """vLLM's NCCL engine with our watchdog, built on the CPU around a stand-in config (no communicator)."""
-    from async_vapo.weights.dist import NcclWeightTransferEngine
+    from async_vapo.weights.collective import NcclWeightTransferEngine
 
     cfg = SimpleNamespace(parallel_config=SimpleNamespace(rank=0, data_parallel_index=0, world_size=1),
                           model_config=None)
@@ -172,7 +172,7 @@ def _nccl_engine():
 def test_the_nccl_engine_takes_our_init_info_and_aborts_a_receive_past_its_limit(monkeypatch):
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
-    from async_vapo.weights.dist import NCCL_BACKEND, register
+    from async_vapo.weights.collective import NCCL_BACKEND, register
 
     register()
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory

@@ -7,12 +7,13 @@ Data flow (each arrow one socket; the stable end binds)::
         |  +----------------- PUSH (WeightsAck, Heartbeat) -----------+  |
         +------------------- SUB <- XPUB (WeightsAnnounce, Heartbeat) ---+
 
-Each service is ``services/<name>.py`` (argument parsing only) calling ``run_<name>`` here, which makes a
-ZeroMQ transport and hands it to the service: every service takes its transport, so the same services run
-in one process over ``transport.InprocTransport`` (tests/integration/test_pipeline.py). The socket table, timeouts and
+Each service is ``services/<name>.py`` (argument parsing only) calling ``run_<name>`` of this package's
+``rollout``, ``verifier``, ``replay`` or ``learner`` (``context``: what every service shares), which makes a ZeroMQ
+transport and hands it to the service: every service takes its transport, so the same services run in one process
+over ``transport.InprocTransport`` (tests/integration/test_pipeline.py). The socket table, timeouts and
 policies are in each module's docstring. ``deploy/start_cluster.sh`` starts them, under one supervisord per host that
-restarts a service that dies (``supervise``: its config; ``crashloop``: backoff and the crash-loop limit);
-``faults`` injects crashes into a running cluster and audits what the run kept. The learner runs the
+restarts a service that dies; that tooling (placement, supervision, crash-loop limit, fault injection) is
+``async_vapo.deploy``, apart from the services it starts. The learner runs the
 step loop of ``async_vapo.learner.loop``, as the one-process trainer does; weights move by
 ``async_vapo.weights``. Nothing here imports the trainer.
 """

@@ -211,7 +211,7 @@ def _mean_sd(xs: list[float]) -> tuple[float, float]:
 
 
 def report(out: Path) -> dict:
-    from async_vapo.metrics.plots import bar_chart, plot_curves_with_spread
+    from async_vapo.experiments.plots import bar_chart, plot_curves_with_spread
 
     done: dict[str, list[Path]] = {}
     for d in sorted(out.iterdir()):

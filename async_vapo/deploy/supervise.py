@@ -10,7 +10,7 @@ deploy/start_cluster.sh writes, in ``RUN_DIR/supervisor/`` of each host that run
 * ``TAG.conf`` (tag ``local`` for this machine, else the host's name), written here (:func:`write_conf`): the
   services in one group ``services`` (so a shutdown stops them all at once: SIGTERM to each process group, SIGKILL
   after ``cluster.deploy.stop_grace_s``), ``autorestart=false`` with restarts, backoff and the crash-loop limit left
-  to the event listener :mod:`async_vapo.cluster.crashloop`; supervisord's log ``RUN_DIR/logs/supervisord-TAG.log``,
+  to the event listener :mod:`async_vapo.deploy.crashloop`; supervisord's log ``RUN_DIR/logs/supervisord-TAG.log``,
   the listener's ``RUN_DIR/logs/supervisor-TAG.log``; its pidfile ``TAG.pid`` and control socket ``TAG.sock`` here
   (a socket path longer than a UNIX socket allows moves to ``/tmp/async-vapo-supervisor-<hash>.sock``).
 
@@ -21,8 +21,8 @@ host. Measured here: it starts a service's launcher in a few milliseconds after 
 program that dies after ``startsecs`` is restarted at once and without limit by supervisord itself, which is why
 restarts go through the listener.
 
-``python -m async_vapo.cluster.supervise conf ...`` writes a host's config (called by start_cluster.sh);
-``python -m async_vapo.cluster.supervise status RUN_DIR`` prints every local supervisor's programs, their starts and
+``python -m async_vapo.deploy.supervise conf ...`` writes a host's config (called by start_cluster.sh);
+``python -m async_vapo.deploy.supervise status RUN_DIR`` prints every local supervisor's programs, their starts and
 what the crash-loop listener decided.
 """
 
@@ -67,7 +67,7 @@ def write_conf(run_dir: Path, tag: str, programs: Sequence[str], deploy: DeployC
     # supervisord's own retries of a program dying before startsecs; the listener's limit applies on top
     start_retries = max(deploy.crash_loop_max_restarts, 0) if deploy.restart else 0
     lines = [
-        f"; the supervisord of host tag {tag!r} of the async-vapo cluster in {run_dir} (async_vapo.cluster.supervise)",
+        f"; the supervisord of host tag {tag!r} of the async-vapo cluster in {run_dir} (async_vapo.deploy.supervise)",
         "[supervisord]",
         f"logfile={_ini(run_dir / 'logs' / f'supervisord-{tag}.log')}",
         "logfile_maxbytes=0",
@@ -110,7 +110,7 @@ def write_conf(run_dir: Path, tag: str, programs: Sequence[str], deploy: DeployC
         ]
     if programs:
         lines += [f"[group:{GROUP}]", f"programs={','.join(programs)}", "priority=100", ""]
-    listener = [python, "-m", "async_vapo.cluster.crashloop", "--run-dir", str(run_dir), "--tag", tag,
+    listener = [python, "-m", "async_vapo.deploy.crashloop", "--run-dir", str(run_dir), "--tag", tag,
                 "--group", GROUP, "--max-restarts", str(deploy.crash_loop_max_restarts),
                 "--window-s", f"{deploy.crash_loop_window_s:g}", "--backoff-s", f"{deploy.restart_backoff_s:g}",
                 "--backoff-max-s", f"{deploy.restart_backoff_max_s:g}"]
@@ -197,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["status"] and len(argv) == 2:
         print(status(Path(argv[1])))
         return 0
-    print("usage: python -m async_vapo.cluster.supervise {conf --run-dir D --tag T --programs NAME... [--config F]"
+    print("usage: python -m async_vapo.deploy.supervise {conf --run-dir D --tag T --programs NAME... [--config F]"
           " [-- overrides] | status RUN_DIR}", file=sys.stderr)
     return 2
 

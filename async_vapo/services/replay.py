@@ -44,9 +44,9 @@ from __future__ import annotations
 import errno
 import time
 
-from async_vapo.cluster.common import ServiceContext, make_transport
 from async_vapo.replay import GroupStore, ReplayBuffer
 from async_vapo.replay.buffer import GroupLimits
+from async_vapo.services.context import ServiceContext, make_transport
 from async_vapo.transport import BatchMsg, BatchRequest, GroupsMsg, Heartbeat, Transport, make_envelope
 
 
@@ -252,7 +252,7 @@ def model_vocab_size(ctx: ServiceContext) -> int:
     import json
     from pathlib import Path
 
-    from async_vapo.models.base import ensure_base_model
+    from async_vapo.models.base_model import ensure_base_model
 
     path = Path(ctx.cfg.model.path or ensure_base_model(ctx.cfg, progress=False))
     return int(json.loads((path / "config.json").read_text())["vocab_size"])

@@ -24,10 +24,10 @@ from __future__ import annotations
 import math
 import time
 
-from async_vapo.cluster.common import ServiceContext, make_transport
 from async_vapo.rollout.generate import score_groups
-from async_vapo.rollout.types import Group
+from async_vapo.services.context import ServiceContext, make_transport
 from async_vapo.transport import GroupsMsg, Heartbeat, Transport, make_envelope, split_groups
+from async_vapo.types import Group
 
 
 class VerifierService:
@@ -99,7 +99,7 @@ def make_decoder(ctx: ServiceContext):
     """Token ids -> text with the policy's tokenizer (the verifier grades text)."""
     from transformers import AutoTokenizer
 
-    from async_vapo.models.base import ensure_base_model
+    from async_vapo.models.base_model import ensure_base_model
 
     path = ctx.cfg.model.path or ensure_base_model(ctx.cfg, progress=False)
     tok = AutoTokenizer.from_pretrained(str(path))

@@ -56,9 +56,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from async_vapo.cluster.common import metrics_port, service_host
 from async_vapo.config import Config
 from async_vapo.replay.store import AppendRecord, ConsumeRecord, DropRecord, SnapshotRecord, read_log
+from async_vapo.services.context import metrics_port, service_host
 
 REPO = Path(__file__).resolve().parents[2]
 

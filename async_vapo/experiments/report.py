@@ -9,7 +9,7 @@ Recognised folders (by what they hold):
   one-process trainer on every core, the best synchronous configuration) also each run against it and the
   ideal bound against it;
   -> ``async_vs_sync.md``, ``async_vs_sync.json``, ``async_vs_sync.png``, ``timeline.png``;
-* the runs of ``async-vapo experiment`` (``<method>_s<seed>/``) -> see :mod:`async_vapo.experiments`;
+* the runs of ``async-vapo experiment`` (``<method>_s<seed>/``) -> see :mod:`async_vapo.experiments.comparison`;
 * ``result.json`` of ``benchmarks/weight_sync.py`` / ``benchmarks/transport.py`` -> ``<name>.md`` + PNG.
 """
 
@@ -242,7 +242,7 @@ def _config_name(out: Path) -> str:
 
 
 def _plot_async(out: Path, res: dict[int, dict], alone: dict[str, float], slowest: str) -> None:
-    from async_vapo.metrics.plots import new_figure
+    from async_vapo.experiments.plots import new_figure
 
     fig, ax = new_figure(2, 2, (12, 8.5))
     bounds = list(res)
@@ -292,7 +292,7 @@ def _plot_async(out: Path, res: dict[int, dict], alone: dict[str, float], slowes
 
 def _plot_timeline(out: Path, bounds: list[int], span: float = 60.0) -> None:
     """Which stage is busy when, over ``span`` seconds from the middle of each run's training window."""
-    from async_vapo.metrics.plots import new_figure
+    from async_vapo.experiments.plots import new_figure
 
     fig, ax = new_figure(len(bounds), 1, (12, 1.8 * len(bounds) + 0.8))
     for row, s in enumerate(bounds):
@@ -314,7 +314,7 @@ def _plot_timeline(out: Path, bounds: list[int], span: float = 60.0) -> None:
 
 def report_weight_sync(out: Path) -> Path:
     """``weight_sync.md`` / ``weight_sync.png`` from benchmarks/weight_sync.py's result.json."""
-    from async_vapo.metrics.plots import new_figure
+    from async_vapo.experiments.plots import new_figure
 
     d = json.loads((out / "result.json").read_text())
     sizes = list(d["sizes"])
@@ -365,7 +365,7 @@ def report_weight_sync(out: Path) -> Path:
 
 def report_transport(out: Path) -> Path:
     """``transport.md`` / ``transport.png`` from benchmarks/transport.py's result.json (before / after)."""
-    from async_vapo.metrics.plots import bar_chart
+    from async_vapo.experiments.plots import bar_chart
 
     d = json.loads((out / "result.json").read_text())
     runs = [k for k in ("before", "after") if k in d]
@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         elif (d / "result.json").exists() and "after" in json.loads((d / "result.json").read_text()):
             print(report_transport(d))
         elif any(d.glob("*_s[0-9]*/summary.json")):
-            from async_vapo.experiments import report
+            from async_vapo.experiments.comparison import report
 
             report(d)
             print(f"{d}: comparison.md, ablation.md and plots written")

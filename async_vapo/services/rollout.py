@@ -74,10 +74,9 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from async_vapo.cluster.common import ServiceContext, make_transport
 from async_vapo.metrics.jsonl import JsonlWriter
 from async_vapo.rollout.generate import PromptEncoder, Rollout, evaluate, generate_groups
-from async_vapo.rollout.types import Group
+from async_vapo.services.context import ServiceContext, make_transport
 from async_vapo.tasks import PromptSampler
 from async_vapo.transport import (
     GroupsMsg,
@@ -91,6 +90,7 @@ from async_vapo.transport import (
     make_envelope,
     split_groups,
 )
+from async_vapo.types import Group
 from async_vapo.weights import load_announced, slot_readable
 
 
@@ -307,7 +307,7 @@ class RolloutService:
         if self.in_group and self._streamed_version == a.version:
             import torch
 
-            from async_vapo.weights.dist import plan_buckets, update_info
+            from async_vapo.weights.collective import plan_buckets, update_info
 
             self._streamed_version = None
             buckets = plan_buckets([(n, getattr(torch, d), tuple(sh)) for n, d, sh, _ in a.layout],
@@ -342,7 +342,7 @@ class RolloutService:
 
     def join_group(self, offer: WeightsGroupOffer) -> None:
         """Join the offered group through vLLM's init_weight_transfer_engine (bounded by the offer's timeout)."""
-        from async_vapo.weights.dist import engine_init_info
+        from async_vapo.weights.collective import engine_init_info
 
         self.in_group = False
         if offer.backend != self.backend:
@@ -477,7 +477,7 @@ def run_rollout(ctx: ServiceContext) -> None:
     never asks for its groups, so the rollout need not know whether it resumed."""
     from transformers import AutoTokenizer
 
-    from async_vapo.models.base import ensure_base_model
+    from async_vapo.models.base_model import ensure_base_model
     from async_vapo.rollout.engine import EngineSpec, VLLMEngine
     from async_vapo.tasks import load_task
 

@@ -22,7 +22,7 @@ fewer KV heads than GPUs); KV space = gpu_memory_utilization x GPU memory - weig
 CUDA graphs not subtracted: an upper bound).
 
 Weight sync: every parameter once per engine in the engine dtype; the learner sends to one engine after another
-(one torch.distributed group per engine, ``async_vapo.weights.dist``), so a sync to all engines takes
+(one torch.distributed group per engine, ``async_vapo.weights.collective``), so a sync to all engines takes
 engines x bytes / bandwidth at the stated bandwidth, plus vLLM's reload (not modelled).
 """
 
@@ -138,7 +138,7 @@ def _gib(n: float) -> str:
 def report(cfg, *, hosts: int, gpus_per_host: int, gpu_memory_gib: float, bandwidth_gbytes_s: float,
            prompt_tokens: int, model_config: str | None = None) -> str:
     """The text ``async-vapo plan`` prints: placement, then memory and sync arithmetic with their assumptions."""
-    from async_vapo.cluster.placement import place
+    from async_vapo.deploy.placement import place
 
     shape, source = resolve_shape(cfg.model.path, model_config)
     names = [f"host{i}" for i in range(hosts)]

@@ -1,6 +1,6 @@
 """Restarts with backoff and the crash-loop limit of the supervised services: a supervisord event listener.
 
-supervisord (one per host, config written by :mod:`async_vapo.cluster.supervise`) starts the services with
+supervisord (one per host, config written by :mod:`async_vapo.deploy.supervise`) starts the services with
 ``autorestart=false`` and runs this program as an ``[eventlistener]`` on ``PROCESS_STATE`` events. supervisord's own
 restart policy does not suffice: its backoff and ``startretries`` apply only while a program is *starting* (before
 ``startsecs``); a program that dies after it counts as running is restarted at once and without limit. So this
@@ -259,7 +259,7 @@ class Listener:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m async_vapo.cluster.crashloop", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m async_vapo.deploy.crashloop", description=__doc__.split("\n")[0])
     p.add_argument("--run-dir", required=True)
     p.add_argument("--tag", required=True, help="this host's supervisor tag (RUN_DIR/supervisor/TAG.conf)")
     p.add_argument("--group", default="services", help="the supervisord group of the services")

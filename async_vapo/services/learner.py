@@ -48,11 +48,11 @@ import os
 import time
 from pathlib import Path
 
-from async_vapo.cluster.common import ServiceContext, make_transport
-from async_vapo.learner.dist import broadcast_object, destroy_process_group, init_process_group
+from async_vapo.learner.process_group import broadcast_object, destroy_process_group, init_process_group
 from async_vapo.learner.rundir import latest_checkpoint
 from async_vapo.metrics.jsonl import JsonlWriter
 from async_vapo.metrics.prom import ServiceMetrics
+from async_vapo.services.context import ServiceContext, make_transport
 from async_vapo.transport import (
     BatchMsg,
     BatchRequest,
@@ -218,7 +218,7 @@ class LearnerService:
 
         from async_vapo.learner.loop import BroadcastSource, StepLoop
         from async_vapo.learner.vapo import Learner
-        from async_vapo.models.base import ensure_base_model
+        from async_vapo.models.base_model import ensure_base_model
         from async_vapo.models.reward import resolve_critic_path
 
         self.ctx = ctx
