@@ -8,11 +8,13 @@ Every name is ``async_vapo_<service>_<quantity>_<unit>`` (see STYLE.md, "Prometh
 * labels are low-cardinality enums (``reason``, ``kind``, ``side``, ``gpu``): never ids, prompts or versions.
 
 :class:`ServiceMetrics` owns a private :class:`CollectorRegistry` (the global default registry is never
-touched, so two services in one pytest process do not collide). Metrics are created lazily through
-:meth:`ServiceMetrics.counter` / :meth:`~ServiceMetrics.gauge` / :meth:`~ServiceMetrics.histogram`, which
-prefix the service name and validate the convention; asking twice for the same name returns the same
-metric. The per-service sets (:class:`RolloutMetrics`, :class:`VerifierMetrics`, :class:`ReplayMetrics`,
-:class:`LearnerMetrics`) are built on first access of the matching attribute.
+touched, so two services in one pytest process do not collide). Every metric of a service is declared in
+``async_vapo.metrics.catalogue`` and created when its ``ServiceMetrics`` is made; code takes one by name
+(:meth:`ServiceMetrics.get`) or through the typed per-service sets (:class:`RolloutMetrics`,
+:class:`VerifierMetrics`, :class:`ReplayMetrics`, :class:`LearnerMetrics`). The factories
+:meth:`ServiceMetrics.counter` / :meth:`~ServiceMetrics.gauge` / :meth:`~ServiceMetrics.histogram` prefix the
+service name and validate the convention (asking twice for the same name returns the same metric); the library
+creates metrics only through the catalogue.
 
 Always present on every service: process CPU seconds / resident memory (prometheus_client's
 ``ProcessCollector`` under the service prefix), ``process_cpu_ratio``, ``up``, ``info`` and
@@ -46,16 +48,28 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import Metric
+
+from async_vapo.metrics.catalogue import (  # noqa: F401  (re-exported: the buckets are used beside the metrics)
+    CLIP_SIDES,
+    HTTP_REJECT_REASONS,
+    LATENCY_BUCKETS,
+    LOSS_KINDS,
+    SAMPLE_AGE_BUCKETS,
+    TRANSFER_BUCKETS,
+    MetricKind,
+    MetricSpec,
+    specs_for,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,17 +93,6 @@ _RESERVED_LABELS = {"le", "quantile", "job", "instance", "service", "replica"}
 _HIGH_CARDINALITY_LABELS = {"id", "uid", "uuid", "message_id", "request_id", "sample_id", "group_id", "trace_id",
                             "prompt", "response", "step", "version", "policy_version", "timestamp", "path", "url"}
 
-MetricKind = Literal["counter", "gauge", "histogram"]
-
-# Buckets (seconds) for the latency histograms: 1 ms up to 10 minutes.
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
-                   600.0)
-# Buckets (seconds) for weight loads and broadcasts: tens of ms (tiny model) to minutes (7B over NCCL/disk).
-TRANSFER_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
-# Policy versions between generation and consumption; max_staleness is small, 16 catches anything pathological.
-SAMPLE_AGE_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
-LOSS_KINDS = ("policy", "value", "pos_lm")
-CLIP_SIDES = ("low", "high")
 
 
 def validate_metric_name(name: str, kind: MetricKind) -> str:
@@ -149,19 +152,7 @@ class RolloutMetrics:
 
     @classmethod
     def create(cls, m: ServiceMetrics) -> RolloutMetrics:
-        return cls(
-            generated_tokens_total=m.counter("generated_tokens_total", "Response tokens generated."),
-            generated_samples_total=m.counter("generated_samples_total", "Responses (samples) generated."),
-            inflight_groups=m.gauge("inflight_groups", "Prompt groups admitted and not yet finished."),
-            served_version=m.gauge("served_version", "Policy version whose weights the engine is serving."),
-            weight_load_seconds=m.histogram("weight_load_seconds", "Time to load one policy version into the engine.",
-                                            TRANSFER_BUCKETS),
-            weight_transfers_total=m.counter("weight_transfers_total",
-                                             "Policy versions loaded, by the way the weights came (shm, zmq, file).",
-                                             labels=("via",)),
-            admission_rejects_total=m.counter("admission_rejects_total", "Requests refused at admission.",
-                                              labels=("reason",)),
-        )
+        return cls(**{f.name: m.get(f.name) for f in fields(cls)})
 
 
 @dataclass(frozen=True)
@@ -176,13 +167,7 @@ class VerifierMetrics:
 
     @classmethod
     def create(cls, m: ServiceMetrics) -> VerifierMetrics:
-        return cls(
-            checks_total=m.counter("checks_total", "Responses checked, by verdict.", labels=("reason",)),
-            timeouts_total=m.counter("timeouts_total", "Checks killed at the per-check time limit."),
-            rejects_total=m.counter("rejects_total", "Check requests refused before checking.", labels=("reason",)),
-            queue_depth=m.gauge("queue_depth", "Check requests waiting for a worker."),
-            check_seconds=m.histogram("check_seconds", "Wall time of one check.", LATENCY_BUCKETS),
-        )
+        return cls(**{f.name: m.get(f.name) for f in fields(cls)})
 
 
 @dataclass(frozen=True)
@@ -200,16 +185,7 @@ class ReplayMetrics:
 
     @classmethod
     def create(cls, m: ServiceMetrics) -> ReplayMetrics:
-        return cls(
-            stored_groups=m.gauge("stored_groups", "Prompt groups held in the buffer."),
-            stale_drops_total=m.counter("stale_drops_total", "Groups dropped for exceeding max_staleness."),
-            batch_assembly_seconds=m.histogram("batch_assembly_seconds", "Time to assemble one learner batch.",
-                                               LATENCY_BUCKETS),
-            sample_age_versions=m.histogram("sample_age_versions",
-                                            "Learner version minus behaviour version of each sample in a batch.",
-                                            SAMPLE_AGE_BUCKETS),
-            batches_total=m.counter("batches_total", "Batches handed to the learner."),
-        )
+        return cls(**{f.name: m.get(f.name) for f in fields(cls)})
 
 
 @dataclass(frozen=True)
@@ -230,29 +206,7 @@ class LearnerMetrics:
 
     @classmethod
     def create(cls, m: ServiceMetrics) -> LearnerMetrics:
-        loss = m.gauge("loss", "Last update's loss, by term.", labels=("kind",))
-        clipfrac = m.gauge("clipfrac", "Fraction of tokens whose ratio was clipped, by side (0-1).",
-                           labels=("side",))
-        for kind in LOSS_KINDS:  # export every series from the start, so a missing term shows as 0 not absent
-            loss.labels(kind=kind)
-        for side in CLIP_SIDES:
-            clipfrac.labels(side=side)
-        return cls(
-            step_seconds=m.histogram("step_seconds", "Wall time of one learner update step.", LATENCY_BUCKETS),
-            loss=loss,
-            reward=m.gauge("reward", "Mean reward of the last batch."),
-            accuracy=m.gauge("accuracy", "Fraction of correct responses in the last batch (0-1)."),
-            entropy=m.gauge("entropy", "Mean token entropy of the policy on the last batch (nats)."),
-            clipfrac=clipfrac,
-            explained_variance=m.gauge("explained_variance",
-                                       "Critic explained variance of the returns (NaN when they do not vary)."),
-            version=m.gauge("version", "Policy version after the last update."),
-            broadcast_seconds=m.histogram("broadcast_seconds", "Time to publish one policy version.",
-                                          TRANSFER_BUCKETS),
-            weight_fetch_bytes_total=m.counter("weight_fetch_bytes_total",
-                                               "Weight bytes sent to engines fetching over ZeroMQ (other hosts)."),
-            value_pretrain_steps_total=m.counter("value_pretrain_steps_total", "Critic-only pretraining steps."),
-        )
+        return cls(**{f.name: m.get(f.name) for f in fields(cls)})
 
 
 SERVICE_SETS: dict[str, type] = {"rollout": RolloutMetrics, "verifier": VerifierMetrics, "replay": ReplayMetrics,
@@ -364,16 +318,14 @@ class ServiceMetrics:
         self._health: dict[str, Any] = {"status": "starting"}
 
         ProcessCollector(namespace=self.prefix, registry=self.registry)
-        self.process_cpu_ratio = self.gauge("process_cpu_ratio",
-                                            "Process CPU time over wall time since the last scrape, per core (0-1).")
+        for spec in specs_for(service):
+            self._create(spec)
+        self.process_cpu_ratio = self.get("process_cpu_ratio")
         self.process_cpu_ratio.set_function(_CpuRatio())
-        self.up = self.gauge("up", "1 while the service reports itself healthy (status ok), else 0.")
-        self.info = self.gauge("info", "Always 1; labels identify the build.",
-                               labels=("package_version", "python_version"))
+        self.up = self.get("up")
+        self.info = self.get("info")
         self.info.labels(package_version=__version__, python_version=platform.python_version()).set(1)
-        self.wire_rejects_total = self.counter("wire_rejects_total",
-                                               "Messages refused by a decoder (size, version, schema).",
-                                               labels=("reason",))
+        self.wire_rejects_total = self.get("wire_rejects_total")
         self.gpu_devices = 0
         if gpu is not False:
             nvml = gpu
@@ -392,6 +344,27 @@ class ServiceMetrics:
 
     def full_name(self, name: str) -> str:
         return f"{self.prefix}_{name}"
+
+    def _create(self, spec: MetricSpec) -> Any:
+        if spec.kind == "counter":
+            metric = self.counter(spec.name, spec.help, spec.labels)
+        elif spec.kind == "gauge":
+            metric = self.gauge(spec.name, spec.help, spec.labels)
+        else:
+            metric = self.histogram(spec.name, spec.help, spec.buckets or (), spec.labels)
+        for values in spec.series:
+            metric.labels(*values)
+        return metric
+
+    def get(self, name: str) -> Any:
+        """The catalogue's metric ``name`` of this service (``async_vapo.metrics.catalogue``), created with the
+        service; a name the catalogue does not declare for it is an error."""
+        with self._lock:
+            got = self._metrics.get(self.full_name(name))
+        if got is None:
+            raise KeyError(f"{self.full_name(name)} is not declared in async_vapo.metrics.catalogue for the "
+                           f"{self.service} service")
+        return got[2]
 
     def _get_or_create(self, kind: MetricKind, name: str, doc: str, labels: Iterable[str],
                        make: Callable[[str, tuple[str, ...]], Any]) -> Any:
@@ -485,7 +458,6 @@ class ServiceMetrics:
         return generate_latest(_WithoutCreated(self.registry))
 
 
-HTTP_REJECT_REASONS = ("capacity", "timeout", "malformed", "unauthorized", "tls")
 """``http_rejects_total{reason}``: connection over ``max_connections`` (closed at accept), no complete request
 (or response taken) within ``request_timeout_s``, not a well-formed GET/HEAD, wrong or missing credentials,
 failed TLS handshake."""
@@ -572,11 +544,8 @@ class MetricsServer:
                 raise ValueError("basic_auth_user must be non-empty without ':' and basic_auth_password_sha256 "
                                  "64 hex digits")
             self._auth = (basic_auth_user.encode(), digest.encode())
-        self.rejects = metrics.counter("http_rejects_total", "Connections to /metrics and /health closed without "
-                                       "an answer or answered 4xx, by reason.", labels=("reason",))
-        for reason in HTTP_REJECT_REASONS:  # every series from the start: an absent one would read as "never"
-            self.rejects.labels(reason=reason)
-        self.connections = metrics.gauge("http_connections", "Connections to /metrics and /health open now.")
+        self.rejects = metrics.get("http_rejects_total")
+        self.connections = metrics.get("http_connections")
         self._open = 0  # touched on the loop's thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

@@ -115,14 +115,12 @@ class ServiceContext:
 
     def processing_error(self, stage: str, what: str) -> None:
         """Count and log one message whose processing failed; the caller goes on with the next one."""
-        self.metrics.counter("processing_errors_total", "Messages that decoded but failed while being processed.",
-                             labels=("stage",)).labels(stage=stage).inc()
+        self.metrics.get("processing_errors_total").labels(stage=stage).inc()
         self.log.error("%s: %s failed (skipped):\n%s", self.name, what, traceback.format_exc())
 
     def send(self, sender: Sender, env: Envelope, what: str) -> bool:
         """Push ``env``, holding on while the pipe is full; False only if the service was stopped first."""
-        backpressure = self.metrics.counter("backpressure_total",
-                                            "Sends that found the downstream pipe full for a whole timeout.")
+        backpressure = self.metrics.get("backpressure_total")
         while not self.stop.is_set():
             try:
                 sender.send(env, self.cfg.cluster.wire.send_timeout_s)
@@ -150,8 +148,7 @@ class ServiceContext:
         finally:
             self.metrics.set_health(busy="")
             t1 = time.time()
-            self.metrics.counter("busy_seconds_total", "Wall-clock seconds spent working, by stage.",
-                                 labels=("stage",)).labels(stage=stage).inc(t1 - t0)
+            self.metrics.get("busy_seconds_total").labels(stage=stage).inc(t1 - t0)
             try:
                 with (self.stats_dir() / f"{self.name}.busy.jsonl").open("a") as f:
                     f.write(f'["{stage}", {t0 - self.t0:.4f}, {t1 - self.t0:.4f}]\n')
@@ -214,8 +211,7 @@ def make_transport(ctx: ServiceContext):
     from async_vapo.transport.security import CurveKeys, Security
 
     keys = CurveKeys.load(keys_dir(ctx.cfg, ctx.run_dir), ctx.service)
-    refused = ctx.metrics.counter("auth_failures_total", "Connections refused by CURVE/ZAP: an unknown key, or a "
-                                  "key of a role that socket does not admit.")
+    refused = ctx.metrics.get("auth_failures_total")
 
     def on_refused(reason: str) -> None:
         refused.inc()

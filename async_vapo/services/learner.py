@@ -80,8 +80,7 @@ def export_row(metrics: ServiceMetrics, row: dict, version: int) -> None:
     if row["kind"] == "pretrain":
         lm.value_pretrain_steps_total.inc()
     if row.get("learner/invalid_groups"):
-        metrics.counter("invalid_groups_total", "Groups refused before learning (a token outside the vocabulary, "
-                        "a non-finite log-prob or reward, ...).").inc(row["learner/invalid_groups"])
+        metrics.get("invalid_groups_total").inc(row["learner/invalid_groups"])
     for kind, key in (("policy", "actor/pg_loss"), ("value", "critic/value_loss"), ("pos_lm", "actor/pos_lm_nll")):
         if key in row:
             lm.loss.labels(kind=kind).set(value(key))
@@ -95,8 +94,7 @@ def export_row(metrics: ServiceMetrics, row: dict, version: int) -> None:
     for key in row:  # critic_age/<a>/<what>: the critic's error on samples <a> versions old
         if key.startswith("critic_age/") and not key.endswith("/samples"):
             _, age, what = key.split("/")
-            metrics.gauge(f"critic_{what}_by_age", f"Critic {what.replace('_', ' ')} before the update, by sample "
-                          "age in versions (NaN: undefined).", labels=("age",)).labels(age=age).set(value(key))
+            metrics.get(f"critic_{what}_by_age").labels(age=age).set(value(key))
     lm.version.set(version)
     if "time/step_s" in row:
         lm.step_seconds.observe(row["time/step_s"])
@@ -123,10 +121,9 @@ class ReplaySource:
         self.cursor_known = False
         """Whether ``cursor`` says what this learner's weights include (from a reply, or a checkpoint)."""
         m = ctx.metrics
-        self.replay_timeouts = m.counter("replay_timeouts_total", "Batch requests the replay did not answer.")
-        self.stale_rejected = m.counter("stale_groups_rejected_total",
-                                        "Groups in a batch beyond the staleness bound (never used).")
-        self.wait_seconds = m.counter("batch_wait_seconds_total", "Time spent waiting for batches.")
+        self.replay_timeouts = m.get("replay_timeouts_total")
+        self.stale_rejected = m.get("stale_groups_rejected_total")
+        self.wait_seconds = m.get("batch_wait_seconds_total")
 
     def handshake(self) -> bool:
         while not self.ctx.stop.is_set():

@@ -75,23 +75,17 @@ class ReplayService:
                                              decoder=ctx.decoder((BatchRequest,), "batches"), name=ctx.name,
                                              peer="learner")
         self.m = ctx.metrics.replay
-        self.rejected = ctx.metrics.counter("rejected_groups_total", "Groups refused by validation, by reason.",
-                                            labels=("reason",))
-        self.store_errors = ctx.metrics.counter("store_errors_total", "Groups the store refused (disk full, I/O "
-                                                "error): held and retried, never dropped.", labels=("errno",))
-        self.held = ctx.metrics.gauge("held_groups", "Groups received but not yet stored (waiting for the disk).")
+        self.rejected = ctx.metrics.get("rejected_groups_total")
+        self.store_errors = ctx.metrics.get("store_errors_total")
+        self.held = ctx.metrics.get("held_groups")
         self._held: list = []
         self._waiting: list[tuple] = []
         """Batch requests held for groups still to come: (request, answer-empty-at monotonic time)."""
         self._holding = False
         self._retry_at = 0.0
-        self.bad_requests = ctx.metrics.counter("rejected_requests_total",
-                                                "Batch requests refused (never acted on), by reason.",
-                                                labels=("reason",))
-        self.requeued = ctx.metrics.counter("requeued_groups_total", "Groups served to a learner that did not keep "
-                                            "them (restarted from a checkpoint, or a lost reply), stored again.")
-        self.requeue_lost = ctx.metrics.counter("requeue_lost_groups_total", "Groups to store again that compaction "
-                                                "had removed from the log (lost).")
+        self.bad_requests = ctx.metrics.get("rejected_requests_total")
+        self.requeued = ctx.metrics.get("requeued_groups_total")
+        self.requeue_lost = ctx.metrics.get("requeue_lost_groups_total")
         self._stats = self.buffer.stats()
         self._publish_stats()
         ctx.log.info("replay: %d groups restored from %s, cursor %d; in %s, batches %s", len(self.buffer),

@@ -206,8 +206,7 @@ class RolloutService:
         """"auto": the learner's slot is not readable here (found at the first fetch): groups are worth asking for."""
         self.backend = getattr(engine, "weight_backend", None)
         """The groups the engine can join ("gloo" / "nccl"; None: none)."""
-        self.m_way = m_way = ctx.metrics.gauge("weight_way", "1 for the way the last version came (dist, shm, zmq, "
-                                             "file), 0 for the others.", labels=("way",))
+        self.m_way = m_way = ctx.metrics.get("weight_way")
         for w in ("dist", "shm", "zmq", "file"):
             m_way.labels(way=w).set(0)
         self._learner_token: str | None = None
@@ -442,9 +441,7 @@ class RolloutService:
             reason = "no_learner" if self.latest is None else self.admission.check(self.engine.version,
                                                                                     self.learner_version)
             if self.admission.refills > refills:
-                self.ctx.metrics.counter("admission_refills_total", "Budgets topped up: the learner reported a "
-                                         "wait of cluster.rollout.admission_starved_s, or no new version came for "
-                                         "cluster.rollout.admission_refill_s.").inc()
+                self.ctx.metrics.get("admission_refills_total").inc()
                 why = (f"the learner has waited {self.admission.starved_s:.0f} s for groups since this engine last "
                        "shipped" if starving else f"no new version for {self.admission.refill_s:.0f} s")
                 self.ctx.log.warning("%s: %s, with the budget of version %d spent: one more share (groups lost "

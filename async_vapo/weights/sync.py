@@ -17,8 +17,8 @@ the replay's floor they are dropped as stale).
 
 ``cluster.weights.transfer = "dist"`` (``async_vapo.weights.collective``): an engine asks for a group
 (WeightsGroupJoin on the acks socket), the learner makes one (gloo, or NCCL for an engine on CUDA when the learner
-is on CUDA: ``collective.group_backend``), offers it on the weights socket (WeightsGroupOffer) and forms it in a thread while the
-engine joins. Each version is then written to its slot as with "auto", announced with the engines whose groups are
+is on CUDA: ``collective.group_backend``), offers it on the weights socket (WeightsGroupOffer) and forms it in a
+thread while the engine joins. Each version is then written to its slot as with "auto", announced with the engines whose groups are
 formed (``dist_engines``), and streamed to them one after another, each within ``cluster.weights.dist_timeout_s``.
 An engine whose send fails or times out loses its group (torn down, counted in ``weight_dist_failures_total``) and
 loads the slot instead; it asks for a new group. Acks and rotation are the same for every way.
@@ -49,7 +49,6 @@ from pathlib import Path
 
 import msgspec
 
-from async_vapo.metrics.prom import TRANSFER_BUCKETS
 from async_vapo.transport import (
     Heartbeat,
     HeartbeatMonitor,
@@ -153,17 +152,15 @@ class WeightBroadcast:
         self.latest: WeightsAnnounce | None = None
         self._last_beat = 0.0
         m = ctx.metrics
-        self.in_rotation = m.gauge("engines_in_rotation", "Rollout engines whose acks a new version waits for.")
-        self.dropped = m.counter("engines_dropped_total", "Engines taken out of rotation for missing an ack.")
-        self.dead = m.counter("engines_dead_total",
-                              "Engines taken out of rotation for silence (cluster.wire.peer_dead_s).")
-        self.rejoined = m.counter("engines_rejoined_total", "Engines back in rotation after acking the latest.")
-        self.failed_loads = m.counter("weight_load_failures_total", "Acks reporting a failed weight load.")
+        self.in_rotation = m.get("engines_in_rotation")
+        self.dropped = m.get("engines_dropped_total")
+        self.dead = m.get("engines_dead_total")
+        self.rejoined = m.get("engines_rejoined_total")
+        self.failed_loads = m.get("weight_load_failures_total")
         self.dist = c.weights.transfer in ("dist", "auto")
         """Engines may get torch.distributed groups ("dist"; "auto" for engines on other hosts)."""
         self.chooser = WayChooser(c.weights.transfer == "auto", c.weights.auto_trials)
-        self.by_way = m.gauge("engines_by_weight_way", "Engines by the way they take their weights now (dist, shm, "
-                              "zmq, file; \"auto\" chooses per engine).", labels=("way",))
+        self.by_way = m.get("engines_by_weight_way")
         for w in WAYS:
             self.by_way.labels(way=w).set(0)
         self.groups: dict = {}
@@ -171,12 +168,8 @@ class WeightBroadcast:
         self.unserved: set[str] = set()
         """Engines that failed to load the latest version, which no slot holds (``needs_whole``)."""
         if self.dist:
-            self.dist_failures = m.counter("weight_dist_failures_total",
-                                           "Versions an engine did not receive over its torch.distributed group "
-                                           "(its group torn down).")
-            self.dist_seconds = m.histogram("weight_dist_send_seconds",
-                                            "Seconds to stream one version to one engine over its group.",
-                                            TRANSFER_BUCKETS)
+            self.dist_failures = m.get("weight_dist_failures_total")
+            self.dist_seconds = m.get("weight_dist_send_seconds")
         self.publisher = make_publisher(
             c.weights.transfer, self.dir, keep_versions=c.weights.keep_versions,
             fetch_endpoint=fetch_endpoint or ctx.endpoint(c.hosts.bind_host, c.ports.weights_fetch_port),

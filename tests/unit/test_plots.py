@@ -9,6 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from matplotlib.colors import to_rgb
+from matplotlib.image import imread
+
 from async_vapo.experiments.plots import (
     bar_chart,
     mean_and_spread,
@@ -17,9 +20,6 @@ from async_vapo.experiments.plots import (
     read_metrics,
     series,
 )
-from matplotlib.colors import to_rgb
-from matplotlib.image import imread
-
 from async_vapo.metrics.jsonl import JsonlWriter
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

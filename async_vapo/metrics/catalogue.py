@@ -1,0 +1,182 @@
+"""Every Prometheus metric of the services, declared in one place.
+
+A :class:`MetricSpec` names one metric of one service (``service`` = "rollout", "verifier", "replay", "learner",
+or "all" for those every service has), its kind, help text, labels and, for histograms, buckets. A service's
+:class:`~async_vapo.metrics.prom.ServiceMetrics` creates every spec of its service (and of "all") when it is
+made, so ``/metrics`` shows each series from the first scrape and nothing is created on first use; code asks
+for a metric by name (``ServiceMetrics.get``) and a name missing here is an error. The docs' metric reference and
+the Grafana dashboard's coverage check read this catalogue.
+
+Names follow ``async_vapo_<service>_<quantity>_<unit>`` (``prom.validate_metric_name`` checks each at creation).
+Label values listed in ``series`` are created at start (an absent series would read as "never happened").
+Metrics that are not in this catalogue: the process collector's (``process_cpu_seconds_total``,
+``process_resident_memory_bytes``, ...) and, where a GPU is visible, the NVML gauges (``gpu_*``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+MetricKind = Literal["counter", "gauge", "histogram"]
+
+# Buckets (seconds) for the latency histograms: 1 ms up to 10 minutes.
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+                   600.0)
+# Buckets (seconds) for weight loads and broadcasts: tens of ms (tiny model) to minutes (7B over NCCL/disk).
+TRANSFER_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+# Policy versions between generation and consumption; max_staleness is small, 16 catches anything pathological.
+SAMPLE_AGE_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
+LOSS_KINDS = ("policy", "value", "pos_lm")
+CLIP_SIDES = ("low", "high")
+WEIGHT_WAYS = ("dist", "shm", "zmq", "file")
+HTTP_REJECT_REASONS = ("capacity", "timeout", "malformed", "unauthorized", "tls")
+SERVICES = ("rollout", "verifier", "replay", "learner")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    service: str
+    """"rollout", "verifier", "replay", "learner", or "all"."""
+    name: str
+    """Without the ``async_vapo_<service>_`` prefix."""
+    kind: MetricKind
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+    series: tuple[tuple[str, ...], ...] = ()
+    """Label values created at start, one tuple per series (in ``labels`` order)."""
+
+    def full_name(self, service: str | None = None) -> str:
+        """``async_vapo_<service>_<name>``; ``service`` is needed for the specs of "all"."""
+        s = service or self.service
+        if s == "all":
+            raise ValueError(f"{self.name} is on every service: name the service")
+        return f"async_vapo_{s}_{self.name}"
+
+
+def _one(label_values: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    return tuple((v,) for v in label_values)
+
+
+C, G, H = "counter", "gauge", "histogram"
+
+CATALOGUE: tuple[MetricSpec, ...] = (
+    # -- every service ----------------------------------------------------------------------------------------
+    MetricSpec("all", "process_cpu_ratio", G, "Process CPU time over wall time since the last scrape, per core (0-1)."),
+    MetricSpec("all", "up", G, "1 while the service reports itself healthy (status ok), else 0."),
+    MetricSpec("all", "info", G, "Always 1; labels identify the build.", ("package_version", "python_version")),
+    MetricSpec("all", "wire_rejects_total", C, "Messages refused by a decoder (size, version, schema).", ("reason",)),
+    MetricSpec("all", "processing_errors_total", C, "Messages that decoded but failed while being processed.",
+               ("stage",)),
+    MetricSpec("all", "backpressure_total", C, "Sends that found the downstream pipe full for a whole timeout."),
+    MetricSpec("all", "busy_seconds_total", C, "Wall-clock seconds spent working, by stage.", ("stage",)),
+    MetricSpec("all", "auth_failures_total", C, "Connections refused by CURVE/ZAP: an unknown key, or a key of a role "
+               "that socket does not admit."),
+    MetricSpec("all", "http_rejects_total", C, "Connections to /metrics and /health closed without an answer or "
+               "answered 4xx, by reason.", ("reason",), series=_one(HTTP_REJECT_REASONS)),
+    MetricSpec("all", "http_connections", G, "Connections to /metrics and /health open now."),
+    # -- rollout ----------------------------------------------------------------------------------------------
+    MetricSpec("rollout", "generated_tokens_total", C, "Response tokens generated."),
+    MetricSpec("rollout", "generated_samples_total", C, "Responses (samples) generated."),
+    MetricSpec("rollout", "inflight_groups", G, "Prompt groups admitted and not yet finished."),
+    MetricSpec("rollout", "served_version", G, "Policy version whose weights the engine is serving."),
+    MetricSpec("rollout", "weight_load_seconds", H, "Time to load one policy version into the engine.",
+               buckets=TRANSFER_BUCKETS),
+    MetricSpec("rollout", "weight_transfers_total", C, "Policy versions loaded, by the way the weights came (dist, "
+               "shm, zmq, file).", ("via",)),
+    MetricSpec("rollout", "weight_way", G, "1 for the way the last version came (dist, shm, zmq, file), 0 for the "
+               "others.", ("way",), series=_one(WEIGHT_WAYS)),
+    MetricSpec("rollout", "admission_rejects_total", C, "Generation refused at admission, by reason (no_learner, "
+               "stale_weights, version_budget).", ("reason",)),
+    MetricSpec("rollout", "admission_refills_total", C, "Budgets topped up: the learner reported a wait of "
+               "cluster.rollout.admission_starved_s, or no new version came for cluster.rollout.admission_refill_s."),
+    # -- verifier ---------------------------------------------------------------------------------------------
+    MetricSpec("verifier", "checks_total", C, "Responses checked, by verdict.", ("reason",)),
+    MetricSpec("verifier", "timeouts_total", C, "Checks killed at the per-check time limit."),
+    MetricSpec("verifier", "rejects_total", C, "Check requests refused before checking.", ("reason",)),
+    MetricSpec("verifier", "queue_depth", G, "Check requests waiting for a worker."),
+    MetricSpec("verifier", "check_seconds", H, "Wall time of one check.", buckets=LATENCY_BUCKETS),
+    # -- replay -----------------------------------------------------------------------------------------------
+    MetricSpec("replay", "stored_groups", G, "Prompt groups held in the buffer."),
+    MetricSpec("replay", "stale_drops_total", C, "Groups dropped for exceeding max_staleness."),
+    MetricSpec("replay", "batch_assembly_seconds", H, "Time to assemble one learner batch.", buckets=LATENCY_BUCKETS),
+    MetricSpec("replay", "sample_age_versions", H, "Learner version minus behaviour version of each sample in a "
+               "batch.", buckets=SAMPLE_AGE_BUCKETS),
+    MetricSpec("replay", "batches_total", C, "Batches handed to the learner."),
+    MetricSpec("replay", "rejected_groups_total", C, "Groups refused by validation, by reason.", ("reason",)),
+    MetricSpec("replay", "store_errors_total", C, "Groups the store refused (disk full, I/O error): held and retried, "
+               "never dropped.", ("errno",)),
+    MetricSpec("replay", "held_groups", G, "Groups received but not yet stored (waiting for the disk)."),
+    MetricSpec("replay", "rejected_requests_total", C, "Batch requests refused (never acted on), by reason.",
+               ("reason",)),
+    MetricSpec("replay", "requeued_groups_total", C, "Groups served to a learner that did not keep them (restarted "
+               "from a checkpoint, or a lost reply), stored again."),
+    MetricSpec("replay", "requeue_lost_groups_total", C, "Groups to store again that compaction had removed from the "
+               "log (lost)."),
+    # -- learner ----------------------------------------------------------------------------------------------
+    MetricSpec("learner", "step_seconds", H, "Wall time of one learner update step.", buckets=LATENCY_BUCKETS),
+    MetricSpec("learner", "loss", G, "Last update's loss, by term.", ("kind",), series=_one(LOSS_KINDS)),
+    MetricSpec("learner", "reward", G, "Mean reward of the last batch."),
+    MetricSpec("learner", "accuracy", G, "Fraction of correct responses in the last batch (0-1)."),
+    MetricSpec("learner", "entropy", G, "Mean token entropy of the policy on the last batch (nats)."),
+    MetricSpec("learner", "clipfrac", G, "Fraction of tokens whose ratio was clipped, by side (0-1).", ("side",),
+               series=_one(CLIP_SIDES)),
+    MetricSpec("learner", "explained_variance", G, "Critic explained variance of the returns (NaN when they do not "
+               "vary)."),
+    MetricSpec("learner", "version", G, "Policy version after the last update."),
+    MetricSpec("learner", "broadcast_seconds", H, "Time from the start of a version's publish to the last ack of the "
+               "engines in rotation.", buckets=TRANSFER_BUCKETS),
+    MetricSpec("learner", "weight_fetch_bytes_total", C, "Weight bytes sent to engines fetching over ZeroMQ (other "
+               "hosts)."),
+    MetricSpec("learner", "value_pretrain_steps_total", C, "Critic-only pretraining steps."),
+    MetricSpec("learner", "invalid_groups_total", C, "Groups refused before learning (a token outside the vocabulary, "
+               "a non-finite log-prob or reward, ...)."),
+    MetricSpec("learner", "critic_explained_variance_by_age", G, "Critic explained variance before the update, by "
+               "sample age in versions (NaN: undefined).", ("age",)),
+    MetricSpec("learner", "critic_value_error_abs_by_age", G, "Critic mean absolute value error before the update, "
+               "by sample age in versions (NaN: undefined).", ("age",)),
+    MetricSpec("learner", "replay_timeouts_total", C, "Batch requests the replay did not answer."),
+    MetricSpec("learner", "stale_groups_rejected_total", C, "Groups in a batch beyond the staleness bound (never "
+               "used)."),
+    MetricSpec("learner", "batch_wait_seconds_total", C, "Time spent waiting for batches."),
+    MetricSpec("learner", "engines_in_rotation", G, "Rollout engines whose acks a new version waits for."),
+    MetricSpec("learner", "engines_dropped_total", C, "Engines taken out of rotation for missing an ack."),
+    MetricSpec("learner", "engines_dead_total", C, "Engines taken out of rotation for silence "
+               "(cluster.wire.peer_dead_s)."),
+    MetricSpec("learner", "engines_rejoined_total", C, "Engines back in rotation after acking the latest."),
+    MetricSpec("learner", "weight_load_failures_total", C, "Acks reporting a failed weight load."),
+    MetricSpec("learner", "engines_by_weight_way", G, "Engines by the way they take their weights now (dist, shm, "
+               "zmq, file; \"auto\" chooses per engine).", ("way",), series=_one(WEIGHT_WAYS)),
+    MetricSpec("learner", "weight_dist_failures_total", C, "Versions an engine did not receive over its "
+               "torch.distributed group (its group torn down)."),
+    MetricSpec("learner", "weight_dist_send_seconds", H, "Seconds to stream one version to one engine over its group.",
+               buckets=TRANSFER_BUCKETS),
+)
+
+
+def specs_for(service: str) -> tuple[MetricSpec, ...]:
+    """The specs a service of this name creates: its own and those of "all"."""
+    return tuple(s for s in CATALOGUE if s.service in (service, "all"))
+
+
+def check_catalogue() -> None:
+    """Raise on a duplicate (service, name) or a spec whose series do not match its labels."""
+    seen: set[tuple[str, str]] = set()
+    for s in CATALOGUE:
+        if s.service not in (*SERVICES, "all"):
+            raise ValueError(f"{s.name}: unknown service {s.service!r}")
+        clash = [(x, s.name) for x in ((s.service,) if s.service != "all" else (*SERVICES, "all"))
+                 if (x, s.name) in seen or ("all", s.name) in seen]
+        if clash:
+            raise ValueError(f"{s.name} is declared twice")
+        seen.add((s.service, s.name))
+        if (s.kind == "histogram") != (s.buckets is not None):
+            raise ValueError(f"{s.name}: buckets go with histograms, and only with them")
+        if any(len(v) != len(s.labels) for v in s.series):
+            raise ValueError(f"{s.name}: each series needs one value per label {s.labels}")
+        if not s.help:
+            raise ValueError(f"{s.name}: give a help text")
+
+
+check_catalogue()
