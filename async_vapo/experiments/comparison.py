@@ -324,11 +324,8 @@ def report(out: Path) -> dict:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="async-vapo experiment", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p) -> None:
+    """The arguments of ``async-vapo experiment`` on the parser ``p`` (here and in ``async_vapo.cli``)."""
     sub = p.add_subparsers(dest="cmd", required=True)
     pr = sub.add_parser("run", help="train the plan's runs (skips finished ones), then write the report")
     pr.add_argument("--plan", choices=["all", "comparison", "ablation"], default="all")
@@ -345,6 +342,14 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("overrides", nargs="*", help="key.sub=value overrides for every run")
     rp = sub.add_parser("report", help="tables and plots from finished runs")
     rp.add_argument("--out", default="benchmarks/results/algorithms")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="async-vapo experiment", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
     args = p.parse_args(argv)
     out = Path(args.out)
     if args.cmd == "run":

@@ -384,12 +384,17 @@ def report_transport(out: Path) -> Path:
     return md
 
 
+def add_arguments(p) -> None:
+    """The arguments of ``async-vapo report`` on the parser ``p`` (here and in ``async_vapo.cli``)."""
+    p.add_argument("dirs", nargs="+", help="result folders (benchmarks/results/...)")
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="async-vapo report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("dirs", nargs="+", help="result folders (benchmarks/results/...)")
+    add_arguments(p)
     args = p.parse_args(argv)
     for d in map(Path, args.dirs):
         if not d.is_dir():

@@ -1,0 +1,5 @@
+import sys
+
+from async_vapo.cli import main
+
+sys.exit(main())
