@@ -11,6 +11,7 @@ from async_vapo.algo.losses import (
     positive_lm_loss,
     value_loss,
 )
+from async_vapo.algo.mismatch import behavior_log_ratio, is_weights, mismatch_metrics, rejection_mask
 from async_vapo.algo.utils import (
     entropy_from_logits,
     logprobs_from_logits,
@@ -21,12 +22,14 @@ from async_vapo.algo.utils import (
 )
 
 __all__ = [
+    "behavior_log_ratio",
     "broadcast_to_tokens",
     "compute_gae",
     "dynamic_sampling_keep",
     "entropy_from_logits",
     "explained_variance",
     "group_normalized_advantages",
+    "is_weights",
     "length_adaptive_lambda",
     "logprobs_from_logits",
     "loss_normalizer",
@@ -35,8 +38,10 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "microbatch_weight",
+    "mismatch_metrics",
     "policy_loss",
     "positive_lm_loss",
+    "rejection_mask",
     "soft_overlong_punishment",
     "value_loss",
 ]

@@ -429,18 +429,6 @@ def test_learner_metric_means_skip_undefined_explained_variances_only():
 # -- decoupled PPO: samples of older weights ------------------------------------------------------------------
 
 
-def test_behavior_weights_are_the_truncated_proximal_over_behaviour_ratio():
-    from async_vapo.algo.losses import behavior_weights
-
-    prox = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
-    behav = torch.tensor([[-1.0, -2.5, -0.2, 0.0]])
-    mask = torch.tensor([[1, 1, 1, 0]])
-    w, m = behavior_weights(prox, behav, mask, cap=1.5)
-    torch.testing.assert_close(w[0, :3], torch.tensor([1.0, 1.5, math.exp(-0.3)]))  # exp(0.5) = 1.65 capped
-    assert w[0, 3] == 1.0  # padding
-    assert abs(float(m["behavior_weight_capped_frac"]) - 1 / 3) < 1e-6 and float(m["behavior_weight_max"]) == 1.5
-
-
 def test_policy_loss_weights_each_tokens_surrogate_and_nothing_else():
     from async_vapo.algo.losses import policy_loss
 
