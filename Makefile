@@ -4,7 +4,7 @@ ARGS ?=
 # the run-directory rule's options: RUN=--new-run, or RUN="--resume auto" (default: resume or a new directory, said)
 RUN ?=
 
-.PHONY: setup test-deps train cluster test lint
+.PHONY: setup test-deps train cluster test lint docs docs-gen
 setup:
 	@bash deploy/setup.sh
 
@@ -23,6 +23,15 @@ cluster: setup
 test: test-deps
 	.venv/bin/ruff check .
 	.venv/bin/python -m pytest -q $(ARGS)
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
+
+# The documentation site (mkdocs.yml, docs/): served with live reload at http://127.0.0.1:8000.
+docs: setup
+	.venv/bin/mkdocs serve
+
+# Rewrites the reference pages generated from the code (config schema, metric catalogue, CLI parser).
+docs-gen: setup
+	.venv/bin/python docs/generate.py
 
 lint: setup
 	.venv/bin/ruff check .

