@@ -194,8 +194,19 @@ class VerifierConfig(_Section):
     [sandbox_uid_base, sandbox_uid_base + 4096): no account and no other program on the machine may use that
     range. The default lies in the range systemd leaves unused; in a rootless container pick a mapped range."""
 
+    reward_fn: str | None = None
+    """"module:function": grade with this function instead of the maths check, for datasets whose answers are not
+    maths. ``def f(response: str, answer: str) -> float``, importable in the verifier's environment (installed, or on
+    PYTHONPATH); it runs inside the sandboxed workers with the limits above. Its number is the reward (correct when at
+    least reward_correct; True/False mean reward_correct/reward_incorrect); an exception or a result that is no finite
+    number gives the verdict 'reward_error' (reward_incorrect). answer_format is then unused. See
+    ``async_vapo.verify.reward_fn``. None: the maths check."""
+
     @model_validator(mode="after")
     def _check(self) -> VerifierConfig:
+        if self.reward_fn is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", self.reward_fn):
+            raise ValueError(f"verifier.reward_fn = {self.reward_fn!r}: expected 'module:function' "
+                             "(e.g. 'my_rewards:exact_match')")
         if self.reward_correct <= self.reward_incorrect:
             raise ValueError("reward_correct must be greater than reward_incorrect")
         if self.message_budget_s is not None and self.message_budget_s < self.timeout_s:
@@ -748,6 +759,26 @@ class ClusterConfig(_Section):
         return self
 
 
+class MetricsConfig(_Section):
+    """Where the run's rows go besides ``RUN_DIR/metrics.jsonl``. Every row (train, pretrain, eval) is written once
+    and fanned out to each sink turned on here (``async_vapo.metrics.rows.open_row_writer``); both trackers are off by
+    default and need the ``trackers`` extra (``pip install -e '.[trackers]'``)."""
+
+    tensorboard: bool = False
+    """Also write every row's numbers as TensorBoard scalars under ``RUN_DIR/tensorboard/`` (one event file per
+    writing process: the learner's rows and rollout 0's eval rows land in the same directory)."""
+    wandb: bool = False
+    """Also log every row's numbers to Weights & Biases, under ``RUN_DIR/wandb/`` (one W&B run per writing process,
+    grouped by ``train.name``)."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """"offline": written to ``RUN_DIR/wandb/offline-run-*`` with no network (upload later with ``wandb sync``);
+    "online": streamed to the W&B server (needs ``wandb login`` or ``WANDB_API_KEY``)."""
+    wandb_project: str = Field("async-vapo", min_length=1)
+    """W&B project of the runs."""
+    wandb_entity: str | None = None
+    """W&B entity (user or team); None: the logged-in user's default."""
+
+
 class TrainConfig(_Section):
     """The run: how many updates, how often to evaluate and checkpoint, where to write, seeds and threads."""
 
@@ -789,6 +820,8 @@ class Config(_Section):
     train: TrainConfig = TrainConfig()
     cluster: ClusterConfig = ClusterConfig()
     """Services of the asynchronous cluster (ports, timeouts)."""
+    metrics: MetricsConfig = MetricsConfig()
+    """Experiment trackers fed from the same rows as ``metrics.jsonl``."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True,
                               use_attribute_docstrings=True)

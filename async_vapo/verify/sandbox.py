@@ -54,10 +54,14 @@ Wire protocol (private to this module; both ends live here)
 - Two anonymous pipes per worker (``pass_fds``), each message a 4-byte big-endian length then
   ASCII JSON (``ensure_ascii`` keeps lone surrogates intact). The parent drops a worker whose
   message header announces more than ``_MAX_REPLY_BYTES`` before reading the body.
-- worker -> pool ``{"kind": "ready", "v": PROTOCOL_VERSION, "pid", "startup_s", "isolation"}``, once.
+- worker -> pool ``{"kind": "ready", "v": PROTOCOL_VERSION, "pid", "startup_s", "isolation"}``, once; or, when
+  ``reward_fn`` does not load, ``{"kind": "start_error", "v", "error"}`` and the worker exits (the pool raises
+  ``WorkerStartError`` with that error: a configuration mistake stops the start, never a check).
 - pool -> worker ``{"items": [[index, response, answer], ...]}``: a chunk, graded in order.
 - worker -> pool ``{"kind": "result", "i", "reason", "seconds", "detail"}``, one per item, sent as
-  soon as that item is done.
+  soon as that item is done. With a ``reward_fn`` (:mod:`async_vapo.verify.reward_fn`) the reason is "scored"
+  with ``"reward"`` (a finite number or a bool), which the pool turns into "correct" (reward at least
+  ``reward_correct``) or "incorrect", or "reward_error" (the function raised or returned no finite number).
 
 Deadlines and failure policy
 - One check at a time per worker. Each item has its own wall-clock deadline of ``timeout_s``,
@@ -115,8 +119,9 @@ __all__ = ["REASONS", "VerifierPool", "VerifyResult", "WorkerStartError", "main"
 
 REASONS = (
     "correct", "incorrect", "no_answer", "parse_error", "timeout", "crash", "too_long", "bad_input", "over_budget",
+    "reward_error",
 )  # fmt: skip
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +178,7 @@ class _ProtocolError(Exception):
     """A worker sent a message the pool did not expect; the worker is treated as crashed."""
 
 
-_WORKER_REASONS = frozenset({"correct", "incorrect", "no_answer", "parse_error", "timeout"})
+_WORKER_REASONS = frozenset({"correct", "incorrect", "no_answer", "parse_error", "timeout", "reward_error", "scored"})
 _ISOLATION_KEYS = frozenset({"uid", "netns", "userns", "nproc", "nproc_scope", "no_new_privs", "capabilities"})
 
 
@@ -304,9 +309,10 @@ class VerifierPool:
     ``verify`` is thread-safe (calls are serialized). ``message_budget_s`` is the default wall-clock budget
     of one ``verify`` call (None: none). ``max_processes`` is each worker's RLIMIT_NPROC (itself included)
     and ``sandbox_uid_base`` the first of the uids leased to workers when the pool runs as root.
-    ``_test_hooks`` makes workers honour magic responses (``__hang__``, ``__crash__``, ``__probe__``,
-    ``__net__:PORT``, ``__forkbomb__``, ...; see ``_test_hook``) for the test suite only; never enable it
-    for real traffic.
+    ``reward_fn`` ("module:function", :mod:`async_vapo.verify.reward_fn`) grades with the user's function instead of
+    ``check_answer`` (``answer_format`` is then unused). ``_test_hooks`` makes workers honour magic responses
+    (``__hang__``, ``__crash__``, ``__probe__``, ``__net__:PORT``, ``__forkbomb__``, ...; see ``_test_hook``) for the
+    test suite only; never enable it for real traffic.
     """
 
     def __init__(
@@ -327,6 +333,7 @@ class VerifierPool:
         max_processes: int = 4,
         sandbox_uid_base: int = DEFAULT_UID_BASE,
         answer_format: str = "boxed",
+        reward_fn: str | None = None,
         _test_hooks: bool = False,
     ) -> None:
         if num_workers < 1:
@@ -367,6 +374,11 @@ class VerifierPool:
         if answer_format not in ANSWER_FORMATS:
             raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")
         self.answer_format = answer_format
+        from async_vapo.verify.reward_fn import REWARD_FN_RE
+
+        if reward_fn is not None and not REWARD_FN_RE.match(reward_fn):
+            raise ValueError(f"reward_fn must be 'module:function', got {reward_fn!r}")
+        self.reward_fn = reward_fn
         self._test_hooks = _test_hooks
         self._rewards = {r: (reward_correct if r == "correct" else reward_incorrect) for r in REASONS}
         self._rewards.update(reason_rewards or {})
@@ -410,7 +422,8 @@ class VerifierPool:
         return cls(num_workers=num_workers or v.num_workers, timeout_s=v.timeout_s, memory_limit_mb=v.memory_limit_mb,
                    max_response_chars=v.max_response_chars, reward_correct=v.reward_correct,
                    reward_incorrect=v.reward_incorrect, message_budget_s=v.message_budget_s,
-                   max_processes=v.max_processes, sandbox_uid_base=v.sandbox_uid_base, answer_format=v.answer_format)
+                   max_processes=v.max_processes, sandbox_uid_base=v.sandbox_uid_base, answer_format=v.answer_format,
+                   reward_fn=v.reward_fn)
 
     def verify(self, items: Sequence[tuple[str, str]], budget_s: float | None = None) -> list[VerifyResult]:
         """Grade ``(response, answer)`` pairs; results come back in input order.
@@ -503,9 +516,18 @@ class VerifierPool:
 
     # ------------------------------------------------------------------------------ dispatching
 
-    def _result(self, reason: str, seconds: float = 0.0, detail: str = "") -> VerifyResult:
+    def _result(self, reason: str, seconds: float = 0.0, detail: str = "", reward: float | None = None) -> VerifyResult:
         self._counts[reason] += 1
-        return VerifyResult(self._rewards[reason], reason == "correct", reason, seconds, detail)
+        return VerifyResult(self._rewards[reason] if reward is None else reward, reason == "correct", reason, seconds,
+                            detail)
+
+    def _scored(self, reward: Any) -> tuple[str, float]:
+        """A reward_fn's "scored" result as (reason, reward); _ProtocolError when it is no finite number or bool."""
+        if isinstance(reward, bool):
+            return ("correct", self._rewards["correct"]) if reward else ("incorrect", self._rewards["incorrect"])
+        if not isinstance(reward, int | float) or not math.isfinite(reward):
+            raise _ProtocolError(f"scored result with reward {reward!r}")
+        return ("correct" if reward >= self._rewards["correct"] else "incorrect"), float(reward)
 
     def _log_isolation(self) -> None:
         iso = self.isolation
@@ -670,6 +692,8 @@ class VerifierPool:
                 kind = msg["kind"]
             except (ValueError, KeyError, TypeError) as e:
                 raise _ProtocolError(f"undecodable message: {e!r}") from None
+            if kind == "start_error" and not w.ready:
+                raise WorkerStartError(str(msg.get("error", "the worker could not start"))[:2000])
             if kind == "ready" and not w.ready:
                 if msg.get("v") != PROTOCOL_VERSION:
                     raise WorkerStartError(f"worker speaks protocol {msg.get('v')}, pool {PROTOCOL_VERSION}")
@@ -685,8 +709,11 @@ class VerifierPool:
                 reason = msg.get("reason")
                 if reason not in _WORKER_REASONS:
                     raise _ProtocolError(f"unknown reason {reason!r}")
+                reward = None
+                if reason == "scored":
+                    reason, reward = self._scored(msg.get("reward"))
                 i = w.inflight.popleft()
-                results[i] = self._result(reason, float(msg.get("seconds", 0.0)), str(msg.get("detail", "")))
+                results[i] = self._result(reason, float(msg.get("seconds", 0.0)), str(msg.get("detail", "")), reward)
                 w.deadline = time.monotonic() + self.timeout_s if w.inflight else math.inf
             else:
                 raise _ProtocolError(f"unexpected {kind!r} message")
@@ -745,6 +772,8 @@ class VerifierPool:
             "--max-processes", str(self.max_processes),
             "--answer-format", self.answer_format,
         ]  # fmt: skip
+        if self.reward_fn is not None:
+            cmd += ["--reward-fn", self.reward_fn]
         if uid is not None:
             cmd += ["--uid", str(uid), "--gid", str(uid)]
         if self._test_hooks:
@@ -1131,6 +1160,15 @@ def _serve(args: argparse.Namespace) -> int:
     # Imports and warm-up run before the drop: they read only installed code and these fixed answers.
     for response, answer in _WARMUP:
         check_answer(response, answer, answer_format=args.answer_format)
+    reward_fn = None
+    if args.reward_fn is not None:  # the operator's code, imported like math-verify (see verify.reward_fn)
+        from async_vapo.verify.reward_fn import RewardFnError, load_reward_fn, score
+
+        try:
+            reward_fn = load_reward_fn(args.reward_fn)
+        except RewardFnError as e:
+            _write_all(args.resp_fd, _encode({"kind": "start_error", "v": PROTOCOL_VERSION, "error": str(e)}))
+            return 2
     isolation = _drop_privileges(args.uid, args.gid, args.max_processes)
     isolation.update(netns=netns, userns=userns, nproc_scope="worker" if args.uid is not None or userns else "user")
     if check_answer(*_WARMUP[0]) != (True, "correct"):
@@ -1146,7 +1184,7 @@ def _serve(args: argparse.Namespace) -> int:
             return 0
         for i, response, answer in json.loads(body)["items"]:
             start = time.perf_counter()
-            detail = ""
+            detail, reward = "", None
             try:
                 try:
                     _arm_cpu_limit(args.cpu_limit_s)
@@ -1155,6 +1193,8 @@ def _serve(args: argparse.Namespace) -> int:
                     hooked = _test_hook(response, args.memory_limit_mb) if args.test_hooks else None
                     if hooked is not None:
                         reason, detail = hooked
+                    elif reward_fn is not None:
+                        reason, reward, detail = score(reward_fn, response, answer)
                     else:
                         reason = check_answer(response, answer, answer_format=args.answer_format)[1]
                 finally:
@@ -1168,6 +1208,8 @@ def _serve(args: argparse.Namespace) -> int:
                 reason, detail = "parse_error", f"{type(e).__name__}: {e}"[:500]
             reply = {"kind": "result", "i": i, "reason": reason, "seconds": time.perf_counter() - start}
             reply["detail"] = detail
+            if reason == "scored":
+                reply["reward"] = reward
             _write_all(args.resp_fd, _encode(reply))
 
 
@@ -1184,6 +1226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-processes", type=int, default=4, help="RLIMIT_NPROC (tasks, the worker included)")
     parser.add_argument("--answer-format", default="boxed", choices=("boxed", "answer_line", "auto", "solution"),
                         help="which part of a response is its answer (verify.check)")
+    parser.add_argument("--reward-fn", help="grade with this 'module:function' instead (verify.reward_fn)")
     parser.add_argument("--uid", type=int, help="run checks as this uid (the pool runs as root)")
     parser.add_argument("--gid", type=int, help="and this gid")
     parser.add_argument("--test-hooks", action="store_true", help=argparse.SUPPRESS)

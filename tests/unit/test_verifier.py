@@ -444,6 +444,7 @@ def test_worker_that_misses_ready_is_a_named_error():
 def test_reasons_are_the_documented_set():
     assert set(REASONS) == {
         "correct", "incorrect", "no_answer", "parse_error", "timeout", "crash", "too_long", "bad_input", "over_budget",
+        "reward_error",
     }  # fmt: skip
 
 
@@ -681,3 +682,144 @@ def test_budget_default_comes_from_the_pool_and_is_validated():
         assert reasons(p.verify([("\\boxed{1}", "1")], budget_s=math.inf)) == ["correct"]
     with pytest.raises(ValueError, match="budget"):
         VerifierPool(message_budget_s=-1.0)
+
+
+# ---------------------------------------------------------------------- a user's reward function
+
+# A user's module of reward functions for answers that are not maths (labels). ``dispatch`` lets one pool exercise
+# every outcome: the response picks the behaviour, so a single worker start covers them all.
+USER_REWARDS = """
+import os
+import signal
+import time
+
+def label_match(response, answer):
+    return 1.0 if response.strip().lower() == answer.strip().lower() else -1.0
+
+def dispatch(response, answer):
+    kind, _, arg = response.partition(":")
+    if kind == "label":
+        return label_match(arg, answer)
+    if kind == "partial":
+        return float(arg)
+    if kind == "bool":
+        return arg == answer
+    if kind == "where":  # the worker's pid and uid, as a number
+        return os.getpid() * 10.0 + (os.getuid() == 0)
+    if kind == "raise":
+        raise ValueError("unknown label " + arg)
+    if kind == "text":
+        return "yes"
+    if kind == "none":
+        return None
+    if kind == "nan":
+        return float("nan")
+    if kind == "hang":
+        while True:
+            pass
+    if kind == "hang_hard":
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        time.sleep(3600)
+    if kind == "memory":
+        return len(bytearray(8 << 30))
+    if kind == "exit":
+        raise SystemExit(3)
+    return -1.0
+
+class Scorers:
+    @staticmethod
+    def exact(response, answer):
+        return response == answer
+
+NOT_CALLABLE = 3
+"""
+
+
+@pytest.fixture(scope="module")
+def user_rewards_path(tmp_path_factory):
+    """A directory holding the user's module, on PYTHONPATH while this module's tests run (replacement workers read
+    it when they start too)."""
+    where = tmp_path_factory.mktemp("user-rewards")
+    (where / "vapo_user_rewards.py").write_text(USER_REWARDS)
+    (where / "vapo_broken_rewards.py").write_text("raise RuntimeError('broken at import')\n")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", str(where))
+        mp.syspath_prepend(str(where))
+        yield where
+
+
+@pytest.fixture(scope="module")
+def reward_pool(user_rewards_path):
+    with VerifierPool(num_workers=1, timeout_s=1.0, memory_limit_mb=512,
+                      reward_fn="vapo_user_rewards:dispatch") as p:
+        yield p
+
+
+def test_reward_fn_scores_inside_the_sandbox(reward_pool):
+    results = reward_pool.verify([("label:Cat", "cat"), ("label:dog", "cat"), ("partial:0.25", "x"),
+                                  ("partial:1.5", "x"), ("bool:b", "b"), ("bool:a", "b"), ("where:", "x")])
+    assert [r.reward for r in results[:6]] == [1.0, -1.0, 0.25, 1.5, 1.0, -1.0]
+    # correct means at least reward_correct (1.0): a full match, a bonus above it, True
+    assert [r.correct for r in results[:6]] == [True, False, False, True, True, False]
+    assert reasons(results[:6]) == ["correct", "incorrect", "incorrect", "correct", "correct", "incorrect"]
+    where = results[6].reward
+    assert int(where // 10) == reward_pool.worker_pids[0]  # computed in the worker, not in this process
+    assert where % 10 == 0  # and not as root: the worker had dropped to its own uid (or never had root)
+
+
+def test_reward_fn_errors_are_verdicts_and_the_worker_lives_on(reward_pool):
+    pids, replaced = reward_pool.worker_pids, reward_pool.stats["workers_replaced"]
+    results = reward_pool.verify([("raise:zebra", "cat"), ("text:", "cat"), ("none:", "cat"), ("nan:", "cat"),
+                                  ("exit:", "cat"), ("label:cat", "cat")])
+    assert reasons(results) == ["reward_error"] * 5 + ["correct"]
+    assert [r.reward for r in results] == [-1.0] * 5 + [1.0]
+    assert results[0].detail == "reward_fn raised ValueError: unknown label zebra"
+    assert results[1].detail == "reward_fn returned str, not a float"
+    assert results[2].detail == "reward_fn returned NoneType, not a float"
+    assert results[3].detail == "reward_fn returned nan, not a finite float"
+    assert results[4].detail == "reward_fn raised SystemExit: 3"
+    assert reward_pool.worker_pids == pids and reward_pool.stats["workers_replaced"] == replaced
+
+
+def test_reward_fn_runs_under_the_sandbox_limits(reward_pool):
+    replaced = reward_pool.stats["workers_replaced"]
+    results = reward_pool.verify([("hang:", "x"), ("hang_hard:", "x"), ("memory:", "x"), ("label:cat", "cat")],
+                                 budget_s=math.inf)
+    print("hang, hard hang, 8 GiB:", reasons(results), [r.detail for r in results])
+    assert reasons(results) == ["timeout", "timeout", "crash", "correct"]
+    assert results[0].detail.startswith("soft limit")  # the worker's timer: the worker was kept
+    assert results[1].detail == "no result within 1s"  # the pool's kill
+    assert results[2].detail == "worker died: MemoryError"  # RLIMIT_AS of 512 MiB
+    assert reward_pool.stats["workers_replaced"] - replaced == 2
+
+
+def test_reward_fn_paths_resolve_or_say_why(user_rewards_path):
+    from async_vapo.verify.reward_fn import RewardFnError, load_reward_fn
+
+    assert load_reward_fn("vapo_user_rewards:Scorers.exact")("a", "a") is True
+    for path, why in [("vapo_user_rewards", "expected 'module:function'"),
+                      ("vapo_user_rewards:", "expected 'module:function'"),
+                      ("no_such_module_here:f", "cannot import 'no_such_module_here' (ModuleNotFoundError"),
+                      ("vapo_broken_rewards:f", "cannot import 'vapo_broken_rewards' (RuntimeError: broken at import)"),
+                      ("vapo_user_rewards:missing", "'vapo_user_rewards' has no attribute 'missing'"),
+                      ("vapo_user_rewards:NOT_CALLABLE", "int is not callable")]:
+        with pytest.raises(RewardFnError) as e:
+            load_reward_fn(path)
+        assert why in str(e.value), str(e.value)
+
+
+def test_a_bad_reward_fn_stops_the_pool_from_starting_with_its_reason(user_rewards_path):
+    from async_vapo.config import load_config
+
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    with pytest.raises(WorkerStartError, match="^verifier.reward_fn = 'vapo_user_rewards:missing': "
+                                               "'vapo_user_rewards' has no attribute 'missing'$"):
+        VerifierPool(num_workers=1, reward_fn="vapo_user_rewards:missing")
+    _wait_until(lambda: {c.pid for c in psutil.Process().children(recursive=True)} <= before)
+    with pytest.raises(ValueError, match="module:function"):
+        VerifierPool(num_workers=1, reward_fn="not a path")
+    with pytest.raises(ValueError, match="expected 'module:function'"):  # the loader's error or pydantic's
+        load_config([], ["verifier.reward_fn=rewards.py"])
+    v = load_config([], ["verifier.reward_fn=vapo_user_rewards:Scorers.exact", "verifier.num_workers=1"]).verifier
+    with VerifierPool.from_config(v) as p:
+        assert reasons(p.verify([("yes", "yes"), ("yes", "no")])) == ["correct", "incorrect"]
