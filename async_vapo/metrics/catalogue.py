@@ -32,6 +32,10 @@ CLIP_SIDES = ("low", "high")
 WEIGHT_WAYS = ("dist", "shm", "zmq", "file")
 HTTP_REJECT_REASONS = ("capacity", "timeout", "malformed", "unauthorized", "tls")
 SERVICES = ("rollout", "verifier", "replay", "learner")
+# Version lags of the mismatch gauges: every measured token, then 0, 1, 2 or more versions (algo.mismatch).
+MISMATCH_LAGS = ("all", "0", "1", "2+")
+MISMATCH_STATS = ("mean", "max")
+MASKED_UNITS = ("token", "sequence")
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,11 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "stale_weights, version_budget).", ("reason",)),
     MetricSpec("rollout", "admission_refills_total", C, "Budgets topped up: the learner reported a wait of "
                "cluster.rollout.admission_starved_s, or no new version came for cluster.rollout.admission_refill_s."),
+    MetricSpec("rollout", "eval_accuracy", G, "Held-out accuracy of the last evaluation (0-1). Only rollout 0 "
+               "evaluates (every train.eval_every versions); 0 before its first evaluation."),
+    MetricSpec("rollout", "eval_response_length_tokens", G, "Mean response length (tokens) of the last held-out "
+               "evaluation (rollout 0)."),
+    MetricSpec("rollout", "eval_policy_version", G, "Policy version of the last held-out evaluation (rollout 0)."),
     # -- verifier ---------------------------------------------------------------------------------------------
     MetricSpec("verifier", "checks_total", C, "Responses checked, by verdict.", ("reason",)),
     MetricSpec("verifier", "timeouts_total", C, "Checks killed at the per-check time limit."),
@@ -136,6 +145,24 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "sample age in versions (NaN: undefined).", ("age",)),
     MetricSpec("learner", "critic_value_error_abs_by_age", G, "Critic mean absolute value error before the update, "
                "by sample age in versions (NaN: undefined).", ("age",)),
+    MetricSpec("learner", "mismatch_kl_nats", G, "k3 estimate of KL(behaviour || proximal) per token over the last "
+               "update's tokens with an engine log-prob, by version lag (NaN: no token of that lag).", ("lag",),
+               series=_one(MISMATCH_LAGS)),
+    MetricSpec("learner", "mismatch_abs_log_ratio", G, "|log pi_proximal - log pi_behaviour| per token over the last "
+               "update, mean or max, by version lag (NaN: no token of that lag).", ("stat", "lag"),
+               series=tuple((s, lag) for s in MISMATCH_STATS for lag in MISMATCH_LAGS)),
+    MetricSpec("learner", "mismatch_seq_abs_log_ratio", G, "|sum over a response of log pi_proximal - log "
+               "pi_behaviour| (its log sequence ratio) over the last update's responses, mean or max.", ("stat",),
+               series=_one(MISMATCH_STATS)),
+    MetricSpec("learner", "mismatch_seq_kl_nats", G, "Sum over a response of the per-token k3 estimates, mean over "
+               "the last update's responses (a sequence-level KL estimate)."),
+    MetricSpec("learner", "correction_truncated_ratio", G, "Share of the last update's tokens whose behaviour weight "
+               "the cap lowered (algo.behavior_weight_cap, 0-1)."),
+    MetricSpec("learner", "correction_weight", G, "Behaviour importance weight on the last update's tokens, mean or "
+               "max (1 = none).", ("stat",), series=_one(MISMATCH_STATS)),
+    MetricSpec("learner", "correction_masked_ratio", G, "Share of the last update's tokens, or of its responses "
+               "(every token), that the behaviour mask removed from the policy loss (algo.behavior_mask, 0-1).",
+               ("unit",), series=_one(MASKED_UNITS)),
     MetricSpec("learner", "replay_timeouts_total", C, "Batch requests the replay did not answer."),
     MetricSpec("learner", "stale_groups_rejected_total", C, "Groups in a batch beyond the staleness bound (never "
                "used)."),

@@ -95,6 +95,27 @@ def export_row(metrics: ServiceMetrics, row: dict, version: int) -> None:
         if key.startswith("critic_age/") and not key.endswith("/samples"):
             _, age, what = key.split("/")
             metrics.get(f"critic_{what}_by_age").labels(age=age).set(value(key))
+    if "mismatch/k3" in row:  # learner.vapo's mismatch/* and correction/*; a lag bucket left out of the row (no
+        # token of that lag in the update) sets its gauges to NaN
+        kl, abs_lr = metrics.get("mismatch_kl_nats"), metrics.get("mismatch_abs_log_ratio")
+        for lag, prefix in (("all", "mismatch/"), ("0", "mismatch/lag0/"), ("1", "mismatch/lag1/"),
+                            ("2+", "mismatch/lag2plus/")):
+            present = f"{prefix}k3" in row
+            kl.labels(lag=lag).set(value(f"{prefix}k3") if present else math.nan)
+            for stat in ("mean", "max"):
+                key = f"{prefix}abs_log_ratio_{stat}"
+                abs_lr.labels(stat=stat, lag=lag).set(value(key) if present else math.nan)
+        for stat in ("mean", "max"):
+            metrics.get("mismatch_seq_abs_log_ratio").labels(stat=stat).set(value(f"mismatch/seq_abs_log_ratio_{stat}"))
+        metrics.get("mismatch_seq_kl_nats").set(value("mismatch/seq_k3"))
+        for key, gauge, labels in (("correction/truncated_frac", "correction_truncated_ratio", {}),
+                                   ("correction/weight_mean", "correction_weight", {"stat": "mean"}),
+                                   ("correction/weight_max", "correction_weight", {"stat": "max"}),
+                                   ("correction/masked_frac", "correction_masked_ratio", {"unit": "token"}),
+                                   ("correction/masked_seq_frac", "correction_masked_ratio", {"unit": "sequence"})):
+            if key in row:
+                g = metrics.get(gauge)
+                (g.labels(**labels) if labels else g).set(value(key))
     lm.version.set(version)
     if "time/step_s" in row:
         lm.step_seconds.observe(row["time/step_s"])

@@ -372,3 +372,23 @@ def test_learner_measures_the_mismatch_and_the_switches_reach_the_loss(tmp_path)
     m_seq, d_seq = run("algo.behavior_weight=sequence", "algo.behavior_weight_cap=100")
     assert m_seq["correction/weight_mean"] > e(0.3)  # e^(0.3 L) per sequence
     assert moved({k: d_seq[k] - d_tok[k] for k in d_seq}) > 1e-6
+
+    # the same row as the learner service exports it to Prometheus
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from async_vapo.metrics.prom import ServiceMetrics
+    from async_vapo.services.learner import export_row
+
+    prom = ServiceMetrics("learner", gpu=False)
+    export_row(prom, {"kind": "train", "step": 1, **m_half}, version=1)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(prom.exposition().decode()) for s in f.samples}
+    assert samples[("async_vapo_learner_mismatch_kl_nats", (("lag", "all"),))] == pytest.approx(
+        m_half["mismatch/k3"])
+    assert samples[("async_vapo_learner_mismatch_kl_nats", (("lag", "0"),))] == pytest.approx(m_half["mismatch/k3"])
+    assert math.isnan(samples[("async_vapo_learner_mismatch_kl_nats", (("lag", "1"),))])  # no token one version old
+    assert samples[("async_vapo_learner_mismatch_abs_log_ratio", (("lag", "all"), ("stat", "max")))] == \
+        pytest.approx(0.3, abs=1e-5)
+    assert samples[("async_vapo_learner_correction_masked_ratio", (("unit", "sequence"),))] == pytest.approx(0.5)
+    assert samples[("async_vapo_learner_correction_weight", (("stat", "mean"),))] == pytest.approx(
+        m_half["correction/weight_mean"])
