@@ -1,0 +1,197 @@
+"""One row source, several sinks: every metric row of a run goes to ``metrics.jsonl`` and to each tracker turned on.
+
+A row is the dict the learner loop writes per update (``kind`` "train"), per value-pretraining step ("pretrain"),
+and the dict an evaluation writes ("eval": rollout 0 in the cluster, the trainer in one process). The writer of a
+row is made in one place, :func:`open_row_writer`, from the config: the JSONL file always, then TensorBoard
+(``metrics.tensorboard``), Weights & Biases (``metrics.wandb``) and, in a service, its Prometheus gauges.
+
+Invariants
+- ``metrics.jsonl`` is the record: it is written first, so a tracker that fails to log a row never loses it there.
+- Trackers receive the row's numbers only (ints, floats, bools as 0/1); a non-finite float is "no value at this step"
+  (``null`` in the JSONL) and is left out, as are strings and nested values.
+- Names (tags) are the row's keys, namespaced by kind: a train row's keys are already namespaced (``actor/``,
+  ``critic/``, ``rollout/``, ``time/``) and stay as they are; a pretrain or eval row's key gets ``pretrain/`` or
+  ``eval/`` in front unless it has it already (``critic/value_loss`` of pretraining is ``pretrain/critic/value_loss``,
+  ``eval/accuracy`` stays). The x-axis is the row's ``step`` (the policy version for eval rows).
+- The trackers' packages are imported only when turned on; a turned-on tracker whose package is missing is an error
+  at construction that names the extra to install, never a silent no-op.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from async_vapo.metrics.jsonl import JsonlWriter
+
+if TYPE_CHECKING:
+    from async_vapo.config.schema import Config
+    from async_vapo.metrics.prom import ServiceMetrics
+
+__all__ = ["PrometheusEvalSink", "RowSink", "RowWriter", "TensorBoardSink", "WandbSink", "open_row_writer",
+           "scalars", "tag"]
+
+EVAL_GAUGES = {"eval/accuracy": "eval_accuracy", "eval/response_length": "eval_response_length_tokens"}
+"""Eval row key -> rollout gauge (``async_vapo_rollout_<name>``) set by :class:`PrometheusEvalSink`."""
+
+
+class RowSink(Protocol):
+    """Where rows go. ``write`` takes one row; ``close`` flushes and releases (idempotent)."""
+
+    def write(self, row: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def tag(kind: str, key: str) -> str:
+    """The tracker name of ``key`` in a row of ``kind`` (see the module docstring)."""
+    if kind == "train" or key.startswith(f"{kind}/"):
+        return key
+    return f"{kind}/{key}"
+
+
+def scalars(row: dict) -> tuple[str, int, dict[str, float]]:
+    """``(kind, step, {tag: value})`` of ``row``: its finite numbers, ``kind`` and ``step`` left out."""
+    kind = str(row.get("kind", "train"))
+    step = int(row.get("step", 0))
+    out: dict[str, float] = {}
+    for key, value in row.items():
+        if key in ("kind", "step") or not isinstance(value, int | float):
+            continue
+        value = float(value)
+        if math.isfinite(value):
+            out[tag(kind, key)] = value
+    return kind, step, out
+
+
+class RowWriter:
+    """Fans each row out to its sinks, in order (the JSONL file first). ``path`` is the JSONL file's."""
+
+    def __init__(self, sinks: Sequence[RowSink], path: Path | None = None):
+        self.sinks = list(sinks)
+        self.path = path
+
+    def write(self, row: dict) -> None:
+        for sink in self.sinks:
+            sink.write(row)
+
+    def close(self) -> None:
+        errors = []
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as e:  # close every sink; report the first failure after
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+def _missing(what: str, package: str) -> RuntimeError:
+    return RuntimeError(f"metrics.{what} = true needs the {package} package: pip install -e '.[trackers]' "
+                        f"(or pip install {package}), or set metrics.{what} = false")
+
+
+class TensorBoardSink:
+    """Scalars in ``log_dir`` (an event file of this process's own, as TensorBoard names them: several processes
+    may write the same directory)."""
+
+    def __init__(self, log_dir: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise _missing("tensorboard", "tensorboard") from e
+        self.log_dir = log_dir
+        self._writer = SummaryWriter(log_dir=str(log_dir), flush_secs=30)
+
+    def write(self, row: dict) -> None:
+        _kind, step, values = scalars(row)
+        for name, value in values.items():
+            self._writer.add_scalar(name, value, global_step=step)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+class WandbSink:
+    """One W&B run of this process, under ``directory/wandb/``; runs of one training share the group ``group``.
+
+    Each row is logged with its ``step`` as a value and every other name plotted against it (``define_metric``): W&B's
+    own step must only grow, which pretraining (steps from 0) followed by training (steps from 0 again) would break."""
+
+    def __init__(self, directory: Path, *, project: str, group: str, name: str, job_type: str, mode: str,
+                 entity: str | None, config: dict | None = None):
+        try:
+            import wandb
+        except ImportError as e:
+            raise _missing("wandb", "wandb") from e
+        directory.mkdir(parents=True, exist_ok=True)
+        self._run = wandb.init(project=project, entity=entity, group=group, name=name, job_type=job_type,
+                               mode=mode, dir=str(directory), config=config, reinit="create_new",
+                               settings=wandb.Settings(silent=True, console="off", x_disable_stats=True))
+        self._run.define_metric("step")
+        self._run.define_metric("*", step_metric="step")
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self._run.dir).parent
+
+    def write(self, row: dict) -> None:
+        _kind, step, values = scalars(row)
+        self._run.log({"step": step, **values})
+
+    def close(self) -> None:
+        if self._run is not None:
+            self._run.finish()
+            self._run = None
+
+
+class PrometheusEvalSink:
+    """Sets the service's held-out gauges (:data:`EVAL_GAUGES`, and ``eval_policy_version``: the version they are of)
+    from each eval row; other rows pass by. The gauges are declared in ``async_vapo.metrics.catalogue``."""
+
+    def __init__(self, metrics: ServiceMetrics):
+        self._gauges = {key: metrics.get(name) for key, name in EVAL_GAUGES.items()}
+        self._version = metrics.get("eval_policy_version")
+
+    def write(self, row: dict) -> None:
+        if row.get("kind") != "eval":
+            return
+        for key, gauge in self._gauges.items():
+            value = row.get(key)
+            if isinstance(value, int | float) and math.isfinite(value):
+                gauge.set(value)
+        if isinstance(row.get("version"), int):
+            self._version.set(row["version"])
+
+    def close(self) -> None:
+        pass
+
+
+def open_row_writer(cfg: Config, path: Path, service_metrics: ServiceMetrics | None = None, *,
+                    truncate: bool = False) -> RowWriter:
+    """The row writer of a process: ``path`` (``RUN_DIR/metrics.jsonl``), then the trackers of ``cfg.metrics`` in
+    ``path``'s directory, then, with ``service_metrics``, that service's gauges set from eval rows."""
+    run_dir = path.parent
+    m = cfg.metrics
+    role = service_metrics.service if service_metrics is not None else "trainer"
+    sinks: list[RowSink] = [JsonlWriter(path, truncate=truncate)]
+    try:
+        if m.tensorboard:
+            sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+        if m.wandb:
+            name = f"{role}-{socket.gethostname()}-{os.getpid()}"
+            sinks.append(WandbSink(run_dir, project=m.wandb_project, entity=m.wandb_entity, group=cfg.train.name,
+                                   name=name, job_type=role, mode=m.wandb_mode,
+                                   config=cfg.model_dump(mode="json", by_alias=True)))
+        if service_metrics is not None:
+            sinks.append(PrometheusEvalSink(service_metrics))
+    except BaseException:
+        RowWriter(sinks).close()
+        raise
+    return RowWriter(sinks, path)
