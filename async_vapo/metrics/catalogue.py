@@ -95,6 +95,11 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "stale_weights, version_budget).", ("reason",)),
     MetricSpec("rollout", "admission_refills_total", C, "Budgets topped up: the learner reported a wait of "
                "cluster.rollout.admission_starved_s, or no new version came for cluster.rollout.admission_refill_s."),
+    MetricSpec("rollout", "eval_accuracy", G, "Held-out accuracy of the last evaluation (0-1). Only rollout 0 "
+               "evaluates (every train.eval_every versions); 0 before its first evaluation."),
+    MetricSpec("rollout", "eval_response_length_tokens", G, "Mean response length (tokens) of the last held-out "
+               "evaluation (rollout 0)."),
+    MetricSpec("rollout", "eval_policy_version", G, "Policy version of the last held-out evaluation (rollout 0)."),
     # -- verifier ---------------------------------------------------------------------------------------------
     MetricSpec("verifier", "checks_total", C, "Responses checked, by verdict.", ("reason",)),
     MetricSpec("verifier", "timeouts_total", C, "Checks killed at the per-check time limit."),
