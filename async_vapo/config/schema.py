@@ -56,6 +56,17 @@ class TaskConfig(_Section):
     """`files` only: JSONL/Parquet with prompt/answer fields (DAPO-Math-17k and AIME layouts detected)."""
     eval_path: str | None = None
     """`files` only: held-out problems, same formats."""
+    prompt_key: str | None = None
+    """`files` only: the field holding each record's prompt (a string, or a chat message list whose last user
+    message is the prompt); a dotted path reaches into nested objects (``"extra_info.question"``). None: detected
+    from the first record (``prompt``, ``problem``, ``Problem``)."""
+    answer_key: str | None = None
+    """`files` only: the field holding each record's reference answer (a string or an integer; dotted paths as
+    above). None: detected (``answer``, ``Answer``, ``reward_model.ground_truth``)."""
+    messages_key: str | None = None
+    """`files` only: a field holding each record's chat message list (``[{"role", "content"}, ...]``), rendered by
+    ``prompt_format = "chat"``; its last user message is the prompt unless ``prompt_key`` names another field.
+    None: only a prompt field that is itself a message list gives the messages."""
     prompt_template: str = "{prompt}"
     """Python format string wrapped around each prompt before tokenisation (`{prompt}` is the problem). With
     `prompt_format = "chat"` it makes the user message of a problem that has no message list of its own."""
@@ -81,6 +92,10 @@ class TaskConfig(_Section):
                              f"got max_ops={self.max_ops}")
         if self.kind == "files" and not (self.train_path and self.eval_path):
             raise ValueError("kind='files' needs both train_path and eval_path")
+        keys = [k for k in ("prompt_key", "answer_key", "messages_key") if getattr(self, k) is not None]
+        if keys and self.kind != "files":
+            raise ValueError(f"task.{keys[0]} names a field of problem files: it is for kind='files' only, "
+                             f"got kind={self.kind!r}")
         if "{prompt}" not in self.prompt_template:
             raise ValueError("prompt_template must contain '{prompt}'")
         return self

@@ -1,4 +1,6 @@
-"""Problems from local files: ``.jsonl``, ``.json`` (a list of objects) and ``.parquet``.
+"""Problems from local files: ``.jsonl``, ``.json`` (a list of objects), ``.parquet``, and a directory holding an
+HF dataset written by ``datasets``' ``save_to_disk`` (read with ``load_from_disk`` when ``datasets`` is installed;
+a ``DatasetDict`` is refused with its splits named, so that the path can name one of them).
 
 Layouts recognised when no keys are given (decided from the first record, then required of all):
 
@@ -8,10 +10,12 @@ Layouts recognised when no keys are given (decided from the first record, then r
   is ``reward_model.ground_truth``;
 * AIME: ``{"Problem" | "problem": str, "Answer" | "answer": str | int}``.
 
-Explicit ``prompt_key`` / ``answer_key`` may be dotted paths into nested objects
-(``"reward_model.ground_truth"``). A record's ``id``, ``ID`` or ``extra_info.index`` becomes its
-``uid``; otherwise the uid is the prompt's hash (:func:`~async_vapo.tasks.task.prompt_uid`), so
-duplicated prompts share a uid.
+Explicit ``prompt_key`` / ``answer_key`` / ``messages_key`` (``task.prompt_key`` ... in the config) may be
+dotted paths into nested objects (``"reward_model.ground_truth"``); a record without one of them is an error
+that names the file, the record, the key and the fields the record has. ``messages_key`` names a chat message
+list, kept in ``Problem.messages``; its last user message is the prompt unless ``prompt_key`` is given too. A
+record's ``id``, ``ID`` or ``extra_info.index`` becomes its ``uid``; otherwise the uid is the prompt's hash
+(:func:`~async_vapo.tasks.task.prompt_uid`), so duplicated prompts share a uid.
 
 No record is ever skipped: a missing field, a wrong type, an empty prompt or answer, an invalid
 JSON line or an empty file raises :class:`ProblemFileError` naming the file and the 1-based line
@@ -21,6 +25,7 @@ are not records. ``pyarrow`` is imported only for Parquet files.
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -65,8 +70,27 @@ def _detect(record: Mapping[str, Any], candidates: tuple[str, ...], what: str, w
             return key
     raise ProblemFileError(
         f"{where}: no {what} field found (looked for {', '.join(map(repr, candidates))}; "
-        f"record keys: {sorted(record)}); pass {what}_key= to name it"
+        f"the record's fields: {sorted(record)}); set task.{what}_key to name it"
     )
+
+
+def _field(record: Mapping[str, Any], key: str, setting: str, where: str) -> Any:
+    """``record``'s value at ``key``; a missing one names the key, the setting it came from and the fields found
+    (those of the deepest object the dotted path reached), with the nearest one."""
+    value = _get(record, key)
+    if value is not _MISSING:
+        return value
+    found, reached = record, []
+    for part in key.split(".")[:-1]:
+        if not isinstance(found.get(part), Mapping):
+            break
+        found, reached = found[part], [*reached, part]
+    fields = sorted(map(str, found))
+    prefix = "".join(f"{r}." for r in reached)
+    near = difflib.get_close_matches(key[len(prefix):], fields, n=1, cutoff=0.6)
+    hint = f"; did you mean {prefix + near[0]!r}?" if near else ""
+    of = f" of {'.'.join(reached)!r}" if reached else ""
+    raise ProblemFileError(f"{where}: missing field {key!r} ({setting}); the fields{of} found: {fields}{hint}")
 
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -116,10 +140,32 @@ def _answer_text(value: Any, key: str, where: str) -> str:
     return text
 
 
+def _saved_dataset(path: Path) -> Iterator[tuple[int, str, Any]]:
+    """The rows of an HF dataset directory written by ``save_to_disk``."""
+    if not (path / "state.json").is_file() and not (path / "dataset_dict.json").is_file():
+        raise ProblemFileError(f"{path}: a directory, but not a dataset written by datasets' save_to_disk (no "
+                               "state.json or dataset_dict.json); give a .jsonl, .json or .parquet file")
+    try:
+        from datasets import DatasetDict, load_from_disk
+    except ImportError:
+        raise ProblemFileError(f"{path}: an HF dataset saved to disk; reading it needs the datasets package "
+                               "(pip install datasets)") from None
+    data = load_from_disk(str(path))
+    if isinstance(data, DatasetDict):
+        raise ProblemFileError(f"{path}: a dataset with splits {sorted(data)}; name one of them as the path "
+                               f"(e.g. {path / sorted(data)[0]})")
+    for row, record in enumerate(data, start=1):
+        yield row, f"{path}: row {row}", record
+
+
 def _records(path: Path) -> Iterator[tuple[int, str, Any]]:
     """``(number, location, record)`` in file order; records are not yet checked to be objects."""
     suffix = path.suffix.lower()
-    if suffix == ".jsonl":
+    if not path.exists():
+        raise ProblemFileError(f"{path}: no such file or directory")
+    if path.is_dir():
+        yield from _saved_dataset(path)
+    elif suffix == ".jsonl":
         with path.open(encoding="utf-8") as f:
             for line_no, line in enumerate(f, start=1):
                 if not line.strip():
@@ -152,7 +198,8 @@ def _records(path: Path) -> Iterator[tuple[int, str, Any]]:
                 yield row, f"{path}: row {row}", record
     else:
         raise ProblemFileError(
-            f"{path}: unknown extension {path.suffix!r}; expected .jsonl, .json or .parquet"
+            f"{path}: unknown extension {path.suffix!r}; expected .jsonl, .json, .parquet or a directory written "
+            "by datasets' save_to_disk"
         )
 
 
@@ -161,6 +208,7 @@ def load_problems(
     *,
     prompt_key: str | None = None,
     answer_key: str | None = None,
+    messages_key: str | None = None,
     limit: int | None = None,
 ) -> list[Problem]:
     """Every problem in ``path`` in file order (the first ``limit`` when given; reading stops there).
@@ -171,21 +219,27 @@ def load_problems(
     path = Path(path)
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 or None, got {limit}")
+    detected = "detected from the first record"
+    prompt_setting = "task.prompt_key" if prompt_key is not None else detected
+    answer_setting = "task.answer_key" if answer_key is not None else detected
     problems: list[Problem] = []
     for row, where, record in _records(path):
         if not isinstance(record, Mapping):
             raise ProblemFileError(f"{where}: expected a JSON object, got {type(record).__name__}")
-        if prompt_key is None:
+        messages = None
+        if messages_key is not None:
+            messages = _messages(_field(record, messages_key, "task.messages_key", where), messages_key, where)
+            if messages is None:
+                raise ProblemFileError(f"{where}: field {messages_key!r} (task.messages_key) must be a list of chat "
+                                       f"messages, got {type(_get(record, messages_key)).__name__}")
+        if prompt_key is None and messages_key is None:
             prompt_key = _detect(record, PROMPT_KEYS, "prompt", where)
         if answer_key is None:
             answer_key = _detect(record, ANSWER_KEYS, "answer", where)
-        values = {}
-        for key in (prompt_key, answer_key):
-            values[key] = _get(record, key)
-            if values[key] is _MISSING:
-                raise ProblemFileError(f"{where}: missing field {key!r} (record keys: {sorted(record)})")
-        prompt = _prompt_text(values[prompt_key], prompt_key, where)
-        answer = _answer_text(values[answer_key], answer_key, where)
+        source = prompt_key or messages_key
+        value = _get(record, messages_key) if prompt_key is None else _field(record, prompt_key, prompt_setting, where)
+        prompt = _prompt_text(value, source, where)
+        answer = _answer_text(_field(record, answer_key, answer_setting, where), answer_key, where)
         uid = next(
             (str(v) for v in (_get(record, k) for k in ID_KEYS) if v is not _MISSING and v is not None),
             prompt_uid(prompt),
@@ -195,7 +249,7 @@ def load_problems(
         if level is not None and not isinstance(level, bool):
             meta["difficulty"] = level
         problems.append(Problem(uid=uid, prompt=prompt, answer=answer, meta=meta,
-                                messages=_messages(values[prompt_key], prompt_key, where)))
+                                messages=messages if messages is not None else _messages(value, source, where)))
         if limit is not None and len(problems) >= limit:
             break
     if not problems:

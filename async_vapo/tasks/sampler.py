@@ -21,7 +21,8 @@ def load_task(cfg: Config) -> tuple[list[Problem], list[Problem]]:
         return splits
     if t.kind == "wordprob":
         return wordprob.make_splits(t.num_train, t.num_eval, t.seed, t.min_ops, t.max_ops, t.few_shot)
-    return load_problems(t.train_path), load_problems(t.eval_path)
+    keys = {"prompt_key": t.prompt_key, "answer_key": t.answer_key, "messages_key": t.messages_key}
+    return load_problems(t.train_path, **keys), load_problems(t.eval_path, **keys)
 
 
 class PromptSampler:

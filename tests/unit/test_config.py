@@ -238,3 +238,45 @@ def test_solution_answers_and_the_solution_format_go_together():
         assert [p.prompt for p in mine] == [p.prompt for p in theirs]
         assert all(p.answer.endswith(f"\\boxed{{{q.answer}}}") and p.meta["total"] == q.answer
                    for p, q in zip(mine, theirs, strict=True))
+
+
+def test_a_misspelled_key_gets_did_you_mean(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=["algo.eps_hihg=0.3"])
+    assert str(e.value) == ("invalid config: command line: algo.eps_hihg: unknown key; did you mean algo.eps_high?")
+    with pytest.raises(ConfigError, match=r"algo\.actor_lr: unknown key; did you mean optim\.actor_lr\?"):
+        load_config(overrides=["algo.actor_lr=1e-6"])  # the right name in another section
+    with pytest.raises(ConfigError, match=r"learnr: unknown key; did you mean learner\?"):
+        load_config([_write(tmp_path, "a.toml", "[learnr]\nx = 1\n")])
+    with pytest.raises(ConfigError, match=r"asynk: unknown key; did you mean async\?"):  # the section's TOML name
+        load_config(overrides=["asynk.max_staleness=2"])
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=["algo.zzzzzz=1"])
+    assert "did you mean" not in str(e.value)
+
+
+def test_an_error_names_its_source(tmp_path):
+    f = _write(tmp_path, "ten.toml", "[task]\nmax_ops = 10\n")
+    with pytest.raises(ConfigError) as e:  # a check across sections; each value from its own place
+        load_config([f], ["rollout.max_response_tokens=40"])
+    assert str(e.value).startswith(f"invalid config: {f}, command line: <root>: ")
+    with pytest.raises(ConfigError) as e:  # both values of a section's check from the command line
+        load_config(overrides=["task.min_ops=9", "task.max_ops=2"])
+    assert str(e.value).startswith("invalid config: command line: task: ")
+    with pytest.raises(ConfigError) as e:  # the file set the section; only the value the message names counts
+        load_config([_write(tmp_path, "eps.toml", "[algo]\neps_low = 0.2\nalpha = 1.0\n")], ["algo.eps_high=0.1"])
+    assert str(e.value).startswith(f"invalid config: {tmp_path / 'eps.toml'}, command line: algo: ")
+    with pytest.raises(ConfigError) as e:
+        load_config([f], ["task.max_ops=abc"])
+    assert str(e.value).startswith("invalid config: command line: task.max_ops: ")
+    with pytest.raises(ConfigError) as e:  # the other value is a default: the one that was set is named
+        load_config(overrides=["rollout.max_response_tokens=40"])
+    assert str(e.value).startswith("invalid config: command line: <root>: ")
+
+
+def test_a_config_path_that_is_not_a_file(tmp_path):
+    with pytest.raises(ConfigError, match=f"^{tmp_path}: a directory, not a config file$"):
+        load_config([tmp_path])
+    (tmp_path / "bin.toml").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ConfigError, match="bin.toml: not a text file"):
+        load_config([tmp_path / "bin.toml"])

@@ -461,3 +461,102 @@ def test_load_other_errors_name_the_file(tmp_path, name, text, fragment):
     path.write_text(text)
     with pytest.raises(ProblemFileError, match=fragment):
         load_problems(path)
+
+
+# --- datasets with their own field names (task.prompt_key / answer_key / messages_key) ---
+
+OWN_FIELDS = [
+    {"question": "What is 2+3?", "solution": {"final": 5, "steps": "2+3=5"},
+     "chat": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"}]},
+    {"question": "What is 4*4?", "solution": {"final": "16", "steps": "4*4=16"},
+     "chat": [{"role": "user", "content": "4*4?"}]},
+]
+
+
+def files_config(train: Path, *keys: str):
+    from async_vapo.config import load_config
+
+    return load_config(overrides=["task.kind=files", f"task.train_path={train}", f"task.eval_path={train}", *keys])
+
+
+def test_config_field_names_reach_the_loader(tmp_path):
+    from async_vapo.tasks import load_task
+
+    path = write_jsonl(tmp_path / "own.jsonl", OWN_FIELDS)
+    cfg = files_config(path, "task.prompt_key=question", "task.answer_key=solution.final", "task.messages_key=chat")
+    train, held_out = load_task(cfg)
+    assert [(p.prompt, p.answer) for p in train] == [("What is 2+3?", "5"), ("What is 4*4?", "16")]
+    assert train[0].messages == (("system", "Be brief."), ("user", "2+3?"))  # the list, not the prompt field
+    assert train[1].messages == (("user", "4*4?"),)
+    assert [p.prompt for p in held_out] == [p.prompt for p in train]
+    # messages_key alone: the prompt is the list's last user message
+    (p, _) = load_problems(path, answer_key="solution.final", messages_key="chat")
+    assert (p.prompt, p.messages) == ("2+3?", (("system", "Be brief."), ("user", "2+3?")))
+
+
+def test_field_names_are_for_problem_files_only():
+    from async_vapo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="task.prompt_key .*kind='files' only"):
+        load_config(overrides=["task.prompt_key=question"])
+
+
+def test_a_wrong_key_names_the_file_the_key_and_the_fields(tmp_path):
+    path = write_jsonl(tmp_path / "own.jsonl", OWN_FIELDS)
+    with pytest.raises(ProblemFileError) as e:
+        load_problems(path, prompt_key="questoin", answer_key="solution.final")
+    msg = str(e.value)
+    assert msg.startswith(f"{path}:1: missing field 'questoin' (task.prompt_key)")
+    assert "['chat', 'question', 'solution']" in msg and "did you mean 'question'?" in msg
+    with pytest.raises(ProblemFileError) as e:  # a dotted key: the fields of the object it reached
+        load_problems(path, prompt_key="question", answer_key="solution.finl")
+    assert "missing field 'solution.finl' (task.answer_key); the fields of 'solution' found: ['final', 'steps']" \
+        in str(e.value) and "did you mean 'solution.final'?" in str(e.value)
+    with pytest.raises(ProblemFileError, match=r"own\.jsonl:1: missing field 'talk' \(task\.messages_key\)"):
+        load_problems(path, answer_key="solution.final", messages_key="talk")
+    with pytest.raises(ProblemFileError, match=r"field 'question' \(task\.messages_key\) must be a list of chat"):
+        load_problems(path, answer_key="solution.final", messages_key="question")
+    with pytest.raises(ProblemFileError, match=r"own\.jsonl:1: no prompt field found .*set task\.prompt_key"):
+        load_problems(path)
+
+
+def test_parquet_with_its_own_field_names(tmp_path):
+    import pyarrow as pa  # a core dependency: the configs that read parquet need it
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "own.parquet"
+    pq.write_table(pa.Table.from_pylist([{"q": "1+1?", "gold": "2"}, {"q": "2+2?", "gold": "4"}]), path)
+    cfg = files_config(path, "task.prompt_key=q", "task.answer_key=gold")
+    from async_vapo.tasks import load_task
+
+    assert [(p.prompt, p.answer, p.meta["row"]) for p in load_task(cfg)[0]] == [("1+1?", "2", 1), ("2+2?", "4", 2)]
+    with pytest.raises(ProblemFileError, match=r"own\.parquet: row 1: missing field 'question' .*\['gold', 'q'\]"):
+        load_problems(path, prompt_key="question", answer_key="gold")
+
+
+def test_a_path_that_is_no_problem_file(tmp_path):
+    with pytest.raises(ProblemFileError, match=r"nope\.jsonl: no such file or directory"):
+        load_problems(tmp_path / "nope.jsonl")
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(ProblemFileError, match="folder: a directory, but not a dataset written by datasets' "
+                                               "save_to_disk"):
+        load_problems(tmp_path / "folder")
+
+
+def test_an_hf_dataset_saved_to_disk(tmp_path):
+    datasets = pytest.importorskip("datasets")
+
+    data = datasets.Dataset.from_list([{"question": r["question"], "gold": str(r["solution"]["final"]),
+                                        "chat": r["chat"]} for r in OWN_FIELDS])
+    data.save_to_disk(str(tmp_path / "ds"))
+    problems = load_problems(tmp_path / "ds", prompt_key="question", answer_key="gold", messages_key="chat")
+    assert [(p.prompt, p.answer, p.meta["row"]) for p in problems] == [("What is 2+3?", "5", 1),
+                                                                       ("What is 4*4?", "16", 2)]
+    assert problems[0].messages == (("system", "Be brief."), ("user", "2+3?"))
+    with pytest.raises(ProblemFileError, match=r"ds: row 1: missing field 'answer' \(task\.answer_key\); the fields "
+                                               r"found: \['chat', 'gold', 'question'\]"):
+        load_problems(tmp_path / "ds", prompt_key="question", answer_key="answer")
+    datasets.DatasetDict({"train": data, "test": data}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(ProblemFileError, match=r"dd: a dataset with splits \['test', 'train'\]"):
+        load_problems(tmp_path / "dd", prompt_key="question", answer_key="gold")
+    assert len(load_problems(tmp_path / "dd" / "train", prompt_key="question", answer_key="gold")) == 2
