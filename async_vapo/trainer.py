@@ -22,6 +22,7 @@ import torch
 
 from async_vapo.config import Config, save_resolved
 from async_vapo.metrics.jsonl import JsonlWriter
+from async_vapo.metrics.rows import open_row_writer
 from async_vapo.models.base_model import ensure_base_model
 from async_vapo.models.reward import resolve_critic_path
 from async_vapo.rollout.engine import EngineSpec, VLLMEngine, engine_cpu_env
@@ -79,7 +80,7 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
         policy_path = Path(resume) / "policy"
     tokenizer = AutoTokenizer.from_pretrained(str(base_path))
     train_set, eval_set = load_task(cfg)
-    log = JsonlWriter(run_dir / "metrics.jsonl", truncate=not resume)
+    log = open_row_writer(cfg, run_dir / "metrics.jsonl", truncate=not resume)
     samples_log = JsonlWriter(run_dir / "samples.jsonl", truncate=not resume)
 
     learner = Learner(cfg, policy_path, critic_path)

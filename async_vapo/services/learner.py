@@ -50,8 +50,8 @@ from pathlib import Path
 
 from async_vapo.learner.process_group import broadcast_object, destroy_process_group, init_process_group
 from async_vapo.learner.rundir import latest_checkpoint
-from async_vapo.metrics.jsonl import JsonlWriter
 from async_vapo.metrics.prom import ServiceMetrics
+from async_vapo.metrics.rows import open_row_writer
 from async_vapo.services.context import ServiceContext, make_transport
 from async_vapo.transport import (
     BatchMsg,
@@ -270,7 +270,7 @@ class LearnerService:
         if leader:
             self.sync = WeightBroadcast(ctx, transport, device=str(self.learner.device))
             self.replay = ReplaySource(ctx, transport, self.sync, self.learner, self.floor)
-            self.log = JsonlWriter(ctx.run_dir / "metrics.jsonl")
+            self.log = open_row_writer(cfg, ctx.run_dir / "metrics.jsonl", ctx.metrics)
         self.lm = ctx.metrics.learner
         self.last_publish: dict = {}
         """``publish_sharded``'s figures for the last version this rank published with ``publish_all``."""

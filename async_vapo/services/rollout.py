@@ -74,7 +74,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from async_vapo.metrics.jsonl import JsonlWriter
+from async_vapo.metrics.rows import open_row_writer
 from async_vapo.rollout.generate import PromptEncoder, Rollout, evaluate, generate_groups
 from async_vapo.services.context import ServiceContext, make_transport
 from async_vapo.tasks import PromptSampler
@@ -194,7 +194,8 @@ class RolloutService:
         self.failed_versions: set[int] = set()
         self.encoder = PromptEncoder.from_config(cfg, tokenizer)
         self.evaluated: set[int] = set()
-        self.metrics_log = JsonlWriter(ctx.run_dir / "metrics.jsonl") if ctx.instance == 0 else None
+        self.metrics_log = (open_row_writer(cfg, ctx.run_dir / "metrics.jsonl", ctx.metrics)
+                            if ctx.instance == 0 else None)
         self.eval_pool = None
         self.samples_generated = 0
         self._last_beat = 0.0
