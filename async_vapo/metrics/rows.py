@@ -176,7 +176,8 @@ class PrometheusEvalSink:
 def open_row_writer(cfg: Config, path: Path, service_metrics: ServiceMetrics | None = None, *,
                     truncate: bool = False) -> RowWriter:
     """The row writer of a process: ``path`` (``RUN_DIR/metrics.jsonl``), then the trackers of ``cfg.metrics`` in
-    ``path``'s directory, then, with ``service_metrics``, that service's gauges set from eval rows."""
+    ``path``'s directory, then, with a rollout's ``service_metrics``, its held-out gauges set from eval rows.
+    ``service_metrics`` also names the process in W&B (its service; "trainer" without one)."""
     run_dir = path.parent
     m = cfg.metrics
     role = service_metrics.service if service_metrics is not None else "trainer"
@@ -189,7 +190,7 @@ def open_row_writer(cfg: Config, path: Path, service_metrics: ServiceMetrics | N
             sinks.append(WandbSink(run_dir, project=m.wandb_project, entity=m.wandb_entity, group=cfg.train.name,
                                    name=name, job_type=role, mode=m.wandb_mode,
                                    config=cfg.model_dump(mode="json", by_alias=True)))
-        if service_metrics is not None:
+        if service_metrics is not None and service_metrics.service == "rollout":  # eval rows come from rollout 0
             sinks.append(PrometheusEvalSink(service_metrics))
     except BaseException:
         RowWriter(sinks).close()
