@@ -78,8 +78,13 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-$REPO/.venv/bin/python}
 CONFIGS=() OVERRIDES=() RUN_DIR_ARG="" HOSTFILE="" RESUME="" NEW_RUN=0 PROM=0 PROM_PORT=9090 INTERVAL=5s PIN=1 WAIT=0
 GPUS_PER_HOST="" DRY_RUN=0
-usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+help_text() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { help_text >&2; exit 2; }
 while [ $# -gt 0 ]; do
+  case "$1" in
+    --config|--run-dir|--hostfile|--resume|--prometheus-port|--scrape-interval|--gpus-per-host)
+      [ $# -ge 2 ] || { echo "start_cluster: $1 needs a value" >&2; exit 2; } ;;
+  esac
   case "$1" in
     --config) CONFIGS+=(--config "$(realpath "$2")"); shift 2 ;;
     --run-dir) RUN_DIR_ARG=$2; shift 2 ;;
@@ -94,7 +99,7 @@ while [ $# -gt 0 ]; do
     --gpus-per-host) GPUS_PER_HOST=$2; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
     --) shift; OVERRIDES+=("$@"); break ;;
-    -h|--help) usage ;;
+    -h|--help) help_text; exit 0 ;;
     *) echo "start_cluster: unknown argument $1" >&2; usage ;;
   esac
 done

@@ -24,8 +24,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     ckpt = existing_dir(args.checkpoint, "checkpoint")
-    if not (ckpt / "dcp").is_dir():
-        raise CommandError(f"checkpoint {args.checkpoint}: not a learner checkpoint (no dcp/ inside)")
+    meta = ckpt / "hf_meta" / args.model / "config.json"
+    if not (ckpt / "dcp").is_dir() or not meta.is_file():  # before torch is imported: a quick, clear refusal
+        raise CommandError(f"checkpoint {args.checkpoint}: not a learner checkpoint with a {args.model} (needs dcp/ "
+                           f"and {meta.relative_to(ckpt)})")
     out = Path(args.out).expanduser()
     if out.exists() and not out.is_dir():
         raise CommandError(f"OUT {args.out}: a file; export writes a directory")

@@ -22,7 +22,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from async_vapo.models.gguf_import import GGUFImportError, import_gguf, packaged_gguf
+    from async_vapo.models.gguf_import import GGUFImportError, check_gguf_file, import_gguf, packaged_gguf
 
     want = 1 if args.from_package else 2
     if len(args.paths) != want:
@@ -30,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
                           "import-gguf --from-package NAME takes only OUT_DIR")
     try:
         src = packaged_gguf(args.from_package) if args.from_package else args.paths[0]
+        check_gguf_file(src)  # a bad file is refused before torch is imported
         print(import_gguf(src, args.paths[-1], dtype=args.dtype, force=args.force,
                           log=lambda m: print(m, file=sys.stderr)))
     except GGUFImportError as e:
