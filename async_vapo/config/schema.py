@@ -53,7 +53,9 @@ class TaskConfig(_Section):
     num_eval: int = Field(240, ge=1)
     """Number of held-out problems (stratified by number of operations)."""
     train_path: str | None = None
-    """`files` only: JSONL/Parquet with prompt/answer fields (DAPO-Math-17k and AIME layouts detected)."""
+    """`files` only: a JSONL, JSON or Parquet file, or a directory written by ``datasets``' ``save_to_disk`` (read
+    when ``datasets`` is installed), with prompt/answer fields: DAPO-Math-17k and AIME layouts are detected, other
+    names are given by prompt_key / answer_key / messages_key."""
     eval_path: str | None = None
     """`files` only: held-out problems, same formats."""
     prompt_key: str | None = None
