@@ -159,13 +159,13 @@ def undocumented_config(root: type[BaseModel] | None = None) -> list[str]:
     return missing
 
 
-def config_page() -> str:
+def config_page(root: type[BaseModel] | None = None) -> str:
     out = [HEADER.format(source="async_vapo/config/schema.py"), "# Configuration reference\n\n",
            "Every key of the config tree, as a TOML file in `configs/` or a `key.sub=value` override on the command "
            "line spells it (`async-vapo config --config FILE` prints a resolved tree). Types are the schema's; "
            "\"unset\" is a key left out (Python's `None`). Cross-field rules (for example `task.min_ops` ≤ "
            "`task.max_ops`) are checked when a config is loaded and named in its error.\n\n"]
-    for prefix, doc, model in config_sections():
+    for prefix, doc, model in config_sections(root):
         fields = list(config_fields(model))
         if not fields:
             continue

@@ -58,12 +58,12 @@ def test_the_description_check_finds_what_is_missing():
     assert gen.undocumented_config(_Root) == ["top", "inner", "inner.bare"]
 
 
-def test_a_field_row_has_its_type_default_and_bounds():
-    text = gen.config_page()
-    # task.min_ops: Field(1, ge=1, le=64) in the schema
-    row = next(line for line in text.splitlines() if line.startswith("| `task.min_ops` |"))
-    assert row.split(" | ")[1:4] == ["`int`", "`1`", "≥ 1, ≤ 64"]
-    assert "## `[cluster.weights]`" in text and "`async.max_staleness`" in text
+def test_a_field_row_has_its_key_type_default_bounds_and_description():
+    text = gen.config_page(_Root)
+    assert "| `inner.documented` | `int` | `1` | ≥ 0 | A documented field. |" in text
+    assert "| `top` | `bool` | `true` |  |  |" in text
+    real = gen.config_page()
+    assert "## `[cluster.weights]`" in real and "| `async.max_staleness` |" in real
 
 
 def test_generated_pages_are_current():
@@ -123,3 +123,9 @@ def test_readme_is_short_and_names_the_test_command():
     assert "make test" in readme and "make cluster" in readme
     for link in re.findall(r"\]\((docs/[^)#]+)", readme):
         assert (ROOT / link).is_file(), f"README links to a missing page: {link}"
+
+
+def test_the_command_reference_does_not_depend_on_the_terminal(monkeypatch):
+    wide = gen.cli_page()
+    monkeypatch.setenv("COLUMNS", "40")
+    assert gen.cli_page() == wide
