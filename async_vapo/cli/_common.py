@@ -47,12 +47,3 @@ def existing_dir(path: str, what: str) -> Path:
     if not p.is_dir():
         raise CommandError(f"{what} {path}: not a directory")
     return p
-
-
-def existing_file(path: str, what: str) -> Path:
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise CommandError(f"{what} {path}: no such file")
-    if p.is_dir():
-        raise CommandError(f"{what} {path}: a directory, not a file")
-    return p
