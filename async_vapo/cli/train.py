@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from async_vapo.cli._common import CommandError, add_config_args, existing_dir, load
+from async_vapo.cli._common import CommandError, add_config_args, check_problem_files, existing_dir, load
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from async_vapo.learner.rundir import RunDirError, RunPlan, claim, plan_run
 
     cfg = load(args)
+    check_problem_files(cfg)
     try:
         if args.resume and args.resume != "auto":
             existing_dir(args.resume, "--resume")

@@ -27,14 +27,17 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 @pytest.fixture
 def bad(tmp_path):
     """Bad inputs, by name: a directory, a missing file, a malformed TOML, a file that is no replay log or
-    metrics file, an empty directory given as a checkpoint or a run."""
+    metrics file, an empty directory given as a checkpoint or a run, problems without the field a key names;
+    "out" is where a command would write (a run directory, an export, a plot): it must not appear."""
     (tmp_path / "a_dir").mkdir()
     (tmp_path / "malformed.toml").write_text("[algo\neps_high = 0.3\n")
     (tmp_path / "garbage.log").write_bytes(b"this is not a replay log\n")
+    (tmp_path / "problems.jsonl").write_text('{"question": "1+1=", "answer": "2"}\n')
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text('{"kind": "eval"}\nnot json\n{"kind": "eval"}\n')
     return {"dir": tmp_path / "a_dir", "missing": tmp_path / "missing.toml", "toml": tmp_path / "malformed.toml",
-            "log": tmp_path / "garbage.log", "run": tmp_path / "run", "out": tmp_path / "out"}
+            "log": tmp_path / "garbage.log", "problems": tmp_path / "problems.jsonl", "run": tmp_path / "run",
+            "out": tmp_path / "out"}
 
 
 CASES = {
@@ -45,6 +48,12 @@ CASES = {
     "train dir": (["train", "--config", "{dir}"], "a directory, not a config file"),
     "train malformed": (["train", "--config", "{toml}"], "not valid TOML"),
     "train resume missing": (["train", "--resume", "{missing}"], "--resume"),
+    "train problem file missing": (["train", "task.kind=files", "task.train_path={missing}.jsonl",
+                                    "task.eval_path={missing}.jsonl", "train.output_dir={out}"],
+                                   "missing.toml.jsonl: no such file or directory"),
+    "train problem field missing": (["train", "task.kind=files", "task.train_path={problems}",
+                                     "task.eval_path={problems}", "task.prompt_key=questoin",
+                                     "train.output_dir={out}"], "missing field 'questoin' (task.prompt_key)"),
     "make-base missing": (["make-base", "--config", "{missing}"], "config file not found"),
     "eval missing model": (["eval", "{missing}"], "neither an HF model directory"),
     "eval malformed": (["eval", "--config", "{toml}"], "not valid TOML"),
