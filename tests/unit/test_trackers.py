@@ -152,3 +152,14 @@ def test_rows_reach_tensorboard_wandb_and_prometheus(tmp_path):
 
     assert m.registry.get_sample_value("async_vapo_rollout_eval_accuracy") == 0.75
     assert m.registry.get_sample_value("async_vapo_rollout_eval_response_length_tokens") == 12.5
+
+
+def test_only_a_rollouts_writer_sets_the_held_out_gauges(tmp_path):
+    from async_vapo.metrics.prom import ServiceMetrics
+
+    learner = open_row_writer(Config(), tmp_path / "learner.jsonl", ServiceMetrics("learner", gpu=False))
+    rollout = open_row_writer(Config(), tmp_path / "rollout.jsonl", ServiceMetrics("rollout", gpu=False))
+    assert [type(s) for s in learner.sinks] == [JsonlWriter]  # the learner writes no eval rows; it has no such gauge
+    assert [type(s) for s in rollout.sinks] == [JsonlWriter, PrometheusEvalSink]
+    learner.close()
+    rollout.close()
