@@ -59,6 +59,7 @@ from pathlib import Path
 from async_vapo.config import Config
 from async_vapo.replay.store import AppendRecord, ConsumeRecord, DropRecord, SnapshotRecord, read_log
 from async_vapo.services.context import metrics_port, service_host
+from async_vapo.staleness import StalenessPolicy
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -343,7 +344,7 @@ def run_cluster(config_files: list[str], overrides: list[str], run_dir: Path, pl
         "stop_stderr": stop.stderr[-2000:],
         "versions": injector.versions,
         "supervisor_restarts": restarts,
-        "audit": audit_run(run_dir, total_steps=total, max_staleness=cfg.async_.max_staleness),
+        "audit": audit_run(run_dir, total_steps=total, max_staleness=StalenessPolicy.from_config(cfg).max_staleness),
     }
 
 

@@ -210,9 +210,118 @@ def _mean_sd(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
-def report(out: Path) -> dict:
-    from async_vapo.experiments.plots import bar_chart, plot_curves_with_spread
+def _comparison_report(out: Path, comp: dict[str, list[Path]]) -> dict:
+    """The comparison's plots, ``comparison.md`` and its figures, from the runs of each method in ``comp``."""
+    from async_vapo.experiments.plots import plot_curves_with_spread
 
+    budget = {k: [budget_metrics(d) for d in runs] for k, runs in comp.items()}
+    for x, y, kind, fname, title in [
+        ("samples_generated", "eval/accuracy", "eval", "accuracy_vs_samples.png",
+         "held-out accuracy vs responses generated\n(value pretraining included; mean, min–max over seeds)"),
+        ("wall_s", "eval/accuracy", "eval", "accuracy_vs_wallclock.png", None),
+        ("samples_generated", "rollout/response_length", "train", "response_length.png", None),
+        ("samples_generated", "actor/entropy", "train", "entropy.png", None),
+    ]:
+        plot_curves_with_spread(budget, out / fname, x=x, y=y, kind=kind, title=title)
+    critic_runs = {k: v for k, v in budget.items() if k in ("vapo", "ppo")}
+    if critic_runs:
+        plot_curves_with_spread(critic_runs, out / "explained_variance.png", x="samples_generated",
+                                y="critic/explained_variance", kind="train")
+        plot_curves_with_spread(critic_runs, out / "value_loss.png", x="samples_generated",
+                                y="critic/value_loss", kind="train")
+    last = {f: [json.loads(x) for x in f.read_text().splitlines()][-1] for fs in budget.values() for f in fs}
+    common = min(r["samples_generated"] for r in last.values())
+    evals = {f: [r for r in map(json.loads, f.read_text().splitlines()) if r.get("kind") == "eval"]
+             for fs in budget.values() for f in fs}
+    common_wall = min(e[-1]["wall_s"] for e in evals.values())
+    dapo_final = statistics.fmean(_final(d) for d in comp["dapo"]) if "dapo" in comp else None
+    rows = ["| method | seeds | initial | final (mean ± sd) | best eval | responses generated | "
+            f"at {common:,} responses | gain over its start at {common:,} | at {common_wall / 60:.1f} minutes | "
+            "steps to DAPO's final | minutes | CPU minutes | paper AIME24 |", "|---" * 13 + "|"]
+    table = {}
+    for k, runs in comp.items():
+        finals = [_final(d) for d in runs]
+        init = statistics.fmean(_evals(d)[0]["eval/accuracy"] for d in runs)
+        best = statistics.fmean(max(e["eval/accuracy"] for e in _evals(d)) for d in runs)
+        summaries = [json.loads((d / "summary.json").read_text()) for d in runs]
+        mins = statistics.fmean(x["wall_s"] / 60 for x in summaries)
+        cpu = [x["cpu_s"] / 60 for x in summaries if "cpu_s" in x]  # runs from before it was recorded lack it
+        cpu_s = "–" if not cpu else f"{statistics.fmean(cpu):.1f}" + (
+            "" if len(cpu) == len(runs) else f" ({len(cpu)} of {len(runs)} runs)")
+        reach = [_steps_to(d, dapo_final) for d in runs] if dapo_final is not None else []
+        reach_s = ", ".join("never" if s is None else str(s) for s in reach) or "–"
+        m, sd = _mean_sd(finals)
+        generated = statistics.fmean(last[f]["samples_generated"] for f in budget[k])
+        at_common, at_sd = _mean_sd([_accuracy_at(f, common) for f in budget[k]])
+        # each seed samples its held-out evaluation with its own seed, so its start differs: the gain over it
+        gain, gain_sd = _mean_sd([_accuracy_at(f, common) - _evals(d)[0]["eval/accuracy"]
+                                  for f, d in zip(budget[k], runs, strict=True)])
+        at_wall, at_wall_sd = _mean_sd([_accuracy_at(f, common_wall, "wall_s") for f in budget[k]])
+        table[k] = {"final_mean": m, "final_sd": sd, "finals": finals, "initial": init, "best": best,
+                    "steps_to_dapo_final": reach, "minutes": mins,
+                    "cpu_minutes": statistics.fmean(cpu) if cpu else None, "responses_generated": generated,
+                    "accuracy_at_common_budget": at_common, "common_budget": common,
+                    "gain_at_common_budget": gain, "gain_at_common_budget_sd": gain_sd,
+                    "accuracy_at_common_wall_s": at_wall, "common_wall_s": common_wall}
+        rows.append(f"| {k} | {len(runs)} | {init:.3f} | {m:.3f} ± {sd:.3f} | {best:.3f} | {generated:,.0f} | "
+                    f"{at_common:.3f} ± {at_sd:.3f} | {gain:+.3f} ± {gain_sd:.3f} | "
+                    f"{at_wall:.3f} ± {at_wall_sd:.3f} | {reach_s} | {mins:.1f} | {cpu_s} | {PAPER.get(k, '–')} |")
+    updates = max(json.loads((d / "config.resolved.json").read_text())["train"]["total_steps"]
+                  for runs in comp.values() for d in runs)
+    (out / "comparison.md").write_text(
+        f"Final = mean held-out accuracy of the last two evaluations ({updates} updates each); DAPO's final "
+        f"(mean over seeds) = {dapo_final if dapo_final is None else round(dapo_final, 3)}. Responses generated "
+        "include value pretraining (VAPO) and dynamic-sampling resamples (DAPO); 'at N responses' compares every "
+        "method at the smallest budget any of them used, 'at M minutes' at the shortest run's wall-clock (its last "
+        "evaluation). Minutes: wall-clock of a run; CPU minutes: user + system time of the run's processes (its "
+        "engine core and verifier workers included).\n\n" + "\n".join(rows) + "\n")
+    return table
+
+
+def _ablation_report(out: Path, done: dict[str, list[Path]]) -> dict:
+    """The ablation table (``ablation.md``, ``ablation.png``) and its figures: each row against VAPO's runs."""
+    from async_vapo.experiments.plots import bar_chart
+
+    vapo_m, vapo_sd = _mean_sd([_final(d) for d in done["vapo"]])
+    labels, vals, errs, ref = ["VAPO"], [vapo_m], [vapo_sd], [60.4]
+    vapo_by_seed = {d.name.rsplit("_s", 1)[1]: _final(d) for d in done["vapo"]}
+    rows_budget = {k: [budget_metrics(d) for d in done[k]] for k in ["vapo", *ABLATIONS] if k in done}
+    abl_common = min(json.loads(f.read_text().splitlines()[-1])["samples_generated"]
+                     for fs in rows_budget.values() for f in fs)
+
+    def at_common(k: str) -> tuple[float, float]:
+        return _mean_sd([_accuracy_at(f, abl_common) for f in rows_budget[k]])
+
+    rows = ["| run | seeds | final held-out accuracy (mean ± sd) | Δ vs VAPO (all its seeds) | "
+            f"Δ vs VAPO, same seeds (paired) | at {abl_common:,} responses | paper AIME24 | paper Δ |",
+            "|---|---|---|---|---|---|---|---|",
+            f"| VAPO | {len(done['vapo'])} | {vapo_m:.3f} ± {vapo_sd:.3f} | 0 | 0 | "
+            "{:.3f} ± {:.3f} | 60.4 | 0 |".format(*at_common("vapo"))]
+    abl = {}
+    for k, (what, paper) in ABLATIONS.items():
+        if k not in done:
+            continue
+        m, sd = _mean_sd([_final(d) for d in done[k]])
+        paired = [_final(d) - vapo_by_seed[d.name.rsplit("_s", 1)[1]] for d in done[k]
+                  if d.name.rsplit("_s", 1)[1] in vapo_by_seed]
+        paired_d = statistics.fmean(paired) if paired else float("nan")
+        abl[k] = {"final_mean": m, "final_sd": sd, "seeds": len(done[k]), "paper": paper,
+                  "paired_delta": paired_d, "accuracy_at_common_budget": at_common(k)[0],
+                  "common_budget": abl_common}
+        labels.append(f"w/o {what}")
+        vals.append(m)
+        errs.append(sd)
+        ref.append(paper)
+        rows.append(f"| w/o {what} | {len(done[k])} | {m:.3f} ± {sd:.3f} | {m - vapo_m:+.3f} | {paired_d:+.3f} | "
+                    "{:.3f} ± {:.3f} | ".format(*at_common(k)) + f"{paper} | {paper - 60.4:+.1f} |")
+    (out / "ablation.md").write_text("\n".join(rows) + "\n")
+    bar_chart(labels, [100 * v for v in vals], out / "ablation.png", reference=ref,
+              errors=[100 * e for e in errs], title="VAPO ablations: toy held-out accuracy (%) vs paper AIME24",
+              ylabel="accuracy (%)", reference_label="paper (AIME24, Qwen2.5-32B)")
+    return abl
+
+
+def report(out: Path) -> dict:
     done: dict[str, list[Path]] = {}
     for d in sorted(out.iterdir()):
         if (d / "summary.json").exists() and "_s" in d.name:
@@ -220,106 +329,9 @@ def report(out: Path) -> dict:
     result: dict = {"runs": {k: [p.name for p in v] for k, v in done.items()}}
     comp = {k: done[k] for k in COMPARISON if k in done}
     if comp:
-        budget = {k: [budget_metrics(d) for d in runs] for k, runs in comp.items()}
-        for x, y, kind, fname, title in [
-            ("samples_generated", "eval/accuracy", "eval", "accuracy_vs_samples.png",
-             "held-out accuracy vs responses generated\n(value pretraining included; mean, min–max over seeds)"),
-            ("wall_s", "eval/accuracy", "eval", "accuracy_vs_wallclock.png", None),
-            ("samples_generated", "rollout/response_length", "train", "response_length.png", None),
-            ("samples_generated", "actor/entropy", "train", "entropy.png", None),
-        ]:
-            plot_curves_with_spread(budget, out / fname, x=x, y=y, kind=kind, title=title)
-        critic_runs = {k: v for k, v in budget.items() if k in ("vapo", "ppo")}
-        if critic_runs:
-            plot_curves_with_spread(critic_runs, out / "explained_variance.png", x="samples_generated",
-                                    y="critic/explained_variance", kind="train")
-            plot_curves_with_spread(critic_runs, out / "value_loss.png", x="samples_generated",
-                                    y="critic/value_loss", kind="train")
-        last = {f: [json.loads(x) for x in f.read_text().splitlines()][-1] for fs in budget.values() for f in fs}
-        common = min(r["samples_generated"] for r in last.values())
-        evals = {f: [r for r in map(json.loads, f.read_text().splitlines()) if r.get("kind") == "eval"]
-                 for fs in budget.values() for f in fs}
-        common_wall = min(e[-1]["wall_s"] for e in evals.values())
-        dapo_final = statistics.fmean(_final(d) for d in comp["dapo"]) if "dapo" in comp else None
-        rows = ["| method | seeds | initial | final (mean ± sd) | best eval | responses generated | "
-                f"at {common:,} responses | gain over its start at {common:,} | at {common_wall / 60:.1f} minutes | "
-                "steps to DAPO's final | minutes | CPU minutes | paper AIME24 |", "|---" * 13 + "|"]
-        table = {}
-        for k, runs in comp.items():
-            finals = [_final(d) for d in runs]
-            init = statistics.fmean(_evals(d)[0]["eval/accuracy"] for d in runs)
-            best = statistics.fmean(max(e["eval/accuracy"] for e in _evals(d)) for d in runs)
-            summaries = [json.loads((d / "summary.json").read_text()) for d in runs]
-            mins = statistics.fmean(x["wall_s"] / 60 for x in summaries)
-            cpu = [x["cpu_s"] / 60 for x in summaries if "cpu_s" in x]  # runs from before it was recorded lack it
-            cpu_s = "–" if not cpu else f"{statistics.fmean(cpu):.1f}" + (
-                "" if len(cpu) == len(runs) else f" ({len(cpu)} of {len(runs)} runs)")
-            reach = [_steps_to(d, dapo_final) for d in runs] if dapo_final is not None else []
-            reach_s = ", ".join("never" if s is None else str(s) for s in reach) or "–"
-            m, sd = _mean_sd(finals)
-            generated = statistics.fmean(last[f]["samples_generated"] for f in budget[k])
-            at_common, at_sd = _mean_sd([_accuracy_at(f, common) for f in budget[k]])
-            # each seed samples its held-out evaluation with its own seed, so its start differs: the gain over it
-            gain, gain_sd = _mean_sd([_accuracy_at(f, common) - _evals(d)[0]["eval/accuracy"]
-                                      for f, d in zip(budget[k], runs, strict=True)])
-            at_wall, at_wall_sd = _mean_sd([_accuracy_at(f, common_wall, "wall_s") for f in budget[k]])
-            table[k] = {"final_mean": m, "final_sd": sd, "finals": finals, "initial": init, "best": best,
-                        "steps_to_dapo_final": reach, "minutes": mins,
-                        "cpu_minutes": statistics.fmean(cpu) if cpu else None, "responses_generated": generated,
-                        "accuracy_at_common_budget": at_common, "common_budget": common,
-                        "gain_at_common_budget": gain, "gain_at_common_budget_sd": gain_sd,
-                        "accuracy_at_common_wall_s": at_wall, "common_wall_s": common_wall}
-            rows.append(f"| {k} | {len(runs)} | {init:.3f} | {m:.3f} ± {sd:.3f} | {best:.3f} | {generated:,.0f} | "
-                        f"{at_common:.3f} ± {at_sd:.3f} | {gain:+.3f} ± {gain_sd:.3f} | "
-                        f"{at_wall:.3f} ± {at_wall_sd:.3f} | {reach_s} | {mins:.1f} | {cpu_s} | {PAPER.get(k, '–')} |")
-        updates = max(json.loads((d / "config.resolved.json").read_text())["train"]["total_steps"]
-                      for runs in comp.values() for d in runs)
-        (out / "comparison.md").write_text(
-            f"Final = mean held-out accuracy of the last two evaluations ({updates} updates each); DAPO's final "
-            f"(mean over seeds) = {dapo_final if dapo_final is None else round(dapo_final, 3)}. Responses generated "
-            "include value pretraining (VAPO) and dynamic-sampling resamples (DAPO); 'at N responses' compares every "
-            "method at the smallest budget any of them used, 'at M minutes' at the shortest run's wall-clock (its last "
-            "evaluation). Minutes: wall-clock of a run; CPU minutes: user + system time of the run's processes (its "
-            "engine core and verifier workers included).\n\n" + "\n".join(rows) + "\n")
-        result["comparison"] = table
+        result["comparison"] = _comparison_report(out, comp)
     if "vapo" in done and any(k in done for k in ABLATIONS):
-        vapo_m, vapo_sd = _mean_sd([_final(d) for d in done["vapo"]])
-        labels, vals, errs, ref = ["VAPO"], [vapo_m], [vapo_sd], [60.4]
-        vapo_by_seed = {d.name.rsplit("_s", 1)[1]: _final(d) for d in done["vapo"]}
-        rows_budget = {k: [budget_metrics(d) for d in done[k]] for k in ["vapo", *ABLATIONS] if k in done}
-        abl_common = min(json.loads(f.read_text().splitlines()[-1])["samples_generated"]
-                         for fs in rows_budget.values() for f in fs)
-
-        def at_common(k: str) -> tuple[float, float]:
-            return _mean_sd([_accuracy_at(f, abl_common) for f in rows_budget[k]])
-
-        rows = ["| run | seeds | final held-out accuracy (mean ± sd) | Δ vs VAPO (all its seeds) | "
-                f"Δ vs VAPO, same seeds (paired) | at {abl_common:,} responses | paper AIME24 | paper Δ |",
-                "|---|---|---|---|---|---|---|---|",
-                f"| VAPO | {len(done['vapo'])} | {vapo_m:.3f} ± {vapo_sd:.3f} | 0 | 0 | "
-                "{:.3f} ± {:.3f} | 60.4 | 0 |".format(*at_common("vapo"))]
-        abl = {}
-        for k, (what, paper) in ABLATIONS.items():
-            if k not in done:
-                continue
-            m, sd = _mean_sd([_final(d) for d in done[k]])
-            paired = [_final(d) - vapo_by_seed[d.name.rsplit("_s", 1)[1]] for d in done[k]
-                      if d.name.rsplit("_s", 1)[1] in vapo_by_seed]
-            paired_d = statistics.fmean(paired) if paired else float("nan")
-            abl[k] = {"final_mean": m, "final_sd": sd, "seeds": len(done[k]), "paper": paper,
-                      "paired_delta": paired_d, "accuracy_at_common_budget": at_common(k)[0],
-                      "common_budget": abl_common}
-            labels.append(f"w/o {what}")
-            vals.append(m)
-            errs.append(sd)
-            ref.append(paper)
-            rows.append(f"| w/o {what} | {len(done[k])} | {m:.3f} ± {sd:.3f} | {m - vapo_m:+.3f} | {paired_d:+.3f} | "
-                        "{:.3f} ± {:.3f} | ".format(*at_common(k)) + f"{paper} | {paper - 60.4:+.1f} |")
-        (out / "ablation.md").write_text("\n".join(rows) + "\n")
-        bar_chart(labels, [100 * v for v in vals], out / "ablation.png", reference=ref,
-                  errors=[100 * e for e in errs], title="VAPO ablations: toy held-out accuracy (%) vs paper AIME24",
-                  ylabel="accuracy (%)", reference_label="paper (AIME24, Qwen2.5-32B)")
-        result["ablation"] = abl
+        result["ablation"] = _ablation_report(out, done)
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 

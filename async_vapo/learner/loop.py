@@ -95,22 +95,21 @@ class InProcessSource:
         pass
 
 
-REPUBLISH = "republish"
-"""What rank 0's source may answer instead of groups while it waits (``BroadcastSource``): publish the current
-version again, on every rank, then go on waiting."""
+class Control(str):
+    """What rank 0's batch source may answer instead of groups: a request for work on every rank (a collective,
+    such as publishing the current version again), which :class:`BroadcastSource` broadcasts and hands to its
+    ``on_control`` on every rank; then the source is asked again. The sources themselves never make one: the
+    service that composes them does (``services.learner``)."""
 
 
 class BroadcastSource:
     """Data-parallel ranks: rank 0 (``inner`` set) broadcasts each answer of its source, the other ranks
     (``inner`` None) receive it. A None answer (stop) is broadcast once; ``close`` on rank 0 sends it if
-    the loop ended on its own decision (done, out of time), so the other ranks' loops end too.
+    the loop ended on its own decision (done, out of time), so the other ranks' loops end too. A :class:`Control`
+    answer is run by ``on_control`` on every rank, after which the source is asked again."""
 
-    ``republish`` (every rank's, a collective): run when the source answers ``REPUBLISH`` (a sharded learner
-    whose version was streamed to the engines' weight groups only, and an engine could not load it: the version
-    is published again, whole; ``learner.sharding.publish_sharded``), after which the source is asked again."""
-
-    def __init__(self, inner: BatchSource | None, world: int, republish: Callable[[], object] | None = None):
-        self.inner, self.world, self.republish = inner, world, republish
+    def __init__(self, inner: BatchSource | None, world: int, on_control: Callable[[Control], object] | None = None):
+        self.inner, self.world, self.on_control = inner, world, on_control
         self.stopped = False
 
     def next_groups(self, n: int) -> tuple[list[Group], Timing] | None:
@@ -120,12 +119,11 @@ class BroadcastSource:
             got = self.inner.next_groups(n) if self.inner is not None else None
             if self.world > 1:
                 got = broadcast_object(got if self.inner is not None else None)
-            if not (isinstance(got, str) and got == REPUBLISH):
+            if not isinstance(got, Control):
                 break
-            if self.republish is None:
-                raise RuntimeError("the source asked for the version to be published again and no republish "
-                                   "hook is set")
-            self.republish()
+            if self.on_control is None:
+                raise RuntimeError(f"the source answered {got!r} and no on_control hook is set")
+            self.on_control(got)
         self.stopped = got is None
         return got
 

@@ -1,22 +1,10 @@
 """The replay buffer between verifier and learner: whole groups in, staleness-bounded batches out.
 
-Versions. The learner at version ``v`` has published ``v`` optimiser updates and holds weights ``v``;
-the batch it asks for makes update ``v + 1``. A group's ``version`` is the version of the weights
-that generated it. Its *age* for the learner at ``v`` is ``v - version``: the number of updates
-published since the weights that generated it.
-
-Invariant: a batch for the learner at version v never holds a group with v − version > max_staleness
-(nor one with version > v). Every served group has 0 ≤ age ≤ max_staleness; with max_staleness = 0
-every batch comes from the learner's current weights only, i.e. synchronous on-policy PPO.
-
-How this maps to the spec's wording. VAPO_SPEC.md says "a batch used for update v+1 may only hold
-trajectories whose version ≥ v + 1 − max_staleness" and "max_staleness = 0 is synchronous on-policy
-PPO". Read with the tag = generating weights, the first sentence at max_staleness = 0 would demand
-data from weights v + 1, which do not exist until that very update is made; the two sentences are
-consistent only if the spec's tag counts the update a trajectory is generated *for* (data from
-weights v feeds update v + 1, so tag = generating version + 1). Under that reading the spec's
-``tag ≥ v + 1 − max_staleness`` is exactly ``version ≥ v − max_staleness`` here. We keep
-``Group.version`` = generating weights (what the rollout stamps) and state the bound as above.
+Versions and the bound are ``async_vapo.staleness``'s (the one rule): a batch for the learner at version v holds only
+groups with ``floor ≤ version ≤ v``, the floor being the one the learner sends with each request (``min_version``; it
+owns the bound) or, for a buffer made with a ``max_staleness`` of its own (tests, tools), ``v − max_staleness``. The
+replay service makes its buffer without one: until the learner's first request after a restart there is no floor,
+and groups are kept until that request says which are stale.
 
 Selection. A batch is made of whole groups (never a split one: group-normalised advantages and the
 token-level loss both need every sample of a prompt). Groups are taken oldest admissible version
@@ -63,13 +51,12 @@ from dataclasses import dataclass, replace
 import msgspec
 
 from async_vapo.replay.store import GroupStore
+from async_vapo.staleness import DROP_FUTURE, DROP_STALE, StalenessPolicy, drop_reason
 from async_vapo.types import Group
 
 logger = logging.getLogger(__name__)
 
-DROP_STALE = "stale"
 DROP_OVERFLOW = "overflow"
-DROP_FUTURE = "future_version"
 
 REJECT_NOT_A_GROUP = "not_a_group"
 REJECT_EMPTY = "empty_samples"
@@ -197,20 +184,19 @@ class ReplayBuffer:
     def __init__(
         self,
         store: GroupStore,
-        max_staleness: int,
+        max_staleness: int | None,
         group_size: int | None = None,
         capacity_groups: int = 4096,
         seed: int = 0,
         limits: GroupLimits | None = None,
     ):
-        if max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         if capacity_groups < 1:
             raise ValueError(f"capacity_groups must be >= 1, got {capacity_groups}")
         if group_size is not None and group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         self.store = store
-        self.max_staleness = max_staleness
+        self.policy = None if max_staleness is None else StalenessPolicy(max_staleness)
+        """The buffer's own bound, for requests without a floor; None: every request brings the learner's."""
         self.group_size = group_size
         self.capacity_groups = capacity_groups
         # Selection is deterministic (FIFO by version, then seq); the seed is kept for the
@@ -227,7 +213,8 @@ class ReplayBuffer:
         for seq, group in store.live():
             self._index_add(seq, group.version, group.uid)
         self._learner_version = store.cursor.learner_version
-        self._floor = None if self._learner_version is None else self._learner_version - max_staleness
+        self._floor = None if self._learner_version is None or self.policy is None else \
+            self.policy.floor(self._learner_version)
         with self._lock:
             self._enforce_capacity()
 
@@ -257,21 +244,26 @@ class ReplayBuffer:
         """``num_groups`` whole groups for the learner at ``learner_version``, or None if too few.
 
         ``min_version``: the learner's staleness floor (the cluster's learner sends it with every request: it
-        owns the bound); None: ``learner_version - max_staleness``."""
+        owns the bound); None: the buffer's own policy's."""
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
         if learner_version < 0:
             raise ValueError(f"learner_version must be >= 0, got {learner_version}")
         start = time.perf_counter()
         with self._lock:
-            floor = learner_version - self.max_staleness if min_version is None else min_version
+            if min_version is None and self.policy is None:
+                raise ValueError("a request without min_version, to a buffer without a bound of its own")
+            floor = self.policy.floor(learner_version) if min_version is None else min_version
             if floor > learner_version:
                 raise ValueError(f"min_version {floor} is above learner_version {learner_version}")
             self._learner_version, self._floor = learner_version, floor
-            stale = [s for ver in self._versions if ver < floor for s in self._by_version[ver]]
-            future = [s for ver in self._versions if ver > learner_version for s in self._by_version[ver]]
-            self._drop(stale, DROP_STALE)
-            self._drop(future, DROP_FUTURE)
+            dropped: dict[str, list[int]] = {DROP_STALE: [], DROP_FUTURE: []}
+            for ver in self._versions:
+                reason = drop_reason(ver, learner_version, floor)
+                if reason is not None:
+                    dropped[reason] += self._by_version[ver]
+            for reason, seqs in dropped.items():
+                self._drop(seqs, reason)
             if sum(len(self._by_version[ver]) for ver in self._versions) < num_groups:
                 return None
             seqs: list[int] = []
@@ -324,13 +316,22 @@ class ReplayBuffer:
         ``lookahead`` is how many updates the learner is expected to publish before the group
         arrives; rollout should not start a group whose weights are older than this.
         """
-        return max(0, learner_version + lookahead - self.max_staleness)
+        return max(0, learner_version + lookahead - self._bound())
 
     def num_admissible(self, learner_version: int) -> int:
         """Stored groups a batch for ``learner_version`` could use now."""
         with self._lock:
-            floor = learner_version - self.max_staleness
-            return sum(len(self._by_version[v]) for v in self._versions if floor <= v <= learner_version)
+            floor = learner_version - self._bound()
+            return sum(len(self._by_version[v]) for v in self._versions
+                       if drop_reason(v, learner_version, floor) is None)
+
+    def _bound(self) -> int:
+        """max_staleness: the buffer's own, else the one the learner's last request implied, else 0."""
+        if self.policy is not None:
+            return self.policy.max_staleness
+        if self._floor is not None and self._learner_version is not None:
+            return self._learner_version - self._floor
+        return 0
 
     def stats(self) -> ReplayStats:
         with self._lock:

@@ -45,15 +45,17 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 
 from async_vapo.weights.collective import VLLM_BACKENDS, engine_backend
 from async_vapo.weights.layout import Layout, SharedWeightBuffer, shm_dir, tensor_nbytes, unshared_state
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -205,6 +207,13 @@ class VLLMEngine:
         self.version = version
         self.last_load_seconds = time.perf_counter() - t0
         return self.last_load_seconds
+
+    def apply_weights(self, version: int, load: Callable[[], T]) -> T:
+        """The one entry point of a new version from the cluster (``weights.client.EngineWeightClient``): ``load``
+        moves version ``version`` in by one of the ways below and returns what the client reports. This engine
+        generates in lock-step calls, and the rollout service calls the client between two of them, so nothing is
+        in flight and ``load`` runs as is; an engine that generates continuously quiesces its requests around it."""
+        return load()
 
     def load_weights_from_file(self, path: str, version: int) -> None:
         """Load a safetensors file (HF names) into the running engine."""

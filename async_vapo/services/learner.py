@@ -21,7 +21,8 @@ write to the last ack of the engines in rotation. A sharded learner with weight 
 on every rank (``learner.sharding.publish_sharded``): a version that every engine takes over its group is gathered
 one bucket at a time as it is sent and written to no slot; it is gathered whole on rank 0 only when an engine needs
 it so (its slot or its fetch, or none known yet), and published again, whole, when an engine reports that it could
-not load a streamed-only version (``ReplaySource`` answers ``REPUBLISH`` while it waits).
+not load a streamed-only version (rank 0's ``idle``, run while its ``ReplaySource`` waits, answers ``REPUBLISH``,
+which every rank runs).
 
 torch.distributed: a process group is always initialised (``learner.dist``: NCCL on GPUs, gloo on the CPU): from
 torchrun's environment when present, else a world of one over a loopback TCPStore. With several ranks, rank 0 does
@@ -46,13 +47,16 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from async_vapo.learner.loop import Control
 from async_vapo.learner.process_group import broadcast_object, destroy_process_group, init_process_group
 from async_vapo.learner.rundir import latest_checkpoint
 from async_vapo.metrics.prom import ServiceMetrics
 from async_vapo.metrics.rows import open_row_writer
 from async_vapo.services.context import ServiceContext, make_transport
+from async_vapo.staleness import StalenessPolicy
 from async_vapo.transport import (
     BatchMsg,
     BatchRequest,
@@ -63,6 +67,10 @@ from async_vapo.transport import (
     make_envelope,
 )
 from async_vapo.weights import WeightBroadcast
+
+REPUBLISH = Control("republish")
+"""Every rank publishes the current version again, whole (a sharded learner whose version was streamed to the
+engines' weight groups only, and an engine could not load it; ``learner.sharding.publish_sharded``)."""
 
 
 def export_row(metrics: ServiceMetrics, row: dict, version: int) -> None:
@@ -125,12 +133,16 @@ def export_row(metrics: ServiceMetrics, row: dict, version: int) -> None:
 class ReplaySource:
     """The learner's batch source: whole groups from the replay service, within the staleness bound.
 
-    While it waits it keeps the weight sync alive (heartbeats, acks). ``next_groups`` returns None once the
-    service is stopped."""
+    It knows batches only. While it waits it calls ``idle(waited_s, wait_s)`` (the service's other work for up to
+    ``wait_s``: the weight broadcast's heartbeats and acks); an answer other than None from ``idle`` is returned
+    in place of groups, uninterpreted, as long as no group of this call has been received (the service's
+    :class:`~async_vapo.learner.loop.Control`). ``next_groups`` returns None once the service is stopped."""
 
-    def __init__(self, ctx: ServiceContext, transport, sync: WeightBroadcast, learner, floor):
+    def __init__(self, ctx: ServiceContext, transport, learner, policy: StalenessPolicy,
+                 idle: Callable[[float, float], object | None], row_extra: Callable[[], dict] | None = None):
+        """``row_extra``: the service's own figures for each row (beside the replay's)."""
         c = ctx.cfg.cluster
-        self.ctx, self.sync, self.learner, self.floor = ctx, sync, learner, floor
+        self.ctx, self.learner, self.policy, self.idle, self.row_extra = ctx, learner, policy, idle, row_extra
         self.req = transport.requester(ctx.endpoint(c.hosts.replay_host, c.ports.replay_batch_port),
                                        decoder=ctx.decoder((BatchMsg,), "batches"), name=ctx.name, peer="replay")
         self.max_reply_bytes = c.wire.max_message_bytes // 2
@@ -154,25 +166,21 @@ class ReplaySource:
             except PeerTimeout as exc:
                 self.replay_timeouts.inc()
                 self.ctx.log.warning("learner: replay not answering READY yet: %s", exc)
-                self.sync.heartbeat(self.learner.version)
-                self.sync.poll(0)
+                self.idle(0.0, 0.0)
         return False
 
     def next_groups(self, n: int):
         """``n`` whole groups admissible for the current version, with the wait; None when stopped first. They come
         in replies of at most ``per_request`` groups each (half the frame limit, whatever the response length)."""
         c, v = self.ctx.cfg.cluster, self.learner.version
-        floor = self.floor(v)
+        floor = self.policy.floor(v)
         t0 = time.perf_counter()
         got: list = []
         try:
             while not self.ctx.stop.is_set():
-                self.sync.heartbeat(v, waiting_s=time.perf_counter() - t0)
-                self.sync.poll(0)
-                if not got and self.sync.needs_whole():  # every rank publishes the version again
-                    from async_vapo.learner.loop import REPUBLISH
-
-                    return REPUBLISH
+                other = self.idle(time.perf_counter() - t0, 0.0)
+                if other is not None and not got:
+                    return other
                 received = self.cursor if self.cursor_known else -1
                 env = make_envelope(BatchRequest(n_groups=min(n - len(got), self.per_request), for_version=v,
                                                  min_version=floor, received_cursor=received,
@@ -193,7 +201,7 @@ class ReplaySource:
                     self.ctx.log.warning("learner: replay cursor %d is behind the checkpoint's %d (replay store "
                                          "replaced?)", batch.cursor, self.cursor)
                 self.cursor, self.cursor_known = batch.cursor, True
-                ok = [g for g in batch.groups if floor <= g.version <= v]
+                ok = [g for g in batch.groups if self.policy.usable(g.version, v, floor)]
                 if len(ok) != len(batch.groups):  # the replay enforces the bound; never use what breaks it
                     self.stale_rejected.inc(len(batch.groups) - len(ok))
                 if ok:
@@ -205,7 +213,7 @@ class ReplaySource:
                         return got, {"time/wait_batch_s": time.perf_counter() - t0}
                     continue
                 # the replay held the request for batch_poll_s (a refused one comes back at once: wait the rest)
-                self.sync.poll(max(0.0, c.wire.batch_poll_s - (time.perf_counter() - asked)))
+                self.idle(time.perf_counter() - t0, max(0.0, c.wire.batch_poll_s - (time.perf_counter() - asked)))
             return None
         finally:
             self.wait_seconds.inc(time.perf_counter() - t0)
@@ -213,7 +221,7 @@ class ReplaySource:
     def row_metrics(self, kept, version: int) -> dict[str, float]:
         versions = [g.version for g in kept] or [version - 1]
         return {"replay/max_age": (version - 1) - min(versions), "replay/cursor": self.cursor,
-                "cluster/engines_in_rotation": len(self.sync.rotation.members)}
+                **(self.row_extra() if self.row_extra is not None else {})}
 
     def state(self) -> dict:
         return {"replay_cursor": self.cursor}
@@ -265,11 +273,15 @@ class LearnerService:
         if ckpt is not None and (ckpt / "policy").exists():  # a sharded learner's checkpoint has only dcp/
             policy_path = ckpt / "policy"
         self.learner = Learner(cfg, policy_path, critic_path)
+        self.staleness = StalenessPolicy.from_config(cfg)
+        """The bound (``async_vapo.staleness``): the learner owns it and sends its floor with every batch request
+        and every announce."""
         self.sync = self.replay = self.log = None
         leader = self.rank == 0
         if leader:
             self.sync = WeightBroadcast(ctx, transport, device=str(self.learner.device))
-            self.replay = ReplaySource(ctx, transport, self.sync, self.learner, self.floor)
+            self.replay = ReplaySource(ctx, transport, self.learner, self.staleness, self.idle, row_extra=lambda: {
+                "cluster/engines_in_rotation": len(self.sync.rotation.members)})
             self.log = open_row_writer(cfg, ctx.run_dir / "metrics.jsonl", ctx.metrics)
         self.lm = ctx.metrics.learner
         self.last_publish: dict = {}
@@ -279,7 +291,7 @@ class LearnerService:
         to the engines' weight groups, whole on rank 0 only for engines that need it so."""
         self.loop = StepLoop(cfg, self.learner,
                              BroadcastSource(self.replay, self.world,
-                                             republish=self.publish_again if self.streams else None),
+                                             on_control=self.control if self.streams else None),
                              pad_id=self.tokenizer.pad_token_id, run_dir=ctx.run_dir, log_writer=self.log,
                              leader=leader, publish=self.publish if leader and not self.streams else None,
                              publish_collective=self.publish_all if self.streams else None,
@@ -293,7 +305,21 @@ class LearnerService:
     def floor(self, version: int) -> int:
         """The staleness floor: the oldest weights a batch for ``version`` may come from. The learner owns it;
         the replay enforces it per request and the engines admit generation by it (both are sent it)."""
-        return version - self.ctx.cfg.async_.max_staleness
+        return self.staleness.floor(version)
+
+    def idle(self, waited_s: float, wait_s: float) -> Control | None:
+        """Rank 0's work while it waits for a batch: heartbeats, acks (for up to ``wait_s``), and the weight
+        broadcast's one request of every rank: :data:`REPUBLISH` when an engine could not load a version that was
+        streamed only (``WeightBroadcast.needs_whole``)."""
+        self.sync.heartbeat(self.learner.version, waiting_s=waited_s)
+        self.sync.poll(wait_s)
+        return REPUBLISH if self.streams and self.sync.needs_whole() else None
+
+    def control(self, what: Control) -> None:
+        """A :class:`Control` of rank 0, on every rank (``BroadcastSource``)."""
+        if what != REPUBLISH:
+            raise ValueError(f"unknown control {what!r}")
+        self.publish_again()
 
     def publish(self, version: int, state) -> float:
         return self.sync.publish(version, state, self.floor(version))
@@ -314,7 +340,7 @@ class LearnerService:
         return {"time/weight_push_s": got["seconds"], "learner/weight_gather_peak_bytes": got["peak_bytes"]}
 
     def publish_again(self) -> None:
-        """The latest version once more, whole (``BroadcastSource``'s ``republish``, on every rank)."""
+        """The latest version once more, whole (on every rank: :data:`REPUBLISH`)."""
         self.publish_all(self.learner.version, again=True)
 
     # -- metrics -------------------------------------------------------------------------------------------------

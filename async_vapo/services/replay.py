@@ -10,10 +10,9 @@ Sockets
     asks again. A request is held in the replay, never the replay in a request: a new request from the same
     learner answers its held one (empty) first, and a slow learner holds nothing here.
 
-Invariant (enforced by :class:`~async_vapo.replay.ReplayBuffer`, not here): a batch for learner version
-v never holds a group older than the ``min_version`` the learner sent with its request (the learner owns
-the staleness bound, v − ``async.max_staleness``); older groups are dropped and counted. The replay's own
-``async.max_staleness`` only sets the floor after a restart, until the learner's first request.
+Invariant (``async_vapo.staleness``, enforced by :class:`~async_vapo.replay.ReplayBuffer`, not here): a batch for
+learner version v never holds a group older than the ``min_version`` the learner sent with its request (the learner
+owns the staleness bound; the replay reads none of its own); older groups are dropped and counted.
 
 Validation (the replay is a trust boundary): a group is stored only if its token ids are in the policy's
 vocabulary, its log-probs finite and <= 0, its rewards finite and from the verifier's reward set (``correct``
@@ -64,7 +63,7 @@ class ReplayService:
         store_path = store_path or ctx.run_dir / "replay" / "groups.log"
         store_path.parent.mkdir(parents=True, exist_ok=True)
         self.store = GroupStore(store_path, fsync=c.replay.fsync)
-        self.buffer = ReplayBuffer(self.store, cfg.async_.max_staleness, group_size=cfg.algo.group_size,
+        self.buffer = ReplayBuffer(self.store, None, group_size=cfg.algo.group_size,
                                    limits=GroupLimits.from_config(cfg, vocab_size=vocab_size))
         self.transport = transport
         self.pull = self.transport.receiver(in_endpoint or ctx.endpoint(c.hosts.bind_host, c.ports.replay_port),

@@ -18,18 +18,19 @@ the replay's floor they are dropped as stale).
 ``cluster.weights.transfer = "dist"`` (``async_vapo.weights.collective``): an engine asks for a group
 (WeightsGroupJoin on the acks socket), the learner makes one (gloo, or NCCL for an engine on CUDA when the learner
 is on CUDA: ``collective.group_backend``), offers it on the weights socket (WeightsGroupOffer) and forms it in a
-thread while the engine joins. Each version is then written to its slot as with "auto", announced with the engines whose groups are
-formed (``dist_engines``), and streamed to them one after another, each within ``cluster.weights.dist_timeout_s``.
-An engine whose send fails or times out loses its group (torn down, counted in ``weight_dist_failures_total``) and
-loads the slot instead; it asks for a new group. Acks and rotation are the same for every way.
+thread while the engine joins. Each version is then written to its slot as with "auto", announced with the engines
+whose groups are formed (``dist_engines``), and streamed to them one after another, each within
+``cluster.weights.dist_timeout_s``. An engine whose send fails or times out loses its group (torn down, counted in
+``weight_dist_failures_total``) and loads the slot instead; it asks for a new group. Acks and rotation are the same
+for every way.
 
 A sharded learner (``learner.sharding.publish_sharded``, every rank) asks :meth:`WeightBroadcast.stream_plan`
 first. When every engine heard from within ``cluster.wire.peer_dead_s`` is streamed, the version is announced with
 no slot (``location`` empty, :meth:`WeightBroadcast.announce_unheld`) and streamed as its ranks gather it, one
-bucket at a time; the sends are reported to :meth:`WeightBroadcast.streamed`. An engine that then fails to load it
-(its send failed, or it has just started) acks the failure, :meth:`WeightBroadcast.needs_whole` becomes true, and
-the learner publishes the version again, whole, to a slot (``publish(..., again=True)``; the learner service's
-batch source answers ``REPUBLISH`` while it waits). Otherwise (an engine on the slot or the fetch, or none known
+bucket at a time; the sends are reported to :meth:`WeightBroadcast.streamed`. An engine that then fails to load it (its
+send failed, or it has just started) acks the failure, :meth:`WeightBroadcast.needs_whole` becomes true, and the learner
+publishes the version again, whole, to a slot (``publish(..., again=True)``; on every rank: the learner service's
+``REPUBLISH``, from its work while it waits for a batch). Otherwise (an engine on the slot or the fetch, or none known
 yet) the version is gathered whole on rank 0 in one walk and published as above.
 
 ``cluster.weights.transfer = "auto"`` chooses per engine (``async_vapo.weights.choose.WayChooser``, fed by the acks,

@@ -9,12 +9,12 @@ transport:
   receive does, then acks);
 * ``rollout-1``, an engine with no group, which loads the slot or fetches (its acks sent from the main thread).
 
-Versions: 0 (no engine known yet: whole, to the slot); 1 and 2 (every engine streamed: no slot); 3 and 4, made by
-two updates of the step loop, which publishes each on every rank (streamed); 4 again (rollout-1 could not load it:
-the service's replay source answers REPUBLISH and every rank publishes it whole); 5 (rollout-1 known and not
-streamed: whole, and rollout-0 streamed from it). Every rank takes ``Learner.policy_state`` (the whole-model path)
-for comparison before each publish and after the loop. Rank 0 saves what the engines got, the references and the
-loop's rows to ``OUT/published.pt``; every rank its publish figures to ``OUT/figures.<rank>``.
+Versions: 0 (no engine known yet: whole, to the slot); 1 and 2 (every engine streamed: no slot); 3 and 4, made by two
+updates of the step loop, which publishes each on every rank (streamed); 4 again (rollout-1 could not load it: rank 0's
+idle work answers REPUBLISH while its replay source waits and every rank publishes it whole); 5 (rollout-1 known and not
+streamed: whole, and rollout-0 streamed from it). Every rank takes ``Learner.policy_state`` (the whole-model path) for
+comparison before each publish and after the loop. Rank 0 saves what the engines got, the references and the loop's rows
+to ``OUT/published.pt``; every rank its publish figures to ``OUT/figures.<rank>``.
 
     torchrun --nproc_per_node 2 tests/integration/publish_worker.py CACHE_DIR OUT_DIR FETCH_PORT
 """
@@ -235,14 +235,14 @@ def main() -> None:
             sync.poll(1.0)
             res["needs_whole"] = sync.needs_whole()
 
-            def stop_once_republished():  # the replay source stops after its REPUBLISH has been served
+            def stop_once_republished():  # the source stops after REPUBLISH has been served
                 deadline = time.monotonic() + 60
                 while not sync.latest.location and time.monotonic() < deadline:
                     time.sleep(0.05)
                 ctx.stop.set()
 
             threading.Thread(target=stop_once_republished, daemon=True).start()
-        # every rank: the service's source; rank 0's replay source answers REPUBLISH, then stops
+        # every rank: the service's source; rank 0's idle work answers REPUBLISH while it waits, then it stops
         figures["source"] = svc.loop.source.next_groups(cfg.algo.prompts_per_step)
         figures["again"] = dict(svc.last_publish)
         if rank == 0:

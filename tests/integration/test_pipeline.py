@@ -81,7 +81,7 @@ def test_pipeline_in_one_process_over_the_inproc_transport(tiny_cfg, tiny_base, 
         served = vllm_engine.version
         per_request = learner.replay.per_request
         via = {k: v for k, v in _samples(ctxs["rollout"], "weight_transfers_total").items() if v}
-        asked_group = rollout.in_group or learner.sync.groups
+        asked_group = rollout.weights.in_group or learner.sync.groups
     finally:
         for ctx in ctxs.values():
             ctx.stop.set()

@@ -11,8 +11,8 @@ loop's hook) and ``publish_again`` through its ``WeightBroadcast``, with a weigh
 * Before any engine is known, and once ``rollout-1`` (no group) is, the version is gathered whole on rank 0 in one
   walk, written to the slot, which ``rollout-1`` maps or fetches exactly, and ``rollout-0`` is streamed from it:
   every rank makes one walk's ``full_tensor()`` calls, not one per way.
-* ``rollout-1`` failing to load a streamed-only version makes the replay source answer ``REPUBLISH``; every rank
-  publishes the version again, whole, to the slot, and ``rollout-0`` is not streamed it again.
+* ``rollout-1`` failing to load a streamed-only version makes rank 0's idle work answer ``REPUBLISH`` while its replay
+  source waits; every rank publishes the version again, whole, to the slot, and ``rollout-0`` is not streamed it again.
 
 About 40 s here."""
 
@@ -112,7 +112,7 @@ def test_an_engine_that_cannot_load_a_streamed_only_version_gets_it_again_whole(
     res, r0, r1 = published
     assert "streamed over the engines' weight groups only" in res["unavailable"]
     assert res["needs_whole"]
-    assert r0["source"] is None and r1["source"] is None  # REPUBLISH served inside the source, then stop
+    assert r0["source"] is None and r1["source"] is None  # REPUBLISH served while the source waited, then stop
     again = res["announces"]["4 again"]
     assert again["version"] == 4 and again["location"] and again["dist_engines"] == []
     assert "4 again" not in res["engine"]  # rollout-0 has version 4 already

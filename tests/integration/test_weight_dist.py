@@ -291,8 +291,8 @@ def test_a_second_real_engine_killed_mid_broadcast_is_dropped_and_rejoins(vllm_e
                                                                          caplog):
     """The learner's WeightBroadcast ("dist", ZeroMQ on loopback) and two real vLLM engines, each in its own gloo
     group: rollout-0, the real rollout service (``services/rollout.py``) in a subprocess, and rollout-1, the
-    session's engine behind a RolloutService in this process (streamed after rollout-0). Version 1 reaches both over
-    their groups and both serve it exactly (rollout-0's generated groups: log-probs = the learner's forward).
+    session's engine behind an EngineWeightClient in this process (streamed after rollout-0). Version 1 reaches both
+    over their groups and both serve it exactly (rollout-0's generated groups: log-probs = the learner's forward).
     Version 2: rollout-0's process group is SIGKILLed once its first bucket (of 4 KiB buckets) has gone; the
     learner's send to it fails well within ``dist_timeout_s``, its group is torn down, and rollout-1 still receives
     version 2 and serves it. A new rollout-0 process starts; the dead one leaves rotation at the ack deadline, the new
@@ -308,11 +308,10 @@ def test_a_second_real_engine_killed_mid_broadcast_is_dropped_and_rejoins(vllm_e
     from async_vapo.config import load_config
     from async_vapo.models.rl import load_policy
     from async_vapo.services.context import make_context
-    from async_vapo.services.rollout import RolloutService
-    from async_vapo.tasks import load_task
     from async_vapo.transport import GroupsMsg, Heartbeat, ZmqTransport
     from async_vapo.transport.messages import Decoder
     from async_vapo.weights import WeightBroadcast
+    from async_vapo.weights.client import EngineWeightClient
 
     t_start = time.monotonic()
     ports = free_ports(5)
@@ -329,7 +328,6 @@ def test_a_second_real_engine_killed_mid_broadcast_is_dropped_and_rejoins(vllm_e
     tok = AutoTokenizer.from_pretrained(str(tiny_base))
     policy = load_policy(tiny_base)
     base = {k: v.clone() for k, v in policy.state_dict().items()}
-    train_set, eval_set = load_task(cfg)
     caplog.set_level(logging.INFO)
     transport = ZmqTransport()
     ctxs = [make_context(s, cfg=cfg, run_dir=run_dir, instance=i, serve_metrics=False, install_signals=False)
@@ -352,7 +350,7 @@ def test_a_second_real_engine_killed_mid_broadcast_is_dropped_and_rejoins(vllm_e
     def step(proc=None) -> None:
         wb.poll(0.05)
         wb.heartbeat(wb.rotation.latest)
-        here.poll_weights(0.0)
+        here.poll(0.0)
         here.heartbeat()
         if proc is not None and proc.poll() is not None:
             pytest.fail(f"rollout-0 exited ({proc.returncode}):\n{_tail(log)}")
@@ -405,16 +403,15 @@ def test_a_second_real_engine_killed_mid_broadcast_is_dropped_and_rejoins(vllm_e
         deadline = time.monotonic() + 2 * dist_timeout_s + 20
         while th.is_alive() or vllm_engine.version != version:
             assert time.monotonic() < deadline, f"version {version}: the publish or rollout-1's load hangs"
-            here.poll_weights(0.05)
+            here.poll(0.05)
         assert "error" not in out, out
         step()  # the acks
         return out["seconds"]
 
     try:
         proc = start()
-        here = RolloutService(ctxs[1], transport, vllm_engine, tok, train_set, eval_set, pretrain_batches=0)
-        here.ack(vllm_engine.version, True, 0.0)
-        here.ask_group()
+        here = EngineWeightClient(ctxs[1], transport, vllm_engine)
+        here.start()  # acks version 0 and, with "dist", asks for a group
         until(lambda: formed("rollout-0") and formed("rollout-1"), "both engines in their weight groups", 120, proc)
         first = wb.groups["rollout-0"]
         mark("both engines in their groups")
@@ -660,24 +657,23 @@ def test_auto_times_an_engine_on_another_host_over_its_group_and_drops_a_slower_
 
 def test_auto_on_the_real_engine_maps_the_slot_here_and_times_fetch_against_group_elsewhere(
         vllm_engine, tiny_cfg, tiny_base, tmp_path, monkeypatch, caplog):
-    """The rollout service's and the learner's "auto" around the session's real engine: as rollout-0 on the
-    learner's host it maps the slot and never asks for a group; as rollout-1 "on another host" (the slot made
-    unreadable) it fetches, asks for a gloo group, joins it through vLLM, is timed over it, and then takes every
-    version by the way measured faster. It serves each version exactly; the metrics and logs say the ways."""
+    """The engine's weight client and the learner's "auto" around the session's real engine, no service: as rollout-0 on
+    the learner's host it maps the slot and never asks for a group; as rollout-1 "on another host" (the slot made
+    unreadable) it fetches, asks for a gloo group, joins it through vLLM, is timed over it, and then takes every version
+    by the way measured faster. It serves each version exactly; the metrics and logs say the ways."""
     import logging
 
     from conftest import TINY_TEST_OVERRIDES, free_ports
     from transformers import AutoTokenizer
 
-    import async_vapo.services.rollout as rs
+    import async_vapo.weights.client as client
     import async_vapo.weights.receive as receive
     from async_vapo.config import load_config
     from async_vapo.models.rl import load_policy
     from async_vapo.services.context import make_context
-    from async_vapo.services.rollout import RolloutService
-    from async_vapo.tasks import load_task
     from async_vapo.transport import InprocTransport
     from async_vapo.weights import WeightBroadcast
+    from async_vapo.weights.client import EngineWeightClient
 
     ports = free_ports(3)
     cfg = load_config([], [*TINY_TEST_OVERRIDES, f"model.cache_dir={tiny_cfg.model.cache_dir}",
@@ -688,7 +684,6 @@ def test_auto_on_the_real_engine_maps_the_slot_here_and_times_fetch_against_grou
     tok = AutoTokenizer.from_pretrained(str(tiny_base))
     policy = load_policy(tiny_base)
     base = {k: v.clone() for k, v in policy.state_dict().items()}
-    train_set, eval_set = load_task(cfg)
     transport = InprocTransport()
     ctxs = [make_context(s, cfg=cfg, run_dir=tmp_path / "run", instance=i, serve_metrics=False,
                          install_signals=False) for s, i in (("learner", 0), ("rollout", 0), ("rollout", 1))]
@@ -710,23 +705,23 @@ def test_auto_on_the_real_engine_maps_the_slot_here_and_times_fetch_against_grou
         deadline = time.monotonic() + 60
         while vllm_engine.version != version or th.is_alive():
             assert time.monotonic() < deadline, f"version {version} did not reach {rollout.engine_id}"
-            rollout.poll_weights(0.05)
+            rollout.poll(0.05)
         wb.poll(0.2)
-        rollout.poll_weights(0.2)  # a group offer, if one came
+        rollout.poll(0.2)  # a group offer, if one came
         wb.poll(0.2)
         assert_engine_serves(vllm_engine, policy, tok)
         return max(("dist", "shm", "zmq"), key=lambda w: rollout.m_way.labels(way=w)._value.get())
 
     here = elsewhere = None
     try:
-        here = RolloutService(ctxs[1], transport, vllm_engine, tok, train_set, eval_set, pretrain_batches=0)
+        here = EngineWeightClient(ctxs[1], transport, vllm_engine)
         assert [push(here), push(here)] == ["shm", "shm"]
         assert not here.remote and not here.in_group and "rollout-0" not in wb.groups
         assert wb.chooser.way("rollout-0") == "shm"
 
-        monkeypatch.setattr(rs, "slot_readable", lambda *a: False)  # rollout-1 is "on another host"
+        monkeypatch.setattr(client, "slot_readable", lambda *a: False)  # rollout-1 is "on another host"
         monkeypatch.setattr(receive, "slot_holds", lambda *a: False)
-        elsewhere = RolloutService(ctxs[2], transport, vllm_engine, tok, train_set, eval_set, pretrain_batches=0)
+        elsewhere = EngineWeightClient(ctxs[2], transport, vllm_engine)
         ways = [push(elsewhere) for _ in range(4)]
         # fetch (warm-up), fetch (timed; its group joined meanwhile), group (warm-up), group (timed)
         assert ways == ["zmq", "zmq", "dist", "dist"], ways

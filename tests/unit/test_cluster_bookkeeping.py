@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from async_vapo.services.rollout import Admission
+from async_vapo.staleness import Admission
 from async_vapo.weights import Rotation
 
 # -- admission control ---------------------------------------------------------------------------------------------
