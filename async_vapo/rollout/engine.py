@@ -46,7 +46,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, TypeVar
 
@@ -65,6 +65,9 @@ class Sample:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" (EOS) or "length"
+    version_spans: list[tuple[int, int]] = field(default_factory=list)
+    """``(version, index of the first token generated under it)``, one per version, in order, starting at index 0:
+    the weights that sampled each token. A lock-step engine serves one version per call."""
 
 
 @dataclass
@@ -107,75 +110,76 @@ def engine_cpu_env(cpus: Sequence[int]) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cpus), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
-class VLLMEngine:
-    def __init__(self, spec: EngineSpec, version: int = 0):
-        on_cpu = not torch.cuda.is_available()
-        if on_cpu:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(spec.kv_cache_gib))))
-        from vllm import LLM
+def prepare_engine_env(spec: EngineSpec) -> bool:
+    """Set the environment the engine's processes inherit (KV cache size on the CPU, our plugin's idle spin);
+    returns whether the engine runs on the CPU."""
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(spec.kv_cache_gib))))
+    from async_vapo.rollout.vllm_plugin import IDLE_SPIN_ENV
 
-        from async_vapo.rollout.vllm_plugin import IDLE_SPIN_ENV
+    if spec.idle_spin_s is not None:  # read by our vLLM plugin in the engine's processes, which inherit it
+        os.environ[IDLE_SPIN_ENV] = repr(spec.idle_spin_s)
+    else:
+        os.environ.pop(IDLE_SPIN_ENV, None)
+    return on_cpu
 
-        if spec.idle_spin_s is not None:  # read by our vLLM plugin in the engine's processes, which inherit it
-            os.environ[IDLE_SPIN_ENV] = repr(spec.idle_spin_s)
-        else:
-            os.environ.pop(IDLE_SPIN_ENV, None)
-        t0 = time.perf_counter()
-        self.spec = spec
-        self.weight_backend = engine_backend(spec.dist_backend, cuda=not on_cpu)
-        """"gloo" or "nccl": the torch.distributed groups this engine can join (``async_vapo.weights.collective``)."""
-        self.llm = LLM(
-            model=spec.model_path,
-            dtype=spec.dtype,
-            max_model_len=spec.max_model_len,
-            seed=spec.seed,
-            enforce_eager=spec.enforce_eager,
-            skip_tokenizer_init=True,
-            gpu_memory_utilization=spec.gpu_memory_utilization,
-            max_num_seqs=spec.max_num_seqs,
-            tensor_parallel_size=spec.tensor_parallel_size,
-            logprobs_mode="processed_logprobs",  # of the tempered distribution sampled from (module docstring)
-            worker_extension_cls="async_vapo.rollout.worker_ext.WeightSyncExtension",
-            # async_vapo.weights.collective's engines, registered by worker_ext
-            weight_transfer_config={"backend": VLLM_BACKENDS[self.weight_backend]},
-            # With chunked prefill, vLLM rewinds the generator of a seeded request whose prefill was split
-            # (gpu_model_runner: gen.set_offset), which a CPU generator cannot do ("CPU Generator does not use
-            # offset"). It killed the engine evaluating the long task's held-out split (138 prompts x 2 seeded
-            # samples) and on chat-template prompts of the real model in batches of a few dozen; the same runs
-            # with this flag completed. On the CPU every prompt is prefilled whole.
-            **({"enable_chunked_prefill": False} if on_cpu else {}),
-        )
-        self.start_seconds = time.perf_counter() - t0
-        self.version = version
-        self.last_load_seconds: float | None = None
-        self.last_load_stages: dict[str, float] = {}
-        """Seconds of the last load by stage: ``write_s`` (serialise / copy into shared memory, this
-        process), ``read_s`` and ``reload_s`` (in the slowest worker: tensors out of the file, vLLM's
-        ``reload_weights``), ``rpc_s`` (the rest of the RPC's wall time)."""
-        self._shared = SharedWeightBuffer()
 
-    def generate(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float,
-                 max_tokens: int, stop_token_ids: Sequence[int], seed: int | None = None) -> list[list[Sample]]:
-        """``n`` samples for each prompt (token ids), in prompt order, each token with its log-probability under
-        the distribution it was drawn from (see the module docstring)."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+def engine_kwargs(spec: EngineSpec, weight_backend: str, *, on_cpu: bool) -> dict:
+    """The engine arguments of ``spec``, the same for ``vllm.LLM`` and ``AsyncEngineArgs``."""
+    return dict(
+        model=spec.model_path,
+        dtype=spec.dtype,
+        max_model_len=spec.max_model_len,
+        seed=spec.seed,
+        enforce_eager=spec.enforce_eager,
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=spec.gpu_memory_utilization,
+        max_num_seqs=spec.max_num_seqs,
+        tensor_parallel_size=spec.tensor_parallel_size,
+        logprobs_mode="processed_logprobs",  # of the tempered distribution sampled from (module docstring)
+        worker_extension_cls="async_vapo.rollout.worker_ext.WeightSyncExtension",
+        # async_vapo.weights.collective's engines, registered by worker_ext
+        weight_transfer_config={"backend": VLLM_BACKENDS[weight_backend]},
+        # With chunked prefill, vLLM rewinds the generator of a seeded request whose prefill was split
+        # (gpu_model_runner: gen.set_offset), which a CPU generator cannot do ("CPU Generator does not use
+        # offset"). It killed the engine evaluating the long task's held-out split (138 prompts x 2 seeded
+        # samples) and on chat-template prompts of the real model in batches of a few dozen; the same runs
+        # with this flag completed. On the CPU every prompt is prefilled whole.
+        **({"enable_chunked_prefill": False} if on_cpu else {}),
+    )
 
-        # A seed makes each prompt's samples reproducible; prompt i gets seed + i, so that prompts do not share
-        # one random stream (one shared seed would correlate every prompt's sampling errors).
-        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
-                                 stop_token_ids=list(stop_token_ids), detokenize=False,
-                                 seed=None if seed is None else seed + i) for i in range(len(prompts))]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
-        result = []
-        for out in outs:
-            group = []
-            for o in out.outputs:
-                ids = list(o.token_ids)
-                lps = [lp[t].logprob for t, lp in zip(ids, o.logprobs or [], strict=False)]
-                group.append(Sample(token_ids=ids, logprobs=lps, finish_reason=o.finish_reason or "length"))
-            result.append(group)
-        return result
+
+def sampling_params(*, n: int, temperature: float, top_p: float, max_tokens: int, stop_token_ids: Sequence[int],
+                    seed: int | None, **extra):
+    """vLLM's sampling parameters of one prompt's ``n`` samples, with the sampled tokens' log-probs (each child
+    request of ``n`` gets ``seed + index`` when a seed is given)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
+                          stop_token_ids=list(stop_token_ids), detokenize=False, seed=seed, **extra)
+
+
+def to_sample(o, **extra) -> Sample:
+    """A vLLM ``CompletionOutput`` as a :class:`Sample`."""
+    ids = list(o.token_ids)
+    lps = [lp[t].logprob for t, lp in zip(ids, o.logprobs or [], strict=False)]
+    return Sample(token_ids=ids, logprobs=lps, finish_reason=o.finish_reason or "length", **extra)
+
+
+class EngineWeights:
+    """The weight-load methods shared by the engines (module docstring): each ends in one collective RPC into the
+    workers (``worker_ext``) through ``_collective_rpc`` and sets ``version``. The concrete engine sets ``spec``,
+    ``version``, ``last_load_seconds``, ``last_load_stages`` and ``_shared`` and implements ``_collective_rpc``."""
+
+    spec: EngineSpec
+    version: int
+    last_load_seconds: float | None
+    last_load_stages: dict[str, float]
+    _shared: SharedWeightBuffer
+
+    def _collective_rpc(self, method: str, *, timeout: float, args: tuple = (), kwargs: dict | None = None) -> list:
+        raise NotImplementedError
 
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int, *,
                      via: Literal["shared", "safetensors"] = "shared") -> float:
@@ -208,13 +212,6 @@ class VLLMEngine:
         self.last_load_seconds = time.perf_counter() - t0
         return self.last_load_seconds
 
-    def apply_weights(self, version: int, load: Callable[[], T]) -> T:
-        """The one entry point of a new version from the cluster (``weights.client.EngineWeightClient``): ``load``
-        moves version ``version`` in by one of the ways below and returns what the client reports. This engine
-        generates in lock-step calls, and the rollout service calls the client between two of them, so nothing is
-        in flight and ``load`` runs as is; an engine that generates continuously quiesces its requests around it."""
-        return load()
-
     def load_weights_from_file(self, path: str, version: int) -> None:
         """Load a safetensors file (HF names) into the running engine."""
         self._rpc("async_vapo_load_weights", path)
@@ -236,15 +233,15 @@ class VLLMEngine:
         The same worker call as vLLM's ``LLM.init_weight_transfer_engine``, with a deadline of its own: a worker that
         dies or hangs in the rendezvous raises here (``TimeoutError``) instead of holding the rollout loop forever."""
         deadline = float(init_info.get("timeout_s", 0.0)) + self.spec.weights_timeout_s
-        self.llm.collective_rpc("init_weight_transfer_engine", timeout=deadline, kwargs={"init_info": init_info})
+        self._collective_rpc("init_weight_transfer_engine", timeout=deadline, kwargs={"init_info": init_info})
 
     def receive_weights_dist(self, update_info: dict, version: int) -> None:
         """Receive one version over the group through vLLM's weight-transfer API while the learner sends it. A
         failure part-way leaves a mix of two versions loaded: load a whole version another way before serving."""
         t0 = time.perf_counter()
         # start_weight_update, update_weights and finish_weight_update in each worker, in one RPC (worker_ext)
-        results = self.llm.collective_rpc("async_vapo_receive_dist", timeout=self.spec.weights_timeout_s,
-                                          args=(update_info,))
+        results = self._collective_rpc("async_vapo_receive_dist", timeout=self.spec.weights_timeout_s,
+                                       args=(update_info,))
         self.version = version
         self.last_load_seconds = time.perf_counter() - t0
         stats = max(results, key=lambda s: s.get("recv_s", 0.0))
@@ -272,11 +269,54 @@ class VLLMEngine:
 
     def _rpc(self, method: str, *args) -> None:
         t0 = time.perf_counter()
-        results = self.llm.collective_rpc(method, timeout=self.spec.weights_timeout_s, args=args)
+        results = self._collective_rpc(method, timeout=self.spec.weights_timeout_s, args=args)
         wall = time.perf_counter() - t0
         slowest = max(results, key=lambda r: r["read_s"] + r["reload_s"])
         self.last_load_stages = {"read_s": slowest["read_s"], "reload_s": slowest["reload_s"],
                                  "rpc_s": wall - slowest["read_s"] - slowest["reload_s"]}
+
+class VLLMEngine(EngineWeights):
+    def __init__(self, spec: EngineSpec, version: int = 0):
+        on_cpu = prepare_engine_env(spec)
+        from vllm import LLM
+
+        t0 = time.perf_counter()
+        self.spec = spec
+        self.weight_backend = engine_backend(spec.dist_backend, cuda=not on_cpu)
+        """"gloo" or "nccl": the torch.distributed groups this engine can join (``async_vapo.weights.collective``)."""
+        self.llm = LLM(**engine_kwargs(spec, self.weight_backend, on_cpu=on_cpu))
+        self.start_seconds = time.perf_counter() - t0
+        self.version = version
+        self.last_load_seconds: float | None = None
+        self.last_load_stages: dict[str, float] = {}
+        """Seconds of the last load by stage: ``write_s`` (serialise / copy into shared memory, this
+        process), ``read_s`` and ``reload_s`` (in the slowest worker: tensors out of the file, vLLM's
+        ``reload_weights``), ``rpc_s`` (the rest of the RPC's wall time)."""
+        self._shared = SharedWeightBuffer()
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float,
+                 max_tokens: int, stop_token_ids: Sequence[int], seed: int | None = None) -> list[list[Sample]]:
+        """``n`` samples for each prompt (token ids), in prompt order, each token with its log-probability under
+        the distribution it was drawn from (see the module docstring)."""
+        from vllm.inputs import TokensPrompt
+
+        # A seed makes each prompt's samples reproducible; prompt i gets seed + i, so that prompts do not share
+        # one random stream (one shared seed would correlate every prompt's sampling errors).
+        params = [sampling_params(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                  stop_token_ids=stop_token_ids, seed=None if seed is None else seed + i)
+                  for i in range(len(prompts))]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        return [[to_sample(o, version_spans=[(self.version, 0)]) for o in out.outputs] for out in outs]
+
+    def _collective_rpc(self, method: str, *, timeout: float, args: tuple = (), kwargs: dict | None = None) -> list:
+        return self.llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
+
+    def apply_weights(self, version: int, load: Callable[[], T]) -> T:
+        """The one entry point of a new version from the cluster (``weights.client.EngineWeightClient``): ``load``
+        moves version ``version`` in by one of the ways below and returns what the client reports. This engine
+        generates in lock-step calls, and the rollout service calls the client between two of them, so nothing is
+        in flight and ``load`` runs as is; an engine that generates continuously quiesces its requests around it."""
+        return load()
 
     def close(self) -> None:
         shared = getattr(self, "_shared", None)
