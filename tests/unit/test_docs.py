@@ -129,3 +129,14 @@ def test_the_command_reference_does_not_depend_on_the_terminal(monkeypatch):
     wide = gen.cli_page()
     monkeypatch.setenv("COLUMNS", "40")
     assert gen.cli_page() == wide
+
+
+def test_every_file_the_pages_name_exists():
+    named = re.compile(r"`((?:async_vapo|deploy|benchmarks|tests|configs|services|docs)/[^`\s]*)`")
+    missing = []
+    for page in [ROOT / "README.md", *DOCS.rglob("*.md")]:
+        for path in named.findall(page.read_text(encoding="utf-8")):
+            path = path.split("::")[0].rstrip(".,:;")
+            if not any(c in path for c in "{*<") and not (ROOT / path).exists():
+                missing.append(f"{page.relative_to(ROOT)}: {path}")
+    assert not missing, f"pages name files that do not exist: {missing}"
