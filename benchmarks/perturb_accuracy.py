@@ -5,11 +5,21 @@ signs), as large as Adam's steps or larger, to tell a fragile model from a harmf
 
 Each perturbed copy is written to a temporary directory and evaluated by ``benchmarks/base_accuracy.py`` (the
 config's held-out split and evaluation settings, the real vLLM engine). Writes ``--out`` (JSON).
+
+With ``--mismatch`` the perturbation is a controlled rollout–learner mismatch instead: only the *engine's* copy of
+the weights is perturbed (loaded in place into one running float32 vLLM engine, scale 0 first: the unperturbed
+floor), the float32 learner keeps the base weights, and ``benchmarks/mismatch.py``'s :func:`measure` reports what
+every update would log (``mismatch/*``: k3 KL, |log ratio| per token and per sequence) and what each behaviour
+correction would truncate or mask, on ``--prompts`` training problems:
+
+    .venv/bin/python benchmarks/perturb_accuracy.py --config configs/tiny_cpu.toml --mismatch \
+        --scales 1e-3,3e-3,1e-2,3e-2 --out benchmarks/results/mismatch/tiny_cpu_perturbed.json
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import shutil
 import subprocess
@@ -28,7 +38,13 @@ def main() -> int:
     p.add_argument("--scales", default="1e-4,3e-4,1e-3")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/long_task/perturbed_accuracy.json")
+    p.add_argument("--mismatch", action="store_true",
+                   help="perturb the engine's weights only and measure the rollout-learner mismatch (module doc)")
+    p.add_argument("--prompts", type=int, default=64, help="--mismatch: training problems sampled per scale")
     args = p.parse_args()
+    if args.mismatch:
+        write_result(args.out, mismatch_sweep(args.config, args.scales.split(","), args.seed, args.prompts))
+        return 0
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -41,10 +57,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="perturbed-") as tmp:
         for scale in args.scales.split(","):
             model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-            gen = torch.Generator().manual_seed(args.seed)
-            with torch.no_grad():
-                for q in model.parameters():
-                    q.add_(float(scale) * torch.sign(torch.randn(q.shape, generator=gen)))
+            perturb_(model, float(scale), args.seed)
             out = Path(tmp) / f"scale-{scale}"
             model.save_pretrained(out)
             AutoTokenizer.from_pretrained(str(base)).save_pretrained(out)
@@ -58,6 +71,49 @@ def main() -> int:
             print(f"±{scale} on every parameter: held-out accuracy {doc['accuracy'][scale]:.3f}", flush=True)
     write_result(args.out, doc)
     return 0
+
+
+def perturb_(model, scale: float, seed: int) -> None:
+    """Move every parameter of ``model`` by ±``scale`` (random signs from ``seed``), in place."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for q in model.parameters():
+            q.add_(scale * torch.sign(torch.randn(q.shape, generator=gen)))
+
+
+def mismatch_sweep(config: str, scales: list[str], seed: int, prompts: int) -> dict:
+    """One float32 engine serving the base weights perturbed by each scale in turn (0 first) against the unperturbed
+    float32 learner: ``measure``'s result per scale."""
+    import time
+
+    from mismatch import engine_for, measure, setup
+
+    cfg, base, learner, encoder, train, held_out = setup(config, [])
+    engine = engine_for(cfg, base, encoder, train + held_out, "float32")
+    doc = {"config": config, "base_model": str(base), "seed": seed, "prompts": prompts,
+           "group_size": cfg.algo.group_size, "perturbed": "the engine's weights only (learner: base, float32)",
+           "engine_dtype": "float32", "mismatch": {}}
+    try:
+        for version, scale in enumerate(["0", *scales], start=1):
+            t0 = time.perf_counter()
+            policy = copy.deepcopy(learner.policy)
+            perturb_(policy, float(scale), seed)
+            engine.load_weights(learner.precision.engine_state({k: v.detach().cpu()
+                                                                for k, v in policy.state_dict().items()}), version)
+            res = measure(engine, learner, cfg, encoder, train[:prompts], seed=seed)
+            res["wall_s"] = round(time.perf_counter() - t0, 1)
+            doc["mismatch"][scale] = res
+            m, c = res["mismatch"], res["corrections"]
+            print(f"engine weights ±{scale}: k3 {m['k3']:.3g}, |log ratio| mean {m['abs_log_ratio_mean']:.3g} "
+                  f"max {m['abs_log_ratio_max']:.3g}, sequence |log ratio| mean {m['seq_abs_log_ratio_mean']:.3g}; "
+                  f"token MIS masks {c['token_mis_0.5_2']['masked_frac']:.3f}, IcePop "
+                  f"{c['icepop_0.5_5']['masked_frac']:.3f}, sequence MIS {c['seq_mis_0.5_2']['masked_frac']:.3f}",
+                  flush=True)
+    finally:
+        engine.close()
+    return doc
 
 
 if __name__ == "__main__":
