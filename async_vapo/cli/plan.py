@@ -1,6 +1,10 @@
-"""``async-vapo plan``: placement, memory per learner / engine GPU and weight-sync arithmetic of a config.
+"""``async-vapo plan``: placement, memory per learner rank / engine GPU, weight-sync arithmetic and estimated step
+time of a config (``async_vapo/deploy/scale.py`` states every assumption); ``--search`` lists the placements that
+fit, fastest first, with the config overrides of the best.
 
-The config is given with ``--config`` like every other command; the positional form (``plan CONFIG``) is kept.
+The placement is the one ``deploy/start_cluster.sh`` runs (``async_vapo.deploy.launch.cluster_placement``): from
+``--hostfile`` (the script's own) or, with ``--hosts N``, from the hostfile ``deploy/slurm/async_vapo.sbatch`` writes
+(learner, replay and verifier on the first host, engines on every host). Exit 1 when nothing fits.
 """
 
 from __future__ import annotations
@@ -11,36 +15,64 @@ from async_vapo.cli._common import CommandError, add_config_args, load, take_ove
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("plan", help="placement, memory per learner / engine GPU and weight-sync arithmetic "
-                                    "(async_vapo/deploy/scale.py states every assumption)")
+    p = sub.add_parser("plan", help="placement, memory per learner rank / engine GPU, weight sync and step time; "
+                                    "--search ranks the placements that fit (async_vapo/deploy/scale.py)")
     p.add_argument("config_file", nargs="?", metavar="CONFIG", help="a config file (the same as --config CONFIG)")
     add_config_args(p)
-    p.add_argument("--hosts", type=int, required=True)
+    p.add_argument("--hosts", type=int, help="hosts of the cluster (without --hostfile)")
+    p.add_argument("--hostfile", help="start_cluster.sh's hostfile ('host role' lines): plan what the script runs")
     p.add_argument("--gpus-per-host", type=int, required=True)
-    p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (default 80)")
+    p.add_argument("--gpu-memory-gib", type=float, help="memory of one GPU (default: --gpu's, 80 for h100-80g)")
+    p.add_argument("--gpu", default="h100-80g", help="published figures for the step time without --profile: "
+                                                     "a100-80g, h100-80g, h200 (default h100-80g)")
+    p.add_argument("--profile", help="JSON of measured rates: generation_tokens_per_s_per_gpu, "
+                                     "learner_tokens_per_s_per_gpu (scale.Profile)")
     p.add_argument("--bandwidth-gb-s", type=float, default=50.0,
                    help="learner -> engine bandwidth in GB/s (default 50: one 400 Gb/s NIC)")
     p.add_argument("--prompt-tokens", type=int, default=1024, help="longest prompt (default 1024)")
+    p.add_argument("--mean-response-tokens", type=int,
+                   help="mean response length for the step time (default: half of rollout.max_response_tokens)")
     p.add_argument("--model-config", help="the model's config.json when model.path has none")
+    p.add_argument("--search", action="store_true", help="list the placements that fit, fastest first")
+    p.add_argument("--top", type=int, default=10, help="rows --search prints (default 10)")
     p.set_defaults(run=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     from async_vapo.config import ConfigError
+    from async_vapo.deploy.launch import cluster_placement, hosts_line
     from async_vapo.deploy.placement import PlacementError
-    from async_vapo.deploy.scale import report
+    from async_vapo.deploy.scale import GPUS, Cluster, Profile, report, resolve_shape, search_hostfile, search_report
 
     take_override(args, "config_file")
-    if args.hosts < 1 or args.gpus_per_host < 1:
+    if (args.hosts is None) == (args.hostfile is None):
+        raise CommandError("give --hosts N or --hostfile FILE (one of them)")
+    if args.hosts is not None and args.hosts < 1 or args.gpus_per_host < 1:
         raise CommandError("--hosts and --gpus-per-host must be >= 1")
+    if args.gpu not in GPUS:
+        raise CommandError(f"--gpu must be one of {', '.join(GPUS)}, got {args.gpu!r}")
     cfg = load(args, [*([args.config_file] if args.config_file else []), *(args.config or [])])
     try:
-        print(report(cfg, hosts=args.hosts, gpus_per_host=args.gpus_per_host, gpu_memory_gib=args.gpu_memory_gib,
+        shape, source = resolve_shape(cfg.model.path, args.model_config)
+        cl = Cluster(gpu_memory_gib=args.gpu_memory_gib or GPUS[args.gpu].memory_gib,
                      bandwidth_gbytes_s=args.bandwidth_gb_s, prompt_tokens=args.prompt_tokens,
-                     model_config=args.model_config))
-    except (PlacementError, ValueError) as e:
+                     mean_response_tokens=args.mean_response_tokens, gpu=args.gpu,
+                     profile=Profile.load(args.profile) if args.profile else None)
+        if args.search:
+            if args.hostfile:
+                raise CommandError("--search places on --hosts N (it writes the hostfile of its best placement)")
+            text, fits = search_report(cfg, shape, source, cl, hosts=args.hosts, gpus_per_host=args.gpus_per_host,
+                                       top=args.top)
+        else:
+            lines = search_hostfile(args.hosts, 1) if args.hosts else args.hostfile
+            placement, lines = cluster_placement(cfg, lines, args.gpus_per_host)
+            where = args.hostfile or "--hosts: learner, replay, verifier on the first; engines on every host"
+            text, fits = report(cfg, placement, shape, source, cl,
+                                hosts_line=hosts_line(lines, args.gpus_per_host, where))
+    except (PlacementError, ValueError, OSError) as e:
         if isinstance(e, ConfigError):
             raise
         raise CommandError(str(e)) from None
-    return 0
+    print(text)
+    return 0 if fits else 1

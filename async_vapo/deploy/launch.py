@@ -3,6 +3,13 @@
     python -m async_vapo.deploy.launch plan [--config F] [--run-dir D] [--hostfile F] [overrides]
         the cluster plan as shell assignments; writes RUN_DIR/prometheus/{targets.json,prometheus.yml}
     python -m async_vapo.deploy.launch wait-health [--ca-file F | --insecure] [--user U --password-file F] URL T [PID]
+    python -m async_vapo.deploy.launch memory-check [--config F] [--hostfile F] --gpus-per-host N [overrides]
+        ``async-vapo plan``'s memory per learner rank and engine GPU for the placement ``plan`` computes (torch is not
+        imported here either); exit 1 when the learner or an engine does not fit, 0 with a note when the model's
+        shape is unknown (the embedded tiny model)
+
+:func:`cluster_placement` is the one place the placement of a config and a hostfile is computed: the script's plan
+and ``async-vapo plan --hostfile`` both call it, so they print the same table.
 """
 
 from __future__ import annotations
@@ -17,9 +24,60 @@ from pathlib import Path
 
 from async_vapo.config import Config, load_config
 from async_vapo.config.loader import ConfigError
-from async_vapo.deploy.placement import PlacementError, parse_hostfile, place, shell_assignments
+from async_vapo.deploy.placement import Placement, PlacementError, parse_hostfile, place, shell_assignments
 from async_vapo.metrics.prom import render_prometheus_config, write_file_sd_targets
 from async_vapo.services.context import SERVICES, keys_dir, metrics_port, service_host
+
+
+def cluster_placement(cfg: Config, hostfile: str | Sequence[tuple[str, str]] | None,
+                      gpus_per_host: int) -> tuple[Placement, list[tuple[str, str]]]:
+    """The placement start_cluster.sh runs for ``cfg`` on ``hostfile`` (a path, or its parsed lines; None: this
+    machine), and the hostfile's lines; raises PlacementError."""
+    if isinstance(hostfile, str):
+        lines = parse_hostfile(Path(hostfile).read_text(), hostfile)
+    else:
+        lines = list(hostfile or [])
+    return place(cfg.async_.rollout_devices, cfg.async_.learner_devices,
+                 tensor_parallel_size=cfg.rollout.tensor_parallel_size, gpus_per_host=gpus_per_host,
+                 hostfile=lines), lines
+
+
+def hosts_line(lines: Sequence[tuple[str, str]], gpus_per_host: int, source: str) -> str:
+    """How ``plan`` names the cluster it placed on."""
+    hosts = list(dict.fromkeys(h for h, _ in lines)) or ["localhost"]
+    return f"{len(hosts)} host(s) x {gpus_per_host} GPU(s) ({source})"
+
+
+def _memory_check(argv: Sequence[str]) -> int:
+    """``memory-check``: the plan's memory report for the script's placement; 1 when something does not fit."""
+    from async_vapo.deploy.scale import Cluster, report, resolve_shape
+
+    p = argparse.ArgumentParser(prog="memory-check")
+    p.add_argument("--config", action="append", default=[])
+    p.add_argument("--hostfile")
+    p.add_argument("--gpus-per-host", type=int, required=True)
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        placement, lines = cluster_placement(cfg, args.hostfile, args.gpus_per_host)
+    except (ConfigError, PlacementError) as e:
+        print(e, file=sys.stderr)
+        return 2
+    try:
+        shape, source = resolve_shape(cfg.model.path)
+    except ValueError as e:
+        print(f"# memory check skipped: {e}")
+        return 0
+    text, fits = report(cfg, placement, shape, source, Cluster(gpu_memory_gib=args.gpu_memory_gib),
+                        hosts_line=hosts_line(lines, args.gpus_per_host, args.hostfile or "this machine"))
+    print("\n".join(f"# {ln}" if ln else "#" for ln in text.splitlines()))
+    if not fits:
+        print("memory check: the learner or an engine does not fit its GPU (async-vapo plan --search lists the "
+              "placements that do)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _plan(argv: Sequence[str]) -> int:
@@ -49,10 +107,7 @@ def _plan(argv: Sequence[str]) -> int:
     c = cfg.cluster
     n_roll = cfg.rollout_engines()
     try:
-        hostfile = parse_hostfile(Path(args.hostfile).read_text(), args.hostfile) if args.hostfile else []
-        placement = place(cfg.async_.rollout_devices, cfg.async_.learner_devices,
-                          tensor_parallel_size=cfg.rollout.tensor_parallel_size, gpus_per_host=args.gpus_per_host,
-                          hostfile=hostfile)
+        placement, hostfile = cluster_placement(cfg, args.hostfile, args.gpus_per_host)
     except PlacementError as e:
         print(f"placement: {e}", file=sys.stderr)
         return 2
@@ -203,12 +258,14 @@ def _wait_health(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("plan", "wait-health"):
+    commands = {"plan": _plan, "wait-health": _wait_health, "memory-check": _memory_check}
+    if not argv or argv[0] not in commands:
         print("usage: python -m async_vapo.deploy.launch {plan [--config F] [--run-dir D] [overrides]"
-              " | wait-health [--ca-file F | --insecure] [--user U --password-file F] URL TIMEOUT_S [PID]}",
+              " | wait-health [--ca-file F | --insecure] [--user U --password-file F] URL TIMEOUT_S [PID]"
+              " | memory-check [--config F] [--hostfile F] --gpus-per-host N [--gpu-memory-gib G] [overrides]}",
               file=sys.stderr)
         return 2
-    return _plan(argv[1:]) if argv[0] == "plan" else _wait_health(argv[1:])
+    return commands[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":
