@@ -130,10 +130,12 @@ def test_dynamic_sampling_keeps_informative_groups_and_refills():
     assert [g.uid for g in kept] == ["b", "z", "z"]  # bounded by max_rounds
 
 
-def test_sigterm_stops_the_trainer_and_its_engine(tmp_path):
+def test_sigterm_stops_the_trainer_and_its_engine(tiny_cfg, tiny_base, tmp_path):
     """`async-vapo train` ended by SIGTERM (what a scheduler, `timeout` or `kill` send) closes its vLLM engine: none of
     its processes outlives it. Before, the engine core and worker kept running (and spinning) after the trainer died.
-    About 1 minute (one engine start)."""
+    The session's tiny test model (its recipe and task settings, so the build is found in the session's cache): the
+    first training step comes after one engine start and a held-out evaluation of 24 short responses, not the 480 of
+    tiny_cpu's split on its 4-layer model. Budget: about 1 minute (one engine start)."""
     import contextlib
     import os
     import signal
@@ -146,7 +148,12 @@ def test_sigterm_stops_the_trainer_and_its_engine(tmp_path):
 
     repo = Path(__file__).resolve().parents[2]
     config = str(repo / "configs" / "baselines" / "grpo.toml")
-    cmd = [sys.executable, "-m", "async_vapo.cli", "train", "--config", config,
+    tiny_model = [f"base_model.{k}={v}" for k, v in tiny_cfg.base_model.model_dump().items() if v is not None]
+    tiny_model += [f"task.{k}={getattr(tiny_cfg.task, k)}" for k in ("seed", "min_ops", "max_ops", "num_train",
+                                                                      "num_eval")]
+    cmd = [sys.executable, "-m", "async_vapo.cli", "train", "--config", config, *tiny_model,
+           f"model.cache_dir={tiny_cfg.model.cache_dir}", "rollout.eval_samples=1",
+           f"rollout.max_response_tokens={tiny_cfg.rollout.max_response_tokens}",
            "train.total_steps=10000", "train.eval_every=10000", "train.checkpoint_every=0", "train.max_minutes=null",
            "algo.prompts_per_step=2", "algo.group_size=4", "algo.mini_batch_size=8", "algo.micro_batch_size=8",
            "verifier.num_workers=1", f"train.output_dir={tmp_path}/{{name}}"]
