@@ -7,7 +7,13 @@ Reported per rank:
 * ``state_bytes``: bytes of this rank's parameters + gradients (at the optimiser step) + AdamW state of policy and
   critic, counted from the tensors (a sharded parameter counts its local shard);
 * ``rss_peak_mib``: the process's peak resident memory (it also holds activations, the batch, torch's allocator
-  caches and, on rank 0, the full weights read once at start-up and broadcast).
+  caches and, on rank 0, the full weights read once at start-up and broadcast);
+* ``grown_mib``: peak resident memory (VmHWM, reset through /proc/self/clear_refs once torch and transformers are
+  imported) less the resident memory at that moment: what loading and one update added, the quantity the plan
+  predicts;
+* ``plan_mib``: ``async_vapo.deploy.scale.learner_memory`` for this model, these ranks, this batch's longest row
+  and the learner settings of this run (float32 on the CPU, so no 16-bit copies), on the device plus offloaded;
+  ``plan_vs_grown`` = plan_mib / grown_mib.
 The goal for sharding: ``state_bytes`` at 2 ranks <= 0.55 x at 1 rank.
 
     .venv/bin/python benchmarks/learner_memory.py [--sizes 1m,30m,300m] [--ranks 1,2] [--algo grpo]
@@ -42,6 +48,35 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _reset_peak() -> None:
+    """Start VmHWM again from the current resident memory (Linux: writing 5 to clear_refs); ru_maxrss cannot be
+    reset and carries the peak of the process that forked this one across exec."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _plan_mib(cfg, model_dir: str, world: int, seq_tokens: int) -> float:
+    from async_vapo.deploy.scale import LearnerSetup, ModelShape, learner_memory, micro_batch_rows
+
+    shape = ModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
+    a, lc = cfg.algo, cfg.learner
+    sharded = world > 1 or lc.fsdp == "on"
+    s = LearnerSetup(ranks=world, models=2 if a.uses_critic else 1, seq_tokens=seq_tokens,
+                     rows=micro_batch_rows(a.max_tokens_per_micro_batch, a.micro_batch_size, seq_tokens,
+                                           a.mini_batch_size, world),
+                     compute_bytes={"float32": 4, "bfloat16": 2, "float16": 2}[cfg.model.dtype], sharded=sharded,
+                     activation_checkpointing=lc.activation_checkpointing, logprob_chunk_tokens=lc.logprob_chunk_tokens,
+                     cpu_offload=lc.cpu_offload and sharded, budget=a.max_tokens_per_micro_batch)
+    m = learner_memory(shape, s)
+    return (m["total"] + m["host"]) / 2**20
+
+
 def _local_bytes(t) -> int:
     t = t.to_local() if hasattr(t, "to_local") else t
     return t.numel() * t.element_size()
@@ -68,6 +103,8 @@ def one_size(size: str, model_dir: str, algo: str = "vapo") -> dict:
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     out: dict = {"size": size, "algo": algo, "ranks": world, "rank": rank, "rss_start_mib": _rss_mib()}
+    _reset_peak()
+    base_kib = _status_kib("VmRSS")
     cfg = load_config([ROOT / "configs" / "tiny_cpu.toml"],
                       [f"model.path={model_dir}", "model.critic_init=base", "algo.mini_batch_size=4",
                        "algo.micro_batch_size=2", "algo.prompts_per_step=2", "algo.group_size=2", f"algo.name={algo}"])
@@ -99,6 +136,9 @@ def one_size(size: str, model_dir: str, algo: str = "vapo") -> dict:
     out["update_s"] = time.perf_counter() - t1
     out["load_s"] = t1 - t0
     out["rss_peak_mib"] = _rss_mib()
+    out["grown_mib"] = (_status_kib("VmHWM") - base_kib) / 1024
+    out["plan_mib"] = _plan_mib(cfg, model_dir, world, max(Learner._seq_tokens(batch)))
+    out["plan_vs_grown"] = out["plan_mib"] / out["grown_mib"]
     models = [(learner.policy, learner.actor_opt)]
     if learner.critic is not None:
         models.append((learner.critic, learner.critic_opt))
@@ -169,7 +209,8 @@ def main() -> None:
         if (r["size"], r["algo"]) in one and "state_bytes" in r:
             r["state_vs_1_rank"] = r["state_bytes"] / one[(r["size"], r["algo"])]
     print(f"{'algo':>5} {'size':>5} {'ranks':>5} {'rank':>4} {'params':>12} {'state MiB':>10} {'vs 1 rank':>9} "
-          f"{'after load MiB':>14} {'peak RSS MiB':>12} {'update s':>8}")
+          f"{'after load MiB':>14} {'peak RSS MiB':>12} {'update s':>8} {'grown MiB':>9} {'plan MiB':>8} "
+          f"{'plan/grown':>10}")
     for r in rows:
         if "failed" in r:
             print(f"{r['algo']:>5} {r['size']:>5} {r['ranks']:>5} {r['rank']:>4} failed: {r['failed']}")
@@ -177,7 +218,8 @@ def main() -> None:
         print(f"{r['algo']:>5} {r['size']:>5} {r['ranks']:>5} {r['rank']:>4} {r['params']:>12,} "
               f"{r['state_bytes'] / 2**20:>10.0f} {r.get('state_vs_1_rank', float('nan')):>9.3f} "
               f"{r['rss_after_load_mib']:>14.0f} "
-              f"{r['rss_peak_mib']:>12.0f} {r['update_s']:>8.1f}")
+              f"{r['rss_peak_mib']:>12.0f} {r['update_s']:>8.1f} {r.get('grown_mib', float('nan')):>9.0f} "
+              f"{r.get('plan_mib', float('nan')):>8.0f} {r.get('plan_vs_grown', float('nan')):>10.3f}")
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({"command": "python benchmarks/learner_memory.py --sizes SIZE --ranks 1,2 [--algo grpo] "
                                           "(one size at a time here; rows of other sizes are kept)", "results": rows},

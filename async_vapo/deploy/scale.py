@@ -434,8 +434,8 @@ def report(cfg, placement, shape: ModelShape, source: str, cl: Cluster, *, hosts
         _row("learner tokens/s per rank", f"{est.profile.learner_tokens_s_per_gpu:,.0f}"),
         _row("generate", f"{t['generate_s']:,.0f} s"),
         _row("learn", f"{t['learn_s']:,.0f} s"),
-        _row(f"step (async.max_staleness {cfg.async_.max_staleness}: "
-             + ("generate + learn + sync)" if cfg.async_.max_staleness == 0 else "max(generate, learn) + sync)"),
+        _row(f"step, async.max_staleness {cfg.async_.max_staleness}: "
+             + ("generate + learn + sync" if cfg.async_.max_staleness == 0 else "max(generate, learn) + sync"),
              f"{t['step_s']:,.0f} s"),
     ]
     return "\n".join(lines), est.fits

@@ -4,19 +4,27 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from async_vapo.deploy.scale import (
     QWEN25_32B,
     GiB,
+    LearnerSetup,
     ModelShape,
+    Profile,
     engine_memory,
     learner_memory,
+    micro_batch_rows,
     resolve_shape,
+    search_hostfile,
+    step_seconds,
     weight_sync,
 )
 
@@ -53,18 +61,88 @@ def test_qwen25_32b_by_hand():
     assert s.kv_bytes_per_token(2, tp=16) == 2 * 64 * 1 * 128 * 2
 
 
+def _tiny() -> ModelShape:
+    return ModelShape(vocab_size=10, hidden_size=4, intermediate_size=8, num_layers=2, num_heads=2, num_kv_heads=2,
+                      head_dim=2)
+
+
 def test_learner_memory_by_hand():
-    s = ModelShape(vocab_size=10, hidden_size=4, intermediate_size=8, num_layers=2, num_heads=2, num_kv_heads=2,
-                   head_dim=2)
-    # layer: attn 4x4 + 2x4x4 + 4x4 = 64, mlp 3x4x8 = 96, norms 8 -> 168; params 2x168 + 2x40 + 4 = 420
-    assert (s.layer_params(), s.params()) == (168, 420)
-    m = learner_memory(s, 3, models=2, tokens=5)
-    assert m["sharded_state"] == -(-2 * 420 * 16 // 3) == 4480
-    assert m["gathered_layers"] == 2 * 168 * 6
-    assert m["activation_checkpoints"] == 2 * 5 * 4 * 2
-    assert m["layer_recompute"] == 34 * 5 * 4
-    assert m["logits"] == 5 * 10 * 6
-    assert m["total"] == 4480 + 2016 + 80 + 680 + 300
+    s = _tiny()
+    # layer: attn 4x4 + 2x4x4 + 4x4 = 64, mlp 3x4x8 = 96, norms 8 -> 168; root: 2 x 10 x 4 + 4 = 84;
+    # params 2 x 168 + 84 = 420
+    assert (s.layer_params(), s.root_params(), s.params()) == (168, 84, 420)
+    setup = LearnerSetup(ranks=3, models=2, seq_tokens=5, rows=1, compute_bytes=2, sharded=True,
+                         activation_checkpointing=True, logprob_chunk_tokens=0)
+    m = learner_memory(s, setup)
+    assert m["state"] == 2 * 420 * 16 // 3 == 4480
+    assert m["gathered"] == (2 * 168 + 84) * (2 + 4) == 2520  # two layers and the root unit, bf16 + fp32 grads
+    assert m["activations"] == 2 * 5 * 4 * 2 + 34 * 5 * 4 == 760  # layer inputs + one layer at 16 bit
+    assert m["logits"] == 5 * 10 * (2 + 4 + 4) == 500
+    assert (m["total"], m["host"]) == (4480 + 2520 + 760 + 500, 0)
+    # each setting moves its own part only
+    assert learner_memory(s, replace(setup, logprob_chunk_tokens=2))["logits"] == 2 * 10 * 10
+    assert learner_memory(s, replace(setup, logprob_chunk_tokens=64))["logits"] == 500  # a chunk above the tokens
+    assert learner_memory(s, replace(setup, activation_checkpointing=False))["activations"] == 2 * 34 * 5 * 4
+    off = learner_memory(s, replace(setup, cpu_offload=True))
+    assert (off["state"], off["host"], off["total"]) == (0, 4480, 2520 + 760 + 500)
+    assert learner_memory(s, replace(setup, models=1))["state"] == 420 * 16 // 3
+    assert learner_memory(s, replace(setup, rows=3))["activations"] == 3 * 760
+    # one unsharded float32 rank (the CPU): the whole state, no 16-bit copies, 4-byte activations
+    one = learner_memory(s, replace(setup, ranks=1, sharded=False, compute_bytes=4))
+    assert (one["state"], one["gathered"]) == (2 * 420 * 16, 0)
+    assert one["activations"] == 2 * 5 * 4 * 4 + 34 * 5 * 4 * 2 and one["logits"] == 5 * 10 * 12
+    assert learner_memory(s, replace(setup, ranks=1, sharded=False))["gathered"] == 420 * 2  # autocast's cache
+
+
+@pytest.mark.parametrize("budget, mbs, seq, mini, ranks", [
+    (24576, 8, 21504, 512, 8), (43008, 8, 21504, 512, 8), (4096, 32, 400, 128, 1), (4096, 32, 400, 128, 2),
+    (0, 8, 300, 64, 4), (0, 8, 300, 6, 1), (1000, 4, 3000, 16, 2), (8192, 2, 100, 6, 4),
+])
+def test_micro_batch_rows_is_what_the_learner_plans(budget, mbs, seq, mini, ranks):
+    from async_vapo.learner.vapo import Learner
+
+    learner = SimpleNamespace(world=ranks, algo=SimpleNamespace(max_tokens_per_micro_batch=budget,
+                                                                micro_batch_size=mbs))
+    plans = Learner._plan(learner, list(range(mini)), [seq] * mini)
+    assert micro_batch_rows(budget, mbs, seq, mini, ranks) == max(len(m) for p in plans for m in p)
+
+
+def test_the_paper_config_is_read_as_the_learner_runs_it():
+    from async_vapo.config import load_config
+
+    cfg = load_config([REPO / "configs/qwen2.5-32b_vapo.toml"], [])
+    s = LearnerSetup.from_config(cfg, ranks=16, prompt_tokens=1024)
+    # 24,576-token budget over 21,504-token rows: one row per micro-batch; chunks of 4,096; both models; bf16
+    assert (s.rows, s.tokens, s.logprob_chunk_tokens, s.models, s.compute_bytes) == (1, 21504, 4096, 2, 2)
+    assert s.sharded and s.activation_checkpointing
+
+
+def test_step_time_predicts_the_measured_async_and_sync_runs():
+    """benchmarks/results/async_vs_sync_long: each stage's rate alone on its core, and the seconds per update of
+    the synchronous (max_staleness 0) and asynchronous (1) runs. Rates in samples/s x a response length; the length
+    cancels, what is tested is the model: the stages in turn, or overlapped."""
+    res = json.loads((REPO / "benchmarks/results/async_vs_sync_long/async_vs_sync.json").read_text())
+    alone = res["stage_alone_samples_per_s"]
+    per_update = 32 * 8  # configs/tiny_long_cpu.toml: prompts_per_step x group_size
+    tokens = 300
+    for staleness in (0, 1):
+        t = step_seconds(generated_tokens=per_update * tokens, learned_tokens=per_update * tokens,
+                         generation_tokens_s=alone["generate"] * tokens, learner_tokens_s=alone["learn"] * tokens,
+                         max_staleness=staleness)
+        measured = res["runs"][str(staleness)]["seconds_per_update"]
+        assert t["step_s"] == pytest.approx(measured, rel=0.15), (staleness, t, measured)
+
+
+def test_a_profile_file_is_read_and_checked(tmp_path):
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps({"generation_tokens_per_s_per_gpu": 900, "learner_tokens_per_s_per_gpu": 1200,
+                             "generation_tokens_per_s_per_gpu_by_tp": {"4": 700}, "hardware": "8 x H100"}))
+    p = Profile.load(str(f))
+    assert (p.generation(1), p.generation(4), p.learner_tokens_s_per_gpu) == (900, 700, 1200)
+    assert "8 x H100" in p.source
+    f.write_text(json.dumps({"generation_tokens_per_s_per_gpu": 900}))
+    with pytest.raises(ValueError, match="learner_tokens_per_s_per_gpu"):
+        Profile.load(str(f))
 
 
 def test_engine_memory_and_sync_by_hand():
@@ -98,13 +176,74 @@ def plan(*args):
 
 def test_plan_for_the_paper_config():
     r = plan(str(REPO / "configs/qwen2.5-32b_vapo.toml"), "async.rollout_devices=24", "async.learner_devices=8",
-             "rollout.tensor_parallel_size=4", "--hosts", "4", "--gpus-per-host", "8")
-    assert r.returncode == 0, r.stderr
+             "rollout.tensor_parallel_size=4", "learner.cpu_offload=false", "--hosts", "4", "--gpus-per-host", "8")
+    assert r.returncode == 1, r.stderr  # nothing to run: the learner does not fit
     out = r.stdout
     assert "32.76 B parameters" in out and "6 engine(s)" in out
     assert "rollout-5   host3  CUDA_VISIBLE_DEVICES=4,5,6,7" in out
-    assert "122.1 GiB" in out and "DOES NOT FIT 80 GiB" in out  # policy + critic, 16 B/param over 8 ranks
+    # 2 x 32.76e9 x 16 B / 8 ranks = 122.1 GiB; the learner's settings, not a micro-batch of 8 unchunked rows
+    assert "122.1 GiB" in out and "DOES NOT FIT 80 GiB" in out
+    assert "micro-batch 1 x 21,504 = 21,504 tokens" in out and "chunked, 4,096 tokens at a time" in out
     assert "65.5 GB" in out and "7.86 s" in out
+
+
+def test_the_shipped_configs_fit_the_clusters_they_name(tmp_path):
+    """Each GPU config names its cluster in a comment ('# fits: H hosts x G GPUs x M GiB, learner on L host(s)') and
+    writes its placement; planned on that cluster's hostfile it fits, leaves no GPU idle and overlaps generation
+    with learning."""
+    for name in ("qwen2.5-32b_vapo.toml", "qwen2.5-7b_vapo.toml"):
+        text = (REPO / "configs" / name).read_text()
+        m = re.search(r"^# fits: (\d+) hosts x (\d+) GPUs x (\d+) GiB, learner on (\d+) hosts?$", text, re.M)
+        assert m, name
+        hosts, gpus, gib, learner_hosts = map(int, m.groups())
+        hostfile = tmp_path / f"{name}.hosts"
+        hostfile.write_text("".join(f"{h} {r}\n" for h, r in search_hostfile(hosts, learner_hosts)))
+        r = plan(str(REPO / "configs" / name), "--hostfile", str(hostfile), "--gpus-per-host", str(gpus),
+                 "--gpu-memory-gib", str(gib))
+        assert r.returncode == 0, (name, r.stdout, r.stderr)
+        assert "DOES NOT FIT" not in r.stdout and "(idle)" not in r.stdout, r.stdout
+        assert "async.max_staleness 0" not in r.stdout and "max(generate, learn)" in r.stdout
+
+
+def test_plan_takes_start_clusters_hostfile_and_prints_its_placement(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("n1 learner\nn1 replay\nn1 verifier\nn2 learner\nn1 rollout\nn2 rollout\nn3 rollout\n")
+    shape = ["async.rollout_devices=16", "async.learner_devices=8", "rollout.tensor_parallel_size=2"]
+    cfg = str(REPO / "configs/qwen2.5-32b_vapo.toml")
+    r = plan(cfg, "--hostfile", str(hosts), "--gpus-per-host", "8", *shape)
+    assert r.returncode in (0, 1), r.stderr
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    s = subprocess.run([sys.executable, "-m", "async_vapo.deploy.launch", "plan", "--config", cfg, "--dry-run",
+                        "--run-dir", str(tmp_path / "run"), "--hostfile", str(hosts), "--gpus-per-host", "8",
+                        *shape], capture_output=True, text=True, env=env, timeout=60)
+    assert s.returncode == 0, s.stderr
+    table = next(ln for ln in s.stdout.splitlines() if ln.startswith("PLACEMENT_TABLE="))
+    table = table.split("=", 1)[1].strip("'").splitlines()
+    assert len(table) > 5 and "\n".join(table) in r.stdout
+    assert "learner-1   n2  CUDA_VISIBLE_DEVICES=0,1,2,3  (node 1 of 2: ranks 4-7)" in table
+    assert "8 ranks / 8 ranks" not in r.stdout and "/ 8 ranks" in r.stdout
+
+
+def test_search_lists_placements_that_fit_fastest_first():
+    r = plan(str(REPO / "configs/qwen2.5-32b_vapo.toml"), "--hosts", "4", "--gpus-per-host", "8", "--search",
+             "learner.cpu_offload=false", "async.max_staleness=1")
+    assert r.returncode == 0, r.stderr
+    rows = [ln.split() for ln in r.stdout.splitlines() if ln[:3].strip().isdigit()]
+    assert rows and all(float(x[7]) <= 80 for x in rows)
+    steps = [float(x[11]) for x in rows]
+    assert steps == sorted(steps)
+    best = next(ln for ln in r.stdout.splitlines() if ln.startswith("best: ")).split()[1:]
+    # the best one's overrides, planned on their own, fit
+    again = plan(str(REPO / "configs/qwen2.5-32b_vapo.toml"), "--hosts", "4", "--gpus-per-host", "8",
+                 "learner.cpu_offload=false", "async.max_staleness=1", *best)
+    assert again.returncode == 0, again.stdout
+    assert f"{steps[0]:,.0f} s" in again.stdout
+
+
+def test_plan_exits_non_zero_when_nothing_fits():
+    r = plan(str(REPO / "configs/qwen2.5-32b_vapo.toml"), "--hosts", "1", "--gpus-per-host", "8", "--search",
+             "learner.cpu_offload=false")
+    assert r.returncode == 1 and "NOTHING FITS" in r.stdout
 
 
 def test_plan_refusals_are_clear():
@@ -115,3 +254,5 @@ def test_plan_refusals_are_clear():
     assert r.returncode == 2 and "--model-config" in r.stderr
     r = plan(str(REPO / "configs/tiny_cpu.toml"), "--hosts", "0", "--gpus-per-host", "8")
     assert r.returncode == 2 and ">= 1" in r.stderr
+    r = plan(str(REPO / "configs/tiny_cpu.toml"), "--gpus-per-host", "8")
+    assert r.returncode == 2 and "--hosts N or --hostfile" in r.stderr
