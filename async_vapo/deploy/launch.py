@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -133,6 +134,8 @@ def _plan(argv: Sequence[str]) -> int:
         render_prometheus_config(tmpl, prom / "prometheus.yml", scrape_interval=interval, scrape_timeout=timeout,
                                  run_name=cfg.train.name, tls=http.tls_cert is not None, tls_ca_file=ca_file,
                                  basic_auth_user=http.basic_auth_user, basic_auth_password_file=password_file)
+        for rules in Path(tmpl).parent.glob("alerts*.yml"):  # the template's rule_files: the alert rules beside it
+            shutil.copy(rules, prom / rules.name)
     out = {"RUN_DIR": str(rd), "RESUME": resume, "TOTAL_STEPS": cfg.train.total_steps,
            "N_ROLLOUT": n_roll, "N_LEARNER": cfg.async_.learner_devices,
            "ROLLOUT_HOSTS_OVERRIDE": rollout_hosts_override, "PLACEMENT_TABLE": placement.describe(),

@@ -32,7 +32,7 @@ from async_vapo.config import Config
 
 IGNORED = ("train.output_dir", "train.name", "train.total_steps", "train.max_minutes", "train.eval_every",
            "train.checkpoint_every", "train.threads", "model.cache_dir", "async.rollout_devices",
-           "async.learner_devices", "cluster.")
+           "async.learner_devices", "cluster.", "metrics.")
 """Config keys (a trailing dot: a whole section) that may differ between a run and its continuation."""
 
 Mode = Literal["auto", "new", "resume"]
