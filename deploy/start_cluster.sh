@@ -37,7 +37,8 @@
 # async.rollout_devices : async.learner_devices (taskset; each engine gets its own slice when there are enough
 # cores); replay and verifier are not pinned. --no-pin disables both. Learner ranks > 1 are launched with torchrun.
 # --dry-run: print the plan (host, CUDA_VISIBLE_DEVICES or cores, command of every process) and exit; nothing is
-# started or written.
+# started or written. With GPUs it also runs `async-vapo plan`'s memory check of that placement (per learner rank
+# and engine GPU, GPUs of ASYNC_VAPO_GPU_MEMORY_GIB, default 80) and exits 1 when something does not fit.
 #
 # --hostfile FILE: lines "host role" (role: replay, verifier, rollout, learner; several rollout lines spread the
 # engines round-robin). Roles on other hosts (not localhost, 127.0.0.1 or this machine's name) are started over ssh,
@@ -195,6 +196,13 @@ fi
 if [ "$DRY_RUN" = 1 ]; then
   echo "# deploy/start_cluster.sh --dry-run: $N_ROLLOUT engine(s), $N_LEARNER learner rank(s), $GPUS_PER_HOST GPU(s) per host"
   echo "$PLACEMENT_TABLE"
+  if [ "$GPUS_PER_HOST" != 0 ]; then  # async-vapo plan's memory check of this placement (exit 1: does not fit)
+    mem_args=(--gpus-per-host "$GPUS_PER_HOST")
+    [ -n "$HOSTFILE" ] && mem_args+=(--hostfile "$HOSTFILE")
+    [ -n "${ASYNC_VAPO_GPU_MEMORY_GIB:-}" ] && mem_args+=(--gpu-memory-gib "$ASYNC_VAPO_GPU_MEMORY_GIB")
+    "$PY" -m async_vapo.deploy.launch memory-check "${CONFIGS[@]}" "${mem_args[@]}" -- "${OVERRIDES[@]}" \
+      || { echo "start_cluster: the plan does not fit its GPUs (above)" >&2; exit 1; }
+  fi
   echo "# commands (RUN_DIR $RUN_DIR):"
 fi
 if [ "$DRY_RUN" = 0 ]; then

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from dataclasses import replace
@@ -217,8 +218,8 @@ def test_plan_takes_start_clusters_hostfile_and_prints_its_placement(tmp_path):
                         "--run-dir", str(tmp_path / "run"), "--hostfile", str(hosts), "--gpus-per-host", "8",
                         *shape], capture_output=True, text=True, env=env, timeout=60)
     assert s.returncode == 0, s.stderr
-    table = next(ln for ln in s.stdout.splitlines() if ln.startswith("PLACEMENT_TABLE="))
-    table = table.split("=", 1)[1].strip("'").splitlines()
+    at = s.stdout.index("PLACEMENT_TABLE=")
+    table = shlex.split(s.stdout[at:])[0].split("=", 1)[1].splitlines()  # the script evaluates it as shell
     assert len(table) > 5 and "\n".join(table) in r.stdout
     assert "learner-1   n2  CUDA_VISIBLE_DEVICES=0,1,2,3  (node 1 of 2: ranks 4-7)" in table
     assert "8 ranks / 8 ranks" not in r.stdout and "/ 8 ranks" in r.stdout
@@ -229,7 +230,7 @@ def test_search_lists_placements_that_fit_fastest_first():
              "learner.cpu_offload=false", "async.max_staleness=1")
     assert r.returncode == 0, r.stderr
     rows = [ln.split() for ln in r.stdout.splitlines() if ln[:3].strip().isdigit()]
-    assert rows and all(float(x[7]) <= 80 for x in rows)
+    assert rows and all(float(x[6]) <= 80 for x in rows)
     steps = [float(x[11]) for x in rows]
     assert steps == sorted(steps)
     best = next(ln for ln in r.stdout.splitlines() if ln.startswith("best: ")).split()[1:]
@@ -247,7 +248,8 @@ def test_plan_exits_non_zero_when_nothing_fits():
 
 
 def test_plan_refusals_are_clear():
-    r = plan(str(REPO / "configs/qwen2.5-32b_vapo.toml"), "async.rollout_devices=32", "--hosts", "2",
+    r = plan(str(REPO / "configs/qwen2.5-32b_vapo.toml"), "async.rollout_devices=32", "async.learner_devices=8",
+             "rollout.tensor_parallel_size=1", "--hosts", "2",
              "--gpus-per-host", "8")
     assert r.returncode == 2 and "async-vapo plan: 32 engine(s)" in r.stderr
     r = plan(str(REPO / "configs/tiny_cpu.toml"), "--hosts", "1", "--gpus-per-host", "8")
@@ -256,3 +258,23 @@ def test_plan_refusals_are_clear():
     assert r.returncode == 2 and ">= 1" in r.stderr
     r = plan(str(REPO / "configs/tiny_cpu.toml"), "--gpus-per-host", "8")
     assert r.returncode == 2 and "--hosts N or --hostfile" in r.stderr
+
+
+def test_start_cluster_dry_run_runs_the_plans_memory_check(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("".join(f"{h} {r}\n" for h, r in search_hostfile(4, 2)))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHON": sys.executable}
+
+    def dry_run(*overrides):
+        return subprocess.run([str(REPO / "deploy/start_cluster.sh"), "--config",
+                               str(REPO / "configs/qwen2.5-32b_vapo.toml"), "--run-dir", str(tmp_path / "run"),
+                               "--hostfile", str(hostfile), "--gpus-per-host", "8", "--dry-run", "--", *overrides],
+                              capture_output=True, text=True, env=env, timeout=120)
+
+    r = dry_run()
+    assert r.returncode == 0, r.stderr
+    assert "#   total on the GPU" in r.stdout and "(fits)" in r.stdout and "# commands (RUN_DIR" in r.stdout
+    r = dry_run("learner.cpu_offload=false")  # 16 ranks holding their state: 97.6 GiB each
+    assert r.returncode == 1 and "DOES NOT FIT 80 GiB" in r.stdout
+    assert "start_cluster: the plan does not fit its GPUs" in r.stderr and "# commands" not in r.stdout
+    assert not (tmp_path / "run").exists()
