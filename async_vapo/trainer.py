@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 
 from async_vapo.config import Config, save_resolved
+from async_vapo.learner.critic_quality import HeldoutCritic
 from async_vapo.metrics.jsonl import JsonlWriter
 from async_vapo.metrics.rows import open_row_writer
 from async_vapo.models.base_model import ensure_base_model
 from async_vapo.models.reward import resolve_critic_path
 from async_vapo.rollout.engine import EngineSpec, VLLMEngine, engine_cpu_env
-from async_vapo.rollout.generate import PromptEncoder, Rollout, evaluate
+from async_vapo.rollout.generate import PromptEncoder, Rollout, run_evaluation
 from async_vapo.tasks import PromptSampler, load_task
 from async_vapo.verify.sandbox import VerifierPool
 
@@ -101,8 +102,14 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
     def elapsed() -> float:
         return time.perf_counter() - t_start
 
+    heldout: list[HeldoutCritic] = []  # the critic scored on the latest evaluation's responses
+
     def run_eval(step: int) -> dict[str, float]:
-        m, examples = evaluate(rollout, eval_set, cfg)
+        ev = run_evaluation(rollout, eval_set, cfg)
+        m, examples = ev.metrics, ev.examples(rollout.encoder.decode)
+        if learner.critic is not None:
+            heldout[:] = [HeldoutCritic.from_config(cfg, ev.groups, tokenizer.pad_token_id, tokenizer.decode)]
+            m = {**m, **heldout[0](learner)}
         row = {"kind": "eval", "step": step, "version": learner.version, "wall_s": elapsed(),
                "samples_seen": loop.samples_seen, **m}
         log.write(row)
@@ -115,7 +122,9 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
         return engine.load_weights(state, version)
 
     loop = StepLoop(cfg, learner, source, pad_id=tokenizer.pad_token_id, run_dir=run_dir, log_writer=log,
-                    publish=publish, evaluate=run_eval, wall=elapsed, progress=progress)
+                    publish=publish, evaluate=run_eval, wall=elapsed, progress=progress,
+                    # value pretraining is judged on the first evaluation's responses (the policy it fits is fixed)
+                    heldout_critic=lambda: heldout[0](learner) if heldout else {})
     if resume:
         loop.resume(learner.load_state(resume))
         if policy_path == base_path:  # the engine started from the base model: give it the checkpoint's weights

@@ -296,7 +296,21 @@ class AlgoConfig(_Section):
     """vapo / ppo: learned critic + GAE; grpo / dapo: group-normalised advantages, no critic."""
     # 1. value pretraining
     value_pretrain_steps: int = Field(50, ge=0)
-    """(1) Critic-only steps on the fixed initial policy with Monte-Carlo targets; 0 = off (paper: 50)."""
+    """(1) Critic-only steps on the fixed initial policy with Monte-Carlo targets; 0 = off (paper: 50). With a
+    stopping rule (``value_pretrain_patience`` or ``value_pretrain_target_ev``) the most steps."""
+    value_pretrain_min_steps: int = Field(0, ge=0)
+    """Value pretraining runs at least this many steps before its stopping rule may end it (≤ value_pretrain_steps)."""
+    value_pretrain_patience: int = Field(0, ge=0, le=10_000)
+    """Stop value pretraining once this many steps in a row have not raised the best held-out critic EV
+    (``critic/heldout_ev``: the trainer's held-out responses, else each batch before the critic trains on it) by more
+    than value_pretrain_min_delta; 0 = off, every one of value_pretrain_steps runs (the behaviour before the rule).
+    VAPO trains the value model "until value loss and explained variance are sufficiently low"."""
+    value_pretrain_min_delta: float = Field(0.005, ge=0, le=1)
+    """Smallest rise of the held-out EV that counts as progress for value_pretrain_patience."""
+    value_pretrain_target_ev: float | None = Field(None, gt=-1, le=1)
+    """Stop value pretraining as soon as the held-out EV reaches this (after value_pretrain_min_steps); None = none."""
+    value_pretrain_epochs: int = Field(1, ge=1, le=64)
+    """Critic passes over each value-pretraining batch (Open-Reasoner-Zero: 12 per batch); 1 = one pass, as before."""
     # 2. decoupled GAE
     decoupled_gae: bool = True
     """(2) Critic targets use lam_critic, actor advantages lam_policy; off = both use the actor's lambda."""
@@ -407,6 +421,9 @@ class AlgoConfig(_Section):
             )
         if self.name in ("grpo", "dapo") and self.group_size < 2:
             raise ValueError(f"{self.name} normalises rewards within a group: group_size must be >= 2")
+        if self.value_pretrain_min_steps > self.value_pretrain_steps:
+            raise ValueError(f"value_pretrain_min_steps ({self.value_pretrain_min_steps}) exceeds value_pretrain_steps "
+                             f"({self.value_pretrain_steps})")
         if self.kl_coef > 0:
             raise ValueError("kl_coef > 0 is not implemented (VAPO and DAPO use no KL penalty)")
         if self.behavior_correction and self.behavior_weight == "off" and self.behavior_mask == "off":
@@ -436,6 +453,10 @@ class OptimConfig(_Section):
     """AdamW learning rate of the policy (paper: 1e-6)."""
     critic_lr: float = Field(2e-6, gt=0)
     """AdamW learning rate of the critic (paper: 2e-6)."""
+    critic_warmup_steps: int | None = Field(None, ge=0, le=100_000)
+    """Linear warm-up of the critic's learning rate over its own first optimiser steps (value pretraining included);
+    None = warmup_steps, as before. A reward-initialised head far from the returns takes large first steps at the
+    full rate."""
     warmup_steps: int = Field(0, ge=0)
     """Linear warm-up of each learning rate over its optimiser's first steps, then constant: the critic counts
     its own steps (value pretraining included), the policy its own."""

@@ -2,7 +2,8 @@
 train / eval, written by :mod:`async_vapo.trainer`).
 
 * :func:`plot_runs`: held-out accuracy and mean response length against step and wall-clock, one line
-  per run (the ``async-vapo plot`` command).
+  per run, and the critic's held-out explained variance beside its reference levels where the rows have it
+  (the ``async-vapo plot`` command).
 * :func:`plot_curves_with_spread`: mean and min–max band over seeds, one band per group of runs.
 * :func:`bar_chart`: final numbers of an ablation, optionally beside the paper's.
 
@@ -101,17 +102,22 @@ def _run_labels(runs: Sequence[Path], labels: Sequence[str] | None) -> list[str]
 
 def plot_runs(runs: Sequence[PathLike], out: PathLike, labels: Sequence[str] | None = None) -> Path:
     """One PNG, 2×2: held-out accuracy vs step and vs wall-clock minutes (top), mean response length
-    (held-out solid, rollout dashed) vs step and vs wall-clock (bottom); one colour per run."""
+    (held-out solid, rollout dashed) vs step and vs wall-clock (bottom); one colour per run. When a run's eval rows
+    hold the critic's held-out explained variance (``critic/heldout_ev``), a third row plots it, with its reference
+    levels on the same responses (length only dashed, slip-aware dotted)."""
     if not runs:
         raise ValueError("plot_runs: give at least one run directory")
     run_paths = [Path(r) for r in runs]
     names = _run_labels(run_paths, labels)
     out = _out_path(out)
-    fig, ax = new_figure(2, 2, (12, 8))
-    for i, (run, name) in enumerate(zip(run_paths, names, strict=True)):
-        rows = read_metrics(run)
+    all_rows = [read_metrics(run) for run in run_paths]
+    critic = any("critic/heldout_ev" in r for rows in all_rows for r in rows if r.get("kind") == "eval")
+    fig, ax = new_figure(3 if critic else 2, 2, (12, 12 if critic else 8))
+    for i, (run, name, rows) in enumerate(zip(run_paths, names, all_rows, strict=True)):
         src = run / "metrics.jsonl" if run.is_dir() else run
         color = f"C{i % 10}"
+        if critic:
+            _plot_critic_quality(ax[2], rows, name, color, src)
         for col, x in enumerate(("step", "wall_s")):
             xs, ys = series(rows, x, "eval/accuracy", kind="eval", source=src)
             ax[0][col].plot(xs, ys, "o-", color=color, label=name, markersize=3)
@@ -132,9 +138,31 @@ def plot_runs(runs: Sequence[PathLike], out: PathLike, labels: Sequence[str] | N
     ax[0][1].set_title("held-out accuracy vs wall-clock")
     ax[1][0].set_title("response length vs step")
     ax[1][1].set_title("response length vs wall-clock")
+    if critic:
+        for col, x in enumerate(("step", "wall_s")):
+            ax[2][col].set(xlabel=_X_LABELS[x], ylabel="critic explained variance (held-out)",
+                           title=f"critic on held-out responses vs {'step' if x == 'step' else 'wall-clock'}")
+            ax[2][col].axhline(0.0, color="grey", lw=0.8)
+            ax[2][col].grid(alpha=0.3)
+            ax[2][col].legend(fontsize="small")
     fig.suptitle("async-vapo: " + ", ".join(names))
     fig.savefig(out, dpi=100)
     return out
+
+
+_CRITIC_LINES = (("critic/heldout_ev", "o-", "critic"), ("critic/heldout_ev_length_only", "--", "length only"),
+                 ("critic/heldout_ev_slip_aware", ":", "slip-aware"))
+
+
+def _plot_critic_quality(axes, rows, name: str, color: str, src: PathLike) -> None:
+    """The critic's held-out EV at each evaluation and its reference levels (``learner.critic_quality``)."""
+    for col, x in enumerate(("step", "wall_s")):
+        for key, style, what in _CRITIC_LINES:
+            try:
+                xs, ys = series(rows, x, key, kind="eval", source=src)
+            except ValueError:  # this run does not have this level (another task, no critic)
+                continue
+            axes[col].plot(xs, ys, style, color=color, label=f"{name} ({what})", markersize=3)
 
 
 Curve = tuple[list[float], list[float]]

@@ -189,7 +189,9 @@ class StepLoop:
     ``time/weight_push_s`` and any other figures for its row; ``evaluate(step)``
     (held-out evaluation, which writes its own row), ``on_row(row)`` (after each row is written, e.g. to
     Prometheus), ``busy(stage)`` (a context manager around learning), ``should_stop()`` (checked between
-    steps), ``wall()`` (the rows' ``wall_s``).
+    steps), ``wall()`` (the rows' ``wall_s``), ``heldout_critic()`` (every rank: the critic's quality on held-out
+    responses, ``critic/heldout_ev`` and its reference levels, ``learner.critic_quality``; without it value
+    pretraining judges the critic by each batch's ``critic/fresh_ev``, taken before the critic trains on it).
     """
 
     def __init__(self, cfg: Config, learner, source: BatchSource, *, pad_id: int, run_dir: Path, log_writer=None,
@@ -198,8 +200,10 @@ class StepLoop:
                  evaluate: Callable[[int], object] | None = None, on_row: Callable[[dict], None] | None = None,
                  busy: Callable[[str], contextlib.AbstractContextManager] | None = None,
                  should_stop: Callable[[], bool] | None = None, wall: Callable[[], float] | None = None,
-                 progress: bool = False, logger: logging.Logger | None = None):
+                 progress: bool = False, logger: logging.Logger | None = None,
+                 heldout_critic: Callable[[], dict[str, float]] | None = None):
         self.cfg, self.learner, self.source = cfg, learner, source
+        self._heldout_critic = heldout_critic
         self.run_dir, self.writer, self.leader = run_dir, log_writer, leader
         if publish is not None and publish_collective is not None:
             raise ValueError("StepLoop: publish or publish_collective, not both")
@@ -283,6 +287,12 @@ class StepLoop:
         a = self.cfg.algo
         if not a.uses_critic or a.value_pretrain_steps == 0 or self.resumed:
             return True
+        from async_vapo.learner.critic_quality import PlateauStop
+
+        stop = PlateauStop(a.value_pretrain_steps, min_steps=a.value_pretrain_min_steps,
+                           patience=a.value_pretrain_patience, min_delta=a.value_pretrain_min_delta,
+                           target=a.value_pretrain_target_ev)
+        last: dict = {}
         bar = tqdm(range(a.value_pretrain_steps), desc="value pretraining",
                    disable=not (self.progress and self.leader), dynamic_ncols=True)
         for k in bar:
@@ -296,14 +306,35 @@ class StepLoop:
             t1 = time.perf_counter()
             with self._busy("learn"):
                 m = self.learner.pretrain_critic(self.make_batch(groups))
-            if not self.leader:
-                continue
-            row = {"kind": "pretrain", "step": k, "version": self.learner.version, "wall_s": self.wall(),
-                   **group_stats(groups, "rollout"), **m, **timing, "time/learn_s": time.perf_counter() - t1,
-                   "time/step_s": time.perf_counter() - t0}
-            self._write(row)
-            bar.set_postfix(_fmt(row, [("critic/value_loss", "vloss"), ("critic/explained_variance", "ev")]))
+                if self._heldout_critic is not None:
+                    m |= self._heldout_critic()
+            # every rank sees the same metrics, so every rank takes the same decision
+            done = stop.update(m.get("critic/heldout_ev", m.get("critic/fresh_ev", float("nan"))))
+            last = m
+            if self.leader:
+                row = {"kind": "pretrain", "step": k, "version": self.learner.version, "wall_s": self.wall(),
+                       **group_stats(groups, "rollout"), **m, **timing, "time/learn_s": time.perf_counter() - t1,
+                       "time/step_s": time.perf_counter() - t0}
+                self._write(row)
+                bar.set_postfix(_fmt(row, [("critic/value_loss", "vloss"), ("critic/heldout_ev", "heldout_ev"),
+                                           ("critic/fresh_ev", "fresh_ev")]))
+            if done:
+                break
+        if self.leader:
+            self._report_pretraining(stop, last)
         return True
+
+    def _report_pretraining(self, stop, m: dict) -> None:
+        """Say why value pretraining stopped, and warn when it ends with a critic no better than a value function
+        that knows only each problem's length (``critic/heldout_ev_length_only``, where the task can tell)."""
+        ev, ref = m.get("critic/heldout_ev"), m.get("critic/heldout_ev_length_only")
+        self.log.info("value pretraining stopped after %d steps: %s", stop.steps,
+                      stop.reason or "its steps ran out (batches refused)")
+        if ev is not None and ref is not None and not ev > ref:
+            self.log.warning("value pretraining ended with a critic no better than length-only on held-out responses:"
+                             " explained variance %.3f, length only %.3f; the policy's advantages will carry little "
+                             "signal before the last tokens (more value_pretrain_steps, another critic_lr, or a "
+                             "critic design that reads the prefix)", ev, ref)
 
     def train(self) -> bool:
         """Updates until ``train.total_steps`` (or out of time, or stopped); True when done or out of time."""

@@ -36,6 +36,8 @@ SERVICES = ("rollout", "verifier", "replay", "learner")
 MISMATCH_LAGS = ("all", "0", "1", "2+")
 MISMATCH_STATS = ("mean", "max")
 MASKED_UNITS = ("token", "sequence")
+# The value functions scored on held-out responses: the critic and its reference levels (learner.critic_quality).
+CRITIC_VALUE_FUNCTIONS = ("critic", "length_only", "slip_aware")
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,13 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "a non-finite log-prob or reward, ...)."),
     MetricSpec("learner", "critic_explained_variance_by_age", G, "Critic explained variance before the update, by "
                "sample age in versions (NaN: undefined).", ("age",)),
+    MetricSpec("learner", "critic_heldout_explained_variance", G, "Explained variance of the Monte-Carlo returns of "
+               "held-out responses by the critic and, on the same responses, by reference value functions that know "
+               "only the problem's length or also the first slip (learner.critic_quality; NaN: undefined).",
+               ("value_function",), series=_one(CRITIC_VALUE_FUNCTIONS)),
+    MetricSpec("learner", "critic_fresh_explained_variance", G, "Critic explained variance of the returns of the last "
+               "batch, taken before the critic trained on it (fresh responses to problems it has not seen; NaN: "
+               "undefined)."),
     MetricSpec("learner", "critic_value_error_abs_by_age", G, "Critic mean absolute value error before the update, "
                "by sample age in versions (NaN: undefined).", ("age",)),
     MetricSpec("learner", "mismatch_kl_nats", G, "k3 estimate of KL(behaviour || proximal) per token over the last "

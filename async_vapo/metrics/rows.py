@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from async_vapo.config.schema import Config
     from async_vapo.metrics.prom import ServiceMetrics
 
-__all__ = ["PrometheusEvalSink", "RowSink", "RowWriter", "TensorBoardSink", "WandbSink", "open_row_writer",
-           "scalars", "tag"]
+__all__ = ["PrometheusCriticSink", "PrometheusEvalSink", "RowSink", "RowWriter", "TensorBoardSink", "WandbSink",
+           "open_row_writer", "scalars", "tag"]
 
 EVAL_GAUGES = {"eval/accuracy": "eval_accuracy", "eval/response_length": "eval_response_length_tokens"}
 """Eval row key -> rollout gauge (``async_vapo_rollout_<name>``) set by :class:`PrometheusEvalSink`."""
@@ -173,6 +173,31 @@ class PrometheusEvalSink:
         pass
 
 
+CRITIC_GAUGES = {"critic/heldout_ev": ("critic_heldout_explained_variance", "critic"),
+                 "critic/heldout_ev_length_only": ("critic_heldout_explained_variance", "length_only"),
+                 "critic/heldout_ev_slip_aware": ("critic_heldout_explained_variance", "slip_aware"),
+                 "critic/fresh_ev": ("critic_fresh_explained_variance", None)}
+"""Row key -> learner gauge (and its ``value_function`` label) set by :class:`PrometheusCriticSink`."""
+
+
+class PrometheusCriticSink:
+    """Sets the learner's critic-quality gauges (:data:`CRITIC_GAUGES`) from every row that holds them (pretrain and
+    train rows); NaN (undefined) is set as NaN, so a stale value does not pass for a current one."""
+
+    def __init__(self, metrics: ServiceMetrics):
+        self._gauges = {key: metrics.get(name) if label is None else metrics.get(name).labels(value_function=label)
+                        for key, (name, label) in CRITIC_GAUGES.items()}
+
+    def write(self, row: dict) -> None:
+        for key, gauge in self._gauges.items():
+            value = row.get(key)
+            if isinstance(value, int | float):
+                gauge.set(value)
+
+    def close(self) -> None:
+        pass
+
+
 def open_row_writer(cfg: Config, path: Path, service_metrics: ServiceMetrics | None = None, *,
                     truncate: bool = False) -> RowWriter:
     """The row writer of a process: ``path`` (``RUN_DIR/metrics.jsonl``), then the trackers of ``cfg.metrics`` in
@@ -192,6 +217,8 @@ def open_row_writer(cfg: Config, path: Path, service_metrics: ServiceMetrics | N
                                    config=cfg.model_dump(mode="json", by_alias=True)))
         if service_metrics is not None and service_metrics.service == "rollout":  # eval rows come from rollout 0
             sinks.append(PrometheusEvalSink(service_metrics))
+        if service_metrics is not None and service_metrics.service == "learner":
+            sinks.append(PrometheusCriticSink(service_metrics))
     except BaseException:
         RowWriter(sinks).close()
         raise

@@ -1,0 +1,178 @@
+"""How good the critic is, on responses it never trained on, beside value functions that know less or more.
+
+The critic's targets are Monte-Carlo returns (λ_critic = 1, γ = 1: every token of a response has its final reward
+as target), so its quality is the explained variance of those returns by the value of the state before each response
+token, 1 − Var(G − V) / Var(G) over valid tokens (``algo.explained_variance``; 0 for the mean, 1 for a perfect
+value). Measured on **held-out** responses (the evaluation's samples of held-out problems, or a pretraining batch
+before the critic trains on it), not on the batch it is fitted to: a critic can memorise its batches, its training
+EV rising while its held-out EV falls.
+
+Reference levels on the same responses, where the task can tell (the embedded chain arithmetic, whose correct
+solution is known from the prompt; ``benchmarks/critic_ceiling.py`` computes the same):
+
+- **length only** knows the problem's number of steps n, not what has been written:
+  V = r⁻ + (r⁺ − r⁻)(1 − q)^(n + 1), with q the per-step slip rate fitted on the same responses (n steps and the box);
+- **slip-aware** also knows whether the prefix has already gone wrong (the first character that differs from the
+  correct solution): V = r⁻ once that character is in the prefix, before it r⁻ + (r⁺ − r⁻)(1 − q)^m with m the steps
+  (and box) not yet finished.
+
+A critic no better than *length only* has learned nothing a response's text tells; *slip-aware* is what a critic that
+reads the prefix could reach (0.375 on the long task's base-model samples, length only 0.047).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from async_vapo.algo import explained_variance
+
+__all__ = ["PlateauStop", "arith_reference_values", "arith_references", "first_error", "heldout_metrics", "slip_rate"]
+
+
+def first_error(text: str, truth: str) -> int | None:
+    """Index of the first character where ``text`` departs from the correct solution ``truth``; None when equal.
+    A response that stops early (a prefix of ``truth``) departs at its end."""
+    if text == truth:
+        return None
+    return next((j for j in range(min(len(text), len(truth))) if text[j] != truth[j]), min(len(text), len(truth)))
+
+
+def slip_rate(texts: Sequence[str], truths: Sequence[str]) -> float:
+    """Per-step slip rate q: slips over the steps (and boxes) at risk, each response at risk up to its first slip."""
+    slips = at_risk = 0
+    for text, truth in zip(texts, truths, strict=True):
+        k = first_error(text, truth)
+        slips += k is not None
+        at_risk += truth.count(";") + 1 if k is None else truth[:k].count(";") + 1
+    return slips / max(at_risk, 1)
+
+
+def arith_reference_values(prefix_chars: Sequence[Sequence[int]], texts: Sequence[str], truths: Sequence[str],
+                           reward_correct: float, reward_incorrect: float, q: float | None = None
+                           ) -> tuple[list[list[float]], list[list[float]]]:
+    """(length-only, slip-aware) value of the state before each response token (see the module docstring).
+    ``prefix_chars[i][t]``: characters of response i's text before its token t (t for a character tokenizer).
+    ``q``: the slip rate; None = fitted on these responses (:func:`slip_rate`)."""
+    q = slip_rate(texts, truths) if q is None else q
+    lo, span = reward_incorrect, reward_correct - reward_incorrect
+    length_only, slip_aware = [], []
+    for chars, text, truth in zip(prefix_chars, texts, truths, strict=True):
+        k, units = first_error(text, truth), truth.count(";") + 1
+        length_only.append([lo + span * (1 - q) ** units] * len(chars))
+        slip_aware.append([lo if k is not None and c > k else lo + span * (1 - q) ** (units - truth[:c].count(";"))
+                           for c in chars])
+    return length_only, slip_aware
+
+
+def _pad(rows: Sequence[Sequence[float]], shape: tuple[int, int]) -> torch.Tensor:
+    out = torch.zeros(shape, dtype=torch.float64)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.as_tensor(r, dtype=torch.float64)[: shape[1]]
+    return out
+
+
+def heldout_metrics(values: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor,
+                    references: dict[str, Sequence[Sequence[float]]] | None = None,
+                    prefix: str = "critic/heldout_ev") -> dict[str, float]:
+    """Explained variance of the Monte-Carlo returns (each response's reward on each of its tokens) by the critic's
+    ``values`` ``[B, T]`` over ``mask``'s tokens: ``<prefix>``; and by each reference value function (name -> one list
+    of per-token values per response): ``<prefix>_<name>``. NaN when the returns do not vary."""
+    returns = rewards.to(torch.float64)[:, None].expand(values.shape)
+    out = {prefix: float(explained_variance(values.to(torch.float64), returns, mask))}
+    for name, ref in (references or {}).items():
+        out[f"{prefix}_{name}"] = float(explained_variance(_pad(ref, tuple(values.shape)), returns, mask))
+    return out
+
+
+def arith_references(groups, decode: Callable[[Sequence[int]], str], reward_correct: float,
+                     reward_incorrect: float) -> dict[str, list[list[float]]] | None:
+    """The reference values of ``groups``' responses (one row per sample, groups in order) on the embedded chain
+    arithmetic; None when a prompt is not one of its chains (the task cannot tell)."""
+    from async_vapo.tasks import arith
+    from async_vapo.tasks.task import Problem
+
+    texts, truths, chars = [], [], []
+    for g in groups:
+        try:
+            truth = arith.solution(Problem(uid=g.uid, prompt=g.prompt, answer=g.answer))
+        except ValueError:
+            return None
+        for s in g.samples:
+            ids = list(s.response_ids)
+            lens = [len(decode([i])) for i in ids]
+            chars.append([sum(lens[:t]) for t in range(len(ids))])
+            texts.append(decode(ids))
+            truths.append(truth)
+    length_only, slip_aware = arith_reference_values(chars, texts, truths, reward_correct, reward_incorrect)
+    return {"length_only": length_only, "slip_aware": slip_aware}
+
+
+class PlateauStop:
+    """When value pretraining stops on evidence: after each step's held-out EV, stop once ``max_steps`` are done; or,
+    from ``min_steps`` on, once the EV reaches ``target`` (None: no target), or once ``patience`` steps in a row have
+    not raised the best EV so far by more than ``min_delta`` (patience 0: never on a plateau). A NaN EV (returns that
+    do not vary) is no evidence: it neither improves nor counts against patience."""
+
+    def __init__(self, max_steps: int, *, min_steps: int = 0, patience: int = 0, min_delta: float = 0.0,
+                 target: float | None = None):
+        self.max_steps, self.min_steps, self.patience = max_steps, min_steps, patience
+        self.min_delta, self.target = min_delta, target
+        self.best, self.since_best, self.steps = float("-inf"), 0, 0
+        self.reason = ""
+
+    def update(self, ev: float) -> bool:
+        """Record one step's held-out EV; True when pretraining is to stop now (``reason`` says why)."""
+        self.steps += 1
+        if ev == ev:  # not NaN
+            if ev > self.best + self.min_delta:
+                self.best, self.since_best = ev, 0
+            else:
+                self.since_best += 1
+                self.best = max(self.best, ev)
+        if self.steps >= self.max_steps:
+            self.reason = f"max steps ({self.max_steps})"
+        elif self.steps < self.min_steps:
+            return False
+        elif self.target is not None and ev == ev and ev >= self.target:
+            self.reason = f"held-out EV {ev:.3f} reached the target {self.target}"
+        elif self.patience and self.since_best >= self.patience:
+            self.reason = (f"held-out EV plateaued: no gain above {self.min_delta} in {self.patience} steps "
+                           f"(best {self.best:.3f})")
+        else:
+            return False
+        return True
+
+
+class HeldoutCritic:
+    """The critic's quality on a fixed set of held-out responses (``groups``, e.g. an evaluation's samples): the
+    batch and the reference levels are made once, each call scores the learner's current critic.
+
+    ``decode``: the tokenizer's decode (for the references' per-token prefixes); ``references``: compute them (the
+    embedded chain arithmetic only; otherwise the metrics hold the critic's EV alone)."""
+
+    def __init__(self, groups, pad_id: int, decode: Callable[[Sequence[int]], str], *, reward_correct: float,
+                 reward_incorrect: float, references: bool = True):
+        from async_vapo.learner.vapo import make_rollout_batch
+
+        self.groups = [g for g in groups if g.samples]
+        self.batch = make_rollout_batch(self.groups, pad_id)
+        self.references = (arith_references(self.groups, decode, reward_correct, reward_incorrect)
+                           if references else None)
+        self._fixed: dict[str, float] | None = None
+
+    @classmethod
+    def from_config(cls, cfg, groups, pad_id: int, decode: Callable[[Sequence[int]], str]) -> HeldoutCritic:
+        v = cfg.verifier
+        return cls(groups, pad_id, decode, reward_correct=v.reward_correct, reward_incorrect=v.reward_incorrect,
+                   references=cfg.task.kind == "arith")
+
+    def __call__(self, learner) -> dict[str, float]:
+        values = learner.critic_values(self.batch).cpu()
+        mask, rewards = self.batch.tokens.response_mask, self.batch.rewards
+        if self._fixed is None:  # the references do not change with the critic
+            self._fixed = {k: x for k, x in heldout_metrics(values, mask, rewards, self.references).items()
+                           if k != "critic/heldout_ev"}
+            self._fixed["critic/heldout_responses"] = float(len(rewards))
+        return heldout_metrics(values, mask, rewards) | self._fixed

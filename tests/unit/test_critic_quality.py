@@ -1,0 +1,180 @@
+"""Held-out critic quality (async_vapo.learner.critic_quality): the explained variance of Monte-Carlo returns on
+held-out responses, its reference levels, and the rule that stops value pretraining on that evidence."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from async_vapo.config import load_config
+from async_vapo.learner.critic_quality import PlateauStop, arith_reference_values, first_error, heldout_metrics
+from async_vapo.learner.loop import StepLoop
+from async_vapo.types import Group, Trajectory
+
+
+def test_heldout_ev_of_a_hand_computed_case():
+    # two responses, rewards +1 and -1, two tokens each (a third, padded column holds garbage).
+    # returns G = [1, 1 | -1, -1]: mean 0, Var(G) = 1.
+    # critic V = [0.5, 0.5 | 0, -1]: G - V = [0.5, 0.5 | -1, 0], mean 0, Var = (0.25 + 0.25 + 1 + 0) / 4 = 0.375
+    # -> EV = 1 - 0.375 = 0.625. A constant reference (0.3 everywhere) explains nothing: EV 0.
+    values = torch.tensor([[0.5, 0.5, 99.0], [0.0, -1.0, -99.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    out = heldout_metrics(values, mask, torch.tensor([1.0, -1.0]), {"constant": [[0.3, 0.3], [0.3, 0.3]]})
+    assert out["critic/heldout_ev"] == pytest.approx(0.625, abs=1e-12)
+    assert out["critic/heldout_ev_constant"] == pytest.approx(0.0, abs=1e-12)
+    # returns that do not vary: undefined
+    assert math.isnan(heldout_metrics(values, mask, torch.tensor([1.0, 1.0]))["critic/heldout_ev"])
+
+
+def test_reference_values_of_a_hand_computed_case():
+    # correct solution "a;b;X": two steps and the box, 3 units. Responses (character tokens, then EOS):
+    # "a;b;X" right; "a;c;X" slips at character 2. Slip rate q = slips / units at risk = 1 / (3 + 2) = 0.2.
+    truth = "a;b;X"
+    texts = ["a;b;X", "a;c;X"]
+    assert first_error(texts[0], truth) is None and first_error(texts[1], truth) == 2 and first_error("a;", truth) == 2
+    chars = [list(range(6)), list(range(6))]  # prefix lengths before each of 5 characters and EOS
+    length_only, slip = arith_reference_values(chars, texts, [truth, truth], 1.0, -1.0)
+    # length only: -1 + 2 * 0.8^3 = 0.024 at every token of both
+    assert length_only == [pytest.approx([0.024] * 6)] * 2
+    # slip-aware, right response: units left 3, 3, 2, 2, 1, 1 -> 0.024, 0.024, 0.28, 0.28, 0.6, 0.6;
+    # the slipped one: 0.024, 0.024, 0.28 (its slip is not yet in the prefix), then -1 once it is (prefix > 2)
+    assert slip[0] == pytest.approx([0.024, 0.024, 0.28, 0.28, 0.6, 0.6])
+    assert slip[1] == pytest.approx([0.024, 0.024, 0.28, -1.0, -1.0, -1.0])
+    # their EV on the returns [+1 x6 | -1 x6]: G - V = [0.976, 0.976, 0.72, 0.72, 0.4, 0.4 | -1.024, -1.024, -1.28,
+    # 0, 0, 0]: mean 0.072, E[(G-V)^2] = 6.997504 / 12, Var = 0.5831253 - 0.005184 = 0.5779413 -> EV 0.4220587;
+    # the length-only value is a constant: EV 0
+    mask = torch.ones(2, 6)
+    out = heldout_metrics(torch.tensor(slip), mask, torch.tensor([1.0, -1.0]), {"length_only": length_only})
+    assert out["critic/heldout_ev"] == pytest.approx(0.4220587, abs=1e-6)
+    assert out["critic/heldout_ev_length_only"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_the_stopping_rule():
+    # patience 2, min_delta 0.01, at least 3 steps: 0.10 best, 0.105 (no real gain, 1), 0.12 (gain, reset),
+    # 0.125 (1), 0.12 (2) -> stops at step 5
+    stop = PlateauStop(100, min_steps=3, patience=2, min_delta=0.01)
+    assert [stop.update(ev) for ev in (0.10, 0.105, 0.12, 0.125, 0.12)] == [False, False, False, False, True]
+    assert stop.steps == 5 and "plateau" in stop.reason
+    # a plateau before min_steps does not stop; NaN is no evidence either way
+    stop = PlateauStop(100, min_steps=4, patience=1)
+    assert [stop.update(ev) for ev in (0.2, 0.1, float("nan"), 0.1)] == [False, False, False, True]
+    # the target stops at once (after min_steps); max_steps always; patience 0 never stops on a plateau
+    stop = PlateauStop(100, min_steps=2, target=0.15)
+    assert [stop.update(ev) for ev in (0.2, 0.16)] == [False, True] and "target" in stop.reason
+    stop = PlateauStop(3)
+    assert [stop.update(0.0) for _ in range(3)] == [False, False, True] and "max steps" in stop.reason
+
+
+SMALL = ["algo.group_size=2", "algo.mini_batch_size=2", "algo.micro_batch_size=2"]
+
+
+class _Source:
+    def __init__(self):
+        self.calls = 0
+
+    def next_groups(self, n):
+        self.calls += 1
+        s = [Trajectory(response_ids=[5, 6], behavior_logprobs=[-0.1, -0.2], finish_reason="stop", reward=r,
+                        correct=r > 0, verdict="correct" if r > 0 else "incorrect") for r in (1.0, -1.0)]
+        return [Group(uid=f"g{self.calls}", prompt="1+2=", answer="3", prompt_ids=[1, 2], version=0, samples=s)], {}
+
+    def row_metrics(self, kept, version):
+        return {}
+
+    def state(self):
+        return {}
+
+    def restore(self, state):
+        pass
+
+    def close(self):
+        pass
+
+
+class _Learner:
+    """Pretraining whose held-out EV is scripted."""
+
+    version = 0
+
+    def __init__(self, evs):
+        self.evs, self.steps = list(evs), 0
+
+    def pretrain_critic(self, batch):
+        self.steps += 1
+        return {"critic/value_loss": 1.0, "critic/fresh_ev": -5.0}
+
+
+def test_value_pretraining_stops_on_the_heldout_ev_and_warns_below_length_only(tmp_path, caplog):
+    cfg = load_config([], SMALL + ["algo.value_pretrain_steps=50", "algo.value_pretrain_patience=3",
+                           "algo.value_pretrain_min_delta=0.01"])
+    learner = _Learner([0.01, 0.03, 0.05, 0.055, 0.05, 0.04, 0.5])
+    heldout = lambda: {"critic/heldout_ev": learner.evs[learner.steps - 1],  # noqa: E731
+                       "critic/heldout_ev_length_only": 0.06}
+    rows = []
+    loop = StepLoop(cfg, learner, _Source(), pad_id=0, run_dir=tmp_path, on_row=rows.append, heldout_critic=heldout)
+    with caplog.at_level(logging.INFO):
+        assert loop.pretrain()
+    # best 0.05 at step 3; 0.055, 0.05, 0.04 are no gain above 0.01: stopped after step 6, never reaching 0.5
+    assert learner.steps == 6 and [r["critic/heldout_ev"] for r in rows] == [0.01, 0.03, 0.05, 0.055, 0.05, 0.04]
+    assert "plateaued" in caplog.text and "no better than length-only" in caplog.text
+    # without a stopping rule every step runs (the behaviour before it), judged by the fresh batches' EV
+    cfg = load_config([], SMALL + ["algo.value_pretrain_steps=4"])
+    learner = _Learner([])
+    StepLoop(cfg, learner, _Source(), pad_id=0, run_dir=tmp_path).pretrain()
+    assert learner.steps == 4
+
+
+def test_the_learners_critic_scored_on_heldout_responses(tmp_path):
+    """The real path: a Learner's critic on held-out arith responses. A fresh critic has a zero head (V = 0
+    everywhere): it explains none of the returns (EV exactly 0), and so does its first pretraining batch before the
+    update; the reference levels come with it, and the length-only one is what hand-fitted q gives."""
+    from transformers import AutoTokenizer
+
+    from async_vapo.learner.critic_quality import HeldoutCritic
+    from async_vapo.learner.vapo import Learner, make_rollout_batch
+    from async_vapo.models.base_model import ensure_base_model
+    from async_vapo.tasks import arith, load_task
+
+    cfg = load_config([], ["base_model.hidden_size=32", "base_model.num_layers=1", "base_model.num_heads=2",
+                           "base_model.num_kv_heads=1", "base_model.intermediate_size=64", "base_model.sft_steps=3",
+                           "base_model.sft_batch_size=8", "task.num_train=100", "task.num_eval=12", "task.max_ops=2",
+                           "train.threads=1", "algo.group_size=2", "algo.prompts_per_step=6",
+                           "algo.mini_batch_size=12", "algo.micro_batch_size=12", f"model.cache_dir={tmp_path}"])
+    base = ensure_base_model(cfg, progress=False)
+    tok = AutoTokenizer.from_pretrained(str(base))
+    rng = __import__("random").Random(0)
+    groups = []
+    for p in load_task(cfg)[1][:6]:
+        texts = [arith.solution(p), arith.demonstration(p, rng, 1.0)]  # one right, one with every step wrong
+        samples = [Trajectory(response_ids=tok(t).input_ids + [tok.eos_token_id], finish_reason="stop",
+                              behavior_logprobs=[-1.0] * (len(t) + 1), reward=1.0 if t == texts[0] else -1.0,
+                              correct=t == texts[0]) for t in texts]
+        groups.append(Group(uid=p.uid, prompt=p.prompt, answer=p.answer, version=0, samples=samples,
+                            prompt_ids=tok(p.prompt).input_ids))
+    learner = Learner(cfg, base, None)
+    m = HeldoutCritic.from_config(cfg, groups, tok.pad_token_id, tok.decode)(learner)
+    assert m["critic/heldout_ev"] == 0.0 and m["critic/heldout_responses"] == 12
+    # every wrong response slips at once (its first step is wrong), so the slip-aware value explains much
+    assert m["critic/heldout_ev_slip_aware"] > 0.3 and abs(m["critic/heldout_ev_length_only"]) < 0.3
+    assert learner.pretrain_critic(make_rollout_batch(groups, tok.pad_token_id))["critic/fresh_ev"] == 0.0
+    assert HeldoutCritic.from_config(cfg, groups, tok.pad_token_id, tok.decode)(learner)["critic/heldout_ev"] != 0.0
+
+
+def test_the_run_plot_gains_the_critic_row_when_rows_have_it(tmp_path):
+    from PIL import Image
+
+    from async_vapo.experiments.plots import plot_runs
+
+    rows = [{"kind": "eval", "step": s, "wall_s": 60.0 * s, "eval/accuracy": 0.1, "eval/response_length": 20.0,
+             "critic/heldout_ev": 0.01 * s, "critic/heldout_ev_length_only": 0.05,
+             "critic/heldout_ev_slip_aware": 0.4} for s in range(0, 6, 2)]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "metrics.jsonl").write_text("".join(__import__("json").dumps(r) + "\n" for r in rows))
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "metrics.jsonl").write_text("".join(
+        __import__("json").dumps({k: v for k, v in r.items() if not k.startswith("critic")}) + "\n" for r in rows))
+    assert Image.open(plot_runs([tmp_path / "a"], tmp_path / "a.png")).size[1] == 1200
+    assert Image.open(plot_runs([tmp_path / "b"], tmp_path / "b.png")).size[1] == 800
