@@ -15,7 +15,9 @@ character), 1 − Var(G − V) / Var(G), as ``critic/explained_variance`` is in 
   2 (1 − q)^m − 1 with m the steps (and box) not yet finished.
 
 As in training, the value at a response token is that of the state before it (the prefix up to the previous token).
-A critic that predicts only the mean scores 0.
+A critic that predicts only the mean scores 0. Both reference value functions are those of
+``async_vapo.learner.critic_quality``, which every run reports beside its critic (``critic/heldout_ev_length_only``,
+``critic/heldout_ev_slip_aware``).
 
 With ``--fit-steps N`` it then trains the config's critic (the reward-like head VAPO starts from) on the Monte-Carlo
 returns of the responses to three quarters of the problems, ``--fit-batch`` responses per Adam step at the config's
@@ -32,7 +34,7 @@ import sys
 from pathlib import Path
 
 from bench_io import write_result
-from long_task_errors import first_error, sample_base_model
+from long_task_errors import sample_base_model
 
 
 def explained_variance(values: list[float], returns: list[float]) -> float:
@@ -107,6 +109,7 @@ def main() -> int:
     p.add_argument("--out", default="benchmarks/results/long_task/critic_ceiling.json")
     args = p.parse_args()
 
+    from async_vapo.learner.critic_quality import arith_reference_values, first_error, slip_rate
     from async_vapo.tasks import arith
 
     cfg, base, tok, problems, (groups,) = sample_base_model(args.config, args.problems, args.samples, args.seed)
@@ -118,22 +121,16 @@ def main() -> int:
         truth = arith.solution(q)
         for s in group:
             text = tok.decode(s.token_ids, skip_special_tokens=True).strip()
-            rows.append((text, truth, None if text == truth else first_error(text, truth)[0]))
+            rows.append((text, truth, first_error(text, truth)))
             samples.append((i, prompts[i], list(s.token_ids), 1.0 if text == truth else -1.0))
-    # per-step slip rate: slips over the steps (and boxes) at risk, each response at risk up to its first slip
-    slips = sum(k is not None for _, _, k in rows)
-    at_risk = sum(truth.count(";") + 1 if k is None else truth[:k].count(";") + 1 for _, truth, k in rows)
-    q = slips / at_risk
-
-    returns, v_length, v_slip = [], [], []
-    for text, truth, k in rows:
-        g = 1.0 if k is None else -1.0
-        units = truth.count(";") + 1
-        for t in range(max(1, len(text))):
-            returns.append(g)
-            v_length.append(2 * (1 - q) ** units - 1)
-            wrong = k is not None and t > k  # the state before token t holds characters 0..t-1
-            v_slip.append(-1.0 if wrong else 2 * (1 - q) ** (units - truth[:t].count(";")) - 1)
+    texts, truths = [r[0] for r in rows], [r[1] for r in rows]
+    q = slip_rate(texts, truths)
+    # one value per character (the state before it holds the characters before it), as learner.critic_quality has it
+    chars = [list(range(max(1, len(text)))) for text in texts]
+    length_only, slip_aware = arith_reference_values(chars, texts, truths, 1.0, -1.0, q)
+    returns = [1.0 if k is None else -1.0 for (_, _, k), c in zip(rows, chars, strict=True) for _ in c]
+    v_length = [v for r in length_only for v in r]
+    v_slip = [v for r in slip_aware for v in r]
     accuracy = sum(k is None for _, _, k in rows) / len(rows)
     doc = {"config": args.config, "base_model": str(base), "problems": args.problems, "samples": args.samples,
            "seed": args.seed, "temperature": cfg.rollout.temperature, "responses": len(rows),
