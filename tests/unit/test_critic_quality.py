@@ -130,7 +130,7 @@ def test_value_pretraining_stops_on_the_heldout_ev_and_warns_below_length_only(t
 def test_the_learners_critic_scored_on_heldout_responses(tmp_path):
     """The real path: a Learner's critic on held-out arith responses. A fresh critic has a zero head (V = 0
     everywhere): it explains none of the returns (EV exactly 0), and so does its first pretraining batch before the
-    update; the reference levels come with it, and the length-only one is what hand-fitted q gives."""
+    update; the reference levels come with it. Value pretraining's epochs and the critic's own lr warm-up apply."""
     from transformers import AutoTokenizer
 
     from async_vapo.learner.critic_quality import HeldoutCritic
@@ -142,7 +142,8 @@ def test_the_learners_critic_scored_on_heldout_responses(tmp_path):
                            "base_model.num_kv_heads=1", "base_model.intermediate_size=64", "base_model.sft_steps=3",
                            "base_model.sft_batch_size=8", "task.num_train=100", "task.num_eval=12", "task.max_ops=2",
                            "train.threads=1", "algo.group_size=2", "algo.prompts_per_step=6",
-                           "algo.mini_batch_size=12", "algo.micro_batch_size=12", f"model.cache_dir={tmp_path}"])
+                           "algo.mini_batch_size=12", "algo.micro_batch_size=12", f"model.cache_dir={tmp_path}",
+                           "algo.value_pretrain_epochs=2", "optim.critic_warmup_steps=4", "optim.warmup_steps=0"])
     base = ensure_base_model(cfg, progress=False)
     tok = AutoTokenizer.from_pretrained(str(base))
     rng = __import__("random").Random(0)
@@ -160,6 +161,9 @@ def test_the_learners_critic_scored_on_heldout_responses(tmp_path):
     # every wrong response slips at once (its first step is wrong), so the slip-aware value explains much
     assert m["critic/heldout_ev_slip_aware"] > 0.3 and abs(m["critic/heldout_ev_length_only"]) < 0.3
     assert learner.pretrain_critic(make_rollout_batch(groups, tok.pad_token_id))["critic/fresh_ev"] == 0.0
+    # two passes over the one mini-batch; the critic's own warm-up: its 2nd step at 2/4 of critic_lr
+    assert learner.critic_steps == 2
+    assert learner.critic_opt.param_groups[0]["lr"] == pytest.approx(cfg.optim.critic_lr * 2 / 4)
     assert HeldoutCritic.from_config(cfg, groups, tok.pad_token_id, tok.decode)(learner)["critic/heldout_ev"] != 0.0
 
 
