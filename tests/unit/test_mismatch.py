@@ -285,7 +285,7 @@ def test_everything_masked_gives_a_zero_finite_loss_and_gradient():
     keep = torch.zeros_like(m)
     loss, metrics = policy_loss(lp, old, adv, keep, 0.2, 0.28)
     (grad,) = torch.autograd.grad(loss * microbatch_weight(keep, loss_normalizer(keep), dtype=F64), lp)
-    assert float(loss) == 0.0 and torch.equal(grad, torch.zeros_like(grad))
+    assert float(loss.detach()) == 0.0 and torch.equal(grad, torch.zeros_like(grad))
     assert all(math.isfinite(float(v)) for v in metrics.values())
 
 
