@@ -359,6 +359,11 @@ def test_learner_measures_the_mismatch_and_the_switches_reach_the_loss(tmp_path)
     assert m_tok["correction/weight_mean"] == pytest.approx(e(0.3), abs=1e-4)
     assert m_tok["correction/truncated_frac"] == 0.0 and "correction/masked_frac" not in m_tok
 
+    m_wide, d_wide = run("algo.behavior_mask=token", "algo.behavior_mask_low=1e-3", "algo.behavior_mask_high=1e4")
+    assert m_wide["correction/masked_frac"] == 0.0  # a mask that rejects nothing leaves the update as it was
+    for k in d_tok:
+        assert_close(d_wide[k], d_tok[k], atol=1e-6, rtol=0)
+
     m_all, d_all = run("algo.behavior_mask=token", "algo.behavior_mask_high=1.2")
     assert m_all["correction/masked_frac"] == 1.0 and m_all["correction/masked_seq_frac"] == 1.0
     assert moved(d_all) == 0.0 and moved(d_tok) > 0  # every token rejected: no policy gradient at all
