@@ -479,8 +479,9 @@ def _powers(limit: int) -> list[int]:
 def search(cfg, shape: ModelShape, cl: Cluster, *, hosts: int, gpus_per_host: int,
            budgets: list[int] | None = None) -> tuple[list[Candidate], int]:
     """Every placement of ``hosts x gpus_per_host`` over learner hosts, ranks per host, tensor-parallel sizes and
-    token budgets whose learner and engines fit, fastest first (then fewer idle GPUs, then the larger budget:
-    fewer passes), and how many were tried. Engines take every GPU the learner leaves."""
+    token budgets whose learner and engines fit, fastest first (the step time does not depend on the budget; among
+    equal times: fewer idle GPUs, then the most memory left on a learner GPU for what the plan does not count, then
+    the config's own budget), and how many were tried. Engines take every GPU the learner leaves."""
     from async_vapo.deploy.placement import PlacementError, place
 
     seq = cl.prompt_tokens + cfg.rollout.max_response_tokens
@@ -506,7 +507,9 @@ def search(cfg, shape: ModelShape, cl: Cluster, *, hosts: int, gpus_per_host: in
                     e = estimate(c, shape, cl, engines=len(p.engines))
                     if e.fits:
                         out.append(Candidate(k, per, rollout, tp, b, e, sum(len(g) for g in p.idle.values())))
-    out.sort(key=lambda c: (round(c.estimate.time["step_s"], 6), c.idle_gpus, -c.budget))
+    own = cfg.algo.max_tokens_per_micro_batch
+    out.sort(key=lambda c: (round(c.estimate.time["step_s"], 6), c.idle_gpus, c.estimate.learner["total"],
+                            c.budget != own, c.budget))
     return out, tried
 
 
