@@ -225,7 +225,7 @@ def test_plan_takes_start_clusters_hostfile_and_prints_its_placement(tmp_path):
     assert "8 ranks / 8 ranks" not in r.stdout and "/ 8 ranks" in r.stdout
 
 
-def test_search_lists_placements_that_fit_fastest_first():
+def test_search_lists_placements_that_fit_fastest_first(tmp_path):
     r = plan(str(REPO / "configs/qwen2.5-32b_vapo.toml"), "--hosts", "4", "--gpus-per-host", "8", "--search",
              "learner.cpu_offload=false", "async.max_staleness=1")
     assert r.returncode == 0, r.stderr
@@ -234,11 +234,15 @@ def test_search_lists_placements_that_fit_fastest_first():
     steps = [float(x[11]) for x in rows]
     assert steps == sorted(steps)
     best = next(ln for ln in r.stdout.splitlines() if ln.startswith("best: ")).split()[1:]
-    # the best one's overrides, planned on their own, fit
-    again = plan(str(REPO / "configs/qwen2.5-32b_vapo.toml"), "--hosts", "4", "--gpus-per-host", "8",
+    lines = r.stdout.split("hostfile (host role", 1)[1].splitlines()[1:]
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("".join(ln.strip() + "\n" for ln in lines))
+    assert "host1 learner" in hostfile.read_text()  # 24 ranks over 3 hosts: the best's learner hosts are written
+    # the best one's overrides on the hostfile it printed fit, at the step time it listed
+    again = plan(str(REPO / "configs/qwen2.5-32b_vapo.toml"), "--hostfile", str(hostfile), "--gpus-per-host", "8",
                  "learner.cpu_offload=false", "async.max_staleness=1", *best)
-    assert again.returncode == 0, again.stdout
-    assert f"{steps[0]:,.0f} s" in again.stdout
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"{steps[0]:,.0f} s" in again.stdout and "(idle)" not in again.stdout
 
 
 def test_plan_exits_non_zero_when_nothing_fits():
