@@ -3,8 +3,9 @@ time of a config (``async_vapo/deploy/scale.py`` states every assumption); ``--s
 fit, fastest first, with the config overrides of the best.
 
 The placement is the one ``deploy/start_cluster.sh`` runs (``async_vapo.deploy.launch.cluster_placement``): from
-``--hostfile`` (the script's own) or, with ``--hosts N``, from the hostfile ``deploy/slurm/async_vapo.sbatch`` writes
-(learner, replay and verifier on the first host, engines on every host). Exit 1 when nothing fits.
+``--hostfile`` (the script's own) or, with ``--hosts N``, from the hostfile ``deploy/slurm/async_vapo.sbatch``
+writes (replay and verifier on the first host, the learner on as few hosts as hold its ranks, engines on every
+host). Exit 1 when nothing fits.
 """
 
 from __future__ import annotations
@@ -65,9 +66,12 @@ def run(args: argparse.Namespace) -> int:
             text, fits = search_report(cfg, shape, source, cl, hosts=args.hosts, gpus_per_host=args.gpus_per_host,
                                        top=args.top)
         else:
-            lines = search_hostfile(args.hosts, 1) if args.hosts else args.hostfile
-            placement, lines = cluster_placement(cfg, lines, args.gpus_per_host)
-            where = args.hostfile or "--hosts: learner, replay, verifier on the first; engines on every host"
+            # --hosts: the learner on as few hosts as hold its ranks (ASYNC_VAPO_LEARNER_NODES of the Slurm script)
+            k = min(args.hosts, -(-cfg.async_.learner_devices // args.gpus_per_host)) if args.hosts else 0
+            placement, lines = cluster_placement(cfg, search_hostfile(args.hosts, k) if k else args.hostfile,
+                                                 args.gpus_per_host)
+            where = args.hostfile or (f"--hosts: the learner on the first {k}, replay and verifier on the first; "
+                                      "engines on every host")
             text, fits = report(cfg, placement, shape, source, cl,
                                 hosts_line=hosts_line(lines, args.gpus_per_host, where))
     except (PlacementError, ValueError, OSError) as e:

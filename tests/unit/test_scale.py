@@ -282,3 +282,13 @@ def test_start_cluster_dry_run_runs_the_plans_memory_check(tmp_path):
     assert r.returncode == 1 and "DOES NOT FIT 80 GiB" in r.stdout
     assert "start_cluster: the plan does not fit its GPUs" in r.stderr and "# commands" not in r.stdout
     assert not (tmp_path / "run").exists()
+
+
+def test_plan_with_hosts_puts_the_learner_on_as_few_hosts_as_hold_it():
+    r = plan(str(REPO / "configs/qwen2.5-32b_vapo.toml"), "--hosts", "4", "--gpus-per-host", "8")
+    assert r.returncode == 0, r.stdout + r.stderr  # 16 ranks of 8 per host: two learner hosts
+    assert "learner-1   host1  CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7  (node 1 of 2: ranks 8-15)" in r.stdout
+    r = plan(str(REPO / "configs/qwen2.5-32b_vapo.toml"), "--hosts", "4", "--gpus-per-host", "8",
+             "async.learner_devices=8", "async.rollout_devices=24")
+    assert "learner-1" not in r.stdout
+    assert "learner     host0  CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7  (8 ranks)" in r.stdout
