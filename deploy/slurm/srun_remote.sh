@@ -11,7 +11,9 @@
 # shell and that shell's children is in it (`scontrol listpids JOB.STEP` on that node, every 10 s), and this call
 # returns as soon as the command itself is done, with its exit status and output; the step then holds in the
 # background until its processes are gone (stop_cluster.sh) or the job ends. Standard input is passed to the step
-# (the key hand-over pipes a tar archive).
+# (the key hand-over pipes a tar archive). The step asks for no GRES, so it gets the job's GPUs on that node (Slurm's
+# default for a step within a job of whole nodes); placement's CUDA_VISIBLE_DEVICES numbers them 0..N-1. Untested on a
+# real slurmctld: tests/unit/test_slurm.py runs it against an srun that runs the step here.
 set -uo pipefail
 [ $# -ge 2 ] || { echo "usage: srun_remote.sh HOST COMMAND" >&2; exit 2; }
 host=$1; shift
