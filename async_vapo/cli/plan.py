@@ -70,8 +70,8 @@ def run(args: argparse.Namespace) -> int:
             k = min(args.hosts, -(-cfg.async_.learner_devices // args.gpus_per_host)) if args.hosts else 0
             placement, lines = cluster_placement(cfg, search_hostfile(args.hosts, k) if k else args.hostfile,
                                                  args.gpus_per_host)
-            where = args.hostfile or (f"--hosts: the learner on the first {k}, replay and verifier on the first; "
-                                      "engines on every host")
+            where = args.hostfile or (f"--hosts: the learner on the first {k} host(s), replay and verifier on "
+                                      "the first; engines on every host")
             text, fits = report(cfg, placement, shape, source, cl,
                                 hosts_line=hosts_line(lines, args.gpus_per_host, where))
     except (PlacementError, ValueError, OSError) as e:
