@@ -204,3 +204,28 @@ class Admission:
         """The learner went back to ``version`` (restarted from a checkpoint): what was made since is for weights
         that no longer exist (or already in the replay, for ``version`` itself), so the count starts again there."""
         self.base, self.made, self.refills = version, 0, 0
+
+
+LAG_BUCKETS = ("0", "1", "2", "3+")
+
+
+def token_lags(groups, learner_version: int) -> dict[str, float]:
+    """How old the tokens of ``groups`` are for the learner at ``learner_version`` (its version minus the version
+    that sampled each token, ``Group.token_versions``): tokens per lag bucket (``LAG_BUCKETS``), their mean and
+    max lag, and the fraction of samples generated under more than one version."""
+    counts = dict.fromkeys(LAG_BUCKETS, 0)
+    total = lag_sum = samples = multi = 0
+    worst = 0
+    for g in groups:
+        for i, t in enumerate(g.samples):
+            samples += 1
+            multi += len(t.version_spans) > 1
+            for v in g.token_versions(i):
+                lag = learner_version - v
+                counts[LAG_BUCKETS[min(max(lag, 0), 3)]] += 1
+                total += 1
+                lag_sum += lag
+                worst = max(worst, lag)
+    return {"by_lag": counts, "mean": lag_sum / total if total else 0.0, "max": worst,
+            "multi_version_frac": multi / samples if samples else 0.0}
+

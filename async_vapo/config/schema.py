@@ -265,6 +265,25 @@ class RolloutConfig(_Section):
     """Skip graph capture (required on the CPU backend here)."""
     max_num_seqs: int = Field(256, ge=1)
     """Sequences the engine batches at once."""
+    generation: Literal["continuous", "lockstep"] = "lockstep"
+    """How the rollout service drives its engine. ``lockstep``: ``generate`` calls of ``cluster.rollout.
+    prompts_per_call`` prompts, their groups shipped together when the call's longest response ends, new weights
+    loaded between two calls. ``continuous``: vLLM's async engine (``rollout.continuous``), a request per group, kept
+    at ``max_in_flight`` sequences, each group shipped the moment its samples end, new weights loaded in flight as
+    ``weight_update`` says. The one-process trainer and evaluation generate lock-step either way."""
+    max_in_flight: int = Field(0, ge=0)
+    """``generation = "continuous"``: sequences the rollout service keeps in the engine (admitted a group of
+    ``algo.group_size`` at a time as sequences finish); 0: ``max_num_seqs``."""
+    weight_update: Literal["keep", "wait", "abort"] = "keep"
+    """``generation = "continuous"``: what a new version does to the requests in flight. ``keep``: pause them,
+    load, resume: they continue under the new weights (each token keeps the version that sampled it,
+    ``Trajectory.version_spans``); ``wait``: let them finish under the old weights first (the lock-step semantics:
+    one version per sample); ``abort``: drop them and generate them again under the new version."""
+    recompute_kv_after_update: bool = True
+    """``weight_update = "keep"``: recompute the KV cache of the requests in flight under the new weights when they
+    resume (vLLM's ``clear_cache``: the prompt and tokens so far are prefilled again), so that every token after a
+    switch is sampled from exactly the new weights; off keeps the old weights' KV (cheaper, a log-prob gap after
+    the switch; NeMo-RL's name)."""
     idle_spin_s: float | None = Field(0.002, ge=0)
     """How long the engine's processes keep busy-polling vLLM's shared-memory queues after their last message before
     they sleep on a socket (``async_vapo.rollout.vllm_plugin``). vLLM's own 1 s kept two processes spinning for a

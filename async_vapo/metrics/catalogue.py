@@ -97,6 +97,26 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "stale_weights, version_budget).", ("reason",)),
     MetricSpec("rollout", "admission_refills_total", C, "Budgets topped up: the learner reported a wait of "
                "cluster.rollout.admission_starved_s, or no new version came for cluster.rollout.admission_refill_s."),
+    # continuous generation (rollout.generation = "continuous")
+    MetricSpec("rollout", "sequences_in_flight", G, "Sequences in the engine now (submitted, not finished)."),
+    MetricSpec("rollout", "engine_occupancy_ratio", G, "Sequences in flight over rollout.max_in_flight, averaged over "
+               "the last second (0-1): how busy the engine is kept."),
+    MetricSpec("rollout", "groups_shipped_total", C, "Groups sent to the verifier."),
+    MetricSpec("rollout", "group_ship_seconds", H, "From a group's submission to the engine to its shipping.",
+               buckets=LATENCY_BUCKETS),
+    MetricSpec("rollout", "weight_pause_seconds", H, "Generation paused for one weight update (pause to resume; "
+               "with rollout.weight_update = \"wait\" the drain of the requests in flight included).",
+               buckets=TRANSFER_BUCKETS),
+    MetricSpec("rollout", "multi_version_groups_total", C, "Groups with tokens of more than one weight version "
+               "(updated in flight)."),
+    MetricSpec("rollout", "tokens_after_switch_total", C, "Tokens generated under a newer version than their "
+               "sample's first token (updated in flight)."),
+    MetricSpec("rollout", "aborted_groups_total", C, "Groups aborted in the engine and never shipped, by reason "
+               "(stale: their oldest token would exceed the staleness bound; error: the engine failed them; "
+               "rolled_back: made by weights of a learner that restarted from an older checkpoint).", ("reason",),
+               series=(("stale",), ("error",), ("rolled_back",))),
+    MetricSpec("rollout", "reprefill_tokens_total", C, "Prompt and response tokens prefilled again after a weight "
+               "update (rollout.recompute_kv_after_update)."),
     MetricSpec("rollout", "eval_accuracy", G, "Held-out accuracy of the last evaluation (0-1). Only rollout 0 "
                "evaluates (every train.eval_every versions); 0 before its first evaluation."),
     MetricSpec("rollout", "eval_response_length_tokens", G, "Mean response length (tokens) of the last held-out "
@@ -176,6 +196,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec("learner", "stale_groups_rejected_total", C, "Groups in a batch beyond the staleness bound (never "
                "used)."),
     MetricSpec("learner", "batch_wait_seconds_total", C, "Time spent waiting for batches."),
+    MetricSpec("learner", "trained_tokens_by_lag_total", C, "Response tokens trained on, by the version lag of the "
+               "weights that sampled them (the learner's version minus the token's: 0, 1, 2, 3+).", ("lag",),
+               series=(("0",), ("1",), ("2",), ("3+",))),
     MetricSpec("learner", "engines_in_rotation", G, "Rollout engines whose acks a new version waits for."),
     MetricSpec("learner", "engines_dropped_total", C, "Engines taken out of rotation for missing an ack."),
     MetricSpec("learner", "engines_dead_total", C, "Engines taken out of rotation for silence "

@@ -17,12 +17,12 @@ caller waits and asks again. A group that arrives already stale for the learner 
 "overflow". Every drop is recorded in the store with its reason and counted, so every group ever
 added is served exactly once or dropped with a reason.
 
-Invalid groups (not a Group, no samples, negative or non-integer version, wrong group size, token
-ids and behaviour log-probs of different lengths, and against :class:`GroupLimits`: token ids outside the
-vocabulary, non-finite or positive log-probs, rewards outside the verifier's set, a version beyond the
-learner's newest + 1, a (uid, version) already stored) are rejected: counted by reason and logged, and
-``add`` returns None; ``add(..., strict=True)`` raises ``InvalidGroupError`` instead. Store I/O
-errors always propagate: a group that was not stored was not acknowledged.
+Invalid groups (not a Group, no samples, negative or non-integer version, wrong group size, token ids and behaviour
+log-probs of different lengths, malformed version spans (``types.spans_error``) or a version that is not its oldest
+token's, and against :class:`GroupLimits`: token ids outside the vocabulary, non-finite or positive log-probs, rewards
+outside the verifier's set, a version beyond the learner's newest + 1, a (uid, version) already stored) are rejected:
+counted by reason and logged, and ``add`` returns None; ``add(..., strict=True)`` raises ``InvalidGroupError`` instead.
+Store I/O errors always propagate: a group that was not stored was not acknowledged.
 
 Recovery. The buffer holds no state of its own beyond an index: constructing it over an existing
 store restores the unconsumed groups, the cursor (batch ids continue), the drop counters and the
@@ -52,7 +52,7 @@ import msgspec
 
 from async_vapo.replay.store import GroupStore
 from async_vapo.staleness import DROP_FUTURE, DROP_STALE, StalenessPolicy, drop_reason
-from async_vapo.types import Group
+from async_vapo.types import Group, spans_error
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,7 @@ REJECT_REWARD = "bad_reward"
 REJECT_VERSION_RANGE = "version_out_of_range"
 REJECT_DUPLICATE = "duplicate_uid"
 REJECT_FIELDS = "bad_fields"
+REJECT_SPANS = "bad_version_spans"
 
 LOGPROB_SLACK = 1e-5
 """A log-probability may exceed 0 by this much (float rounding of a log-softmax), never more."""
@@ -163,6 +164,11 @@ def validate_group(group: object, group_size: int | None = None, limits: GroupLi
         return REJECT_VERSION_RANGE
     if not group.prompt_ids or any(s.finish_reason not in ("stop", "length") for s in group.samples):
         return REJECT_FIELDS
+    if any(spans_error(s, group.version) is not None for s in group.samples):
+        return REJECT_SPANS
+    if any(s.version_spans for s in group.samples) and min(
+            group.spans_of(i)[0][0] for i in range(len(group.samples))) != group.version:
+        return REJECT_SPANS  # the group's version must be its oldest token's
     if limits.vocab_size is not None and not (
             _ids_in_range(group.prompt_ids, limits.vocab_size)
             and all(_ids_in_range(s.response_ids, limits.vocab_size) for s in group.samples)):

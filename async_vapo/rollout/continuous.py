@@ -176,6 +176,20 @@ class ContinuousEngine(EngineWeights):
             raise
         self.start_seconds = time.perf_counter() - t0
 
+    @property
+    def version(self) -> int:
+        """The version served (-1: none whole)."""
+        return self._version
+
+    @version.setter
+    def version(self, version: int) -> None:
+        # vLLM labels each token with its own weight-version label: it must follow every change of version, the loads
+        # outside apply_weights (load_weights, a one-process trainer's push) included, or spans would name the old one
+        self._version = version
+        llm = getattr(self, "llm", None)
+        if llm is not None and version >= 0 and threading.current_thread() is not self._thread:
+            self._call(llm.update_weight_version(str(version)), 60.0, "weight version label")
+
     async def _build(self, kwargs: dict):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM

@@ -109,10 +109,20 @@ def generate_groups(engine, encode: Callable[[Problem], list[int]], problems: Se
     prompts = [encode(p) for p in problems]
     outs = engine.generate(prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                            stop_token_ids=list(stop_token_ids), seed=seed)
-    return [Group(uid=p.uid, prompt=p.prompt, answer=p.answer, prompt_ids=ids, version=version,
-                  samples=[Trajectory(response_ids=s.token_ids, behavior_logprobs=s.logprobs,
-                                      finish_reason=s.finish_reason) for s in samples])
-            for p, ids, samples in zip(problems, prompts, outs, strict=True)]
+    return [make_group(p, ids, samples, version) for p, ids, samples in zip(problems, prompts, outs, strict=True)]
+
+
+def make_group(problem: Problem, prompt_ids: Sequence[int], samples: Sequence, version: int) -> Group:
+    """The unscored group of ``problem`` from the engine's samples (``rollout.engine.Sample``). A sample that
+    records the versions of its tokens (``version_spans``, an engine that updates weights in flight) keeps them when
+    they are more than ``version`` alone; the group's version is its oldest token's (``async_vapo.types``)."""
+    spans = [[tuple(x) for x in getattr(s, "version_spans", None) or ()] or [(version, 0)] for s in samples]
+    oldest = min(sp[0][0] for sp in spans) if spans else version
+    return Group(uid=problem.uid, prompt=problem.prompt, answer=problem.answer, prompt_ids=prompt_ids, version=oldest,
+                 samples=[Trajectory(response_ids=s.token_ids, behavior_logprobs=s.logprobs,
+                                     finish_reason=s.finish_reason,
+                                     version_spans=[] if sp == [(oldest, 0)] else sp)
+                          for s, sp in zip(samples, spans, strict=True)])
 
 
 def score_groups(groups: Sequence[Group], verifier, decode: Callable[[Sequence[int]], str], *,

@@ -56,7 +56,7 @@ from async_vapo.learner.rundir import latest_checkpoint
 from async_vapo.metrics.prom import ServiceMetrics
 from async_vapo.metrics.rows import open_row_writer
 from async_vapo.services.context import ServiceContext, make_transport
-from async_vapo.staleness import StalenessPolicy
+from async_vapo.staleness import StalenessPolicy, token_lags
 from async_vapo.transport import (
     BatchMsg,
     BatchRequest,
@@ -220,7 +220,13 @@ class ReplaySource:
 
     def row_metrics(self, kept, version: int) -> dict[str, float]:
         versions = [g.version for g in kept] or [version - 1]
+        lags = token_lags(kept, version - 1)  # the batch was for the version before the update
+        counter = self.ctx.metrics.get("trained_tokens_by_lag_total")
+        for bucket, n in lags["by_lag"].items():
+            counter.labels(lag=bucket).inc(n)
         return {"replay/max_age": (version - 1) - min(versions), "replay/cursor": self.cursor,
+                "replay/token_lag_mean": lags["mean"], "replay/token_lag_max": lags["max"],
+                "replay/multi_version_samples": lags["multi_version_frac"],
                 **(self.row_extra() if self.row_extra is not None else {})}
 
     def state(self) -> dict:

@@ -1,19 +1,28 @@
-"""The rollout service: one vLLM engine per process, generating groups continuously, stamped with the
-weight version that generated them.
+"""The rollout service: one vLLM engine per process, generating groups continuously, every token stamped with the
+weight version that generated it.
 
 Sockets (engine ``rollout-i``)
   * ``groups``: PUSH, connects to the verifier (``cluster.hosts.verifier_host:verifier_port``); GroupsMsg of the
-    groups of one ``generate`` call. At the HWM the push holds and so does generation (backpressure).
+    groups of one ``generate`` call (lock-step), or of each group as it finishes (continuous). At the HWM the push
+    holds and so does the loop (backpressure).
   * ``weights`` (SUB) and ``acks`` (PUSH): the engine's side of the weight protocol,
     :class:`~async_vapo.weights.client.EngineWeightClient` (announces, group offers, acks, heartbeats, the ways
-    weights come). The service polls it between two generate calls, so a version is loaded between them.
+    weights come). The service polls it between two steps of its loop; the client applies a version through the
+    engine's one entry point, ``apply_weights``.
+
+Generation (``rollout.generation``): ``lockstep`` calls ``generate`` on ``cluster.rollout.prompts_per_call`` prompts
+and ships their groups together, loading new weights between two calls; ``continuous``
+(:class:`ContinuousDriver`) keeps vLLM's async engine at ``rollout.max_in_flight`` sequences, a request per group,
+ships each group the moment its samples end, and loads new weights in flight (``rollout.weight_update``: keep, wait
+or abort the requests running), each token keeping the version that sampled it (``Trajectory.version_spans``).
 
 Admission (:class:`~async_vapo.staleness.Admission`, the one staleness rule of ``async_vapo.staleness``): before each
-generate call the engine asks whether its served version may still make groups the learner can use, and whether its
-share of the batches those versions can feed is spent (reasons ``no_learner``, ``stale_weights``,
-``version_budget``, counted in ``admission_rejects_total``; budgets topped up after a refill timeout or when the
-learner reports it starves, in ``admission_refills_total``). ``max_staleness`` is the learner's: every announce
-carries its staleness floor (``min_version``), and nothing is generated before the first one arrives.
+generate call (lock-step) or each group's submission (continuous) the engine asks whether its served version may still
+make groups the learner can use, and whether its share of the batches those versions can feed is spent (reasons
+``no_learner``, ``stale_weights``, ``version_budget``, counted in ``admission_rejects_total``; budgets topped up after a
+refill timeout or when the learner reports it starves, in ``admission_refills_total``). ``max_staleness`` is the
+learner's: every announce carries its staleness floor (``min_version``), and nothing is generated before the first one
+arrives.
 
 Evaluation: rollout 0 evaluates the held-out split (``rollout.generate.evaluate``, with its own one-worker
 ``VerifierPool``) whenever it serves the learner's latest version and that is a multiple of
@@ -28,7 +37,7 @@ import math
 import time
 
 from async_vapo.metrics.rows import open_row_writer
-from async_vapo.rollout.generate import PromptEncoder, Rollout, evaluate, generate_groups
+from async_vapo.rollout.generate import PromptEncoder, Rollout, evaluate, generate_groups, make_group
 from async_vapo.services.context import ServiceContext, make_transport
 from async_vapo.staleness import Admission
 from async_vapo.tasks import PromptSampler
@@ -57,7 +66,8 @@ class RolloutService:
                                                 peer="verifier")
         self.weights = EngineWeightClient(ctx, transport, engine, on_announce=self._on_announce,
                                           on_learner_waiting=self.admission.learner_waiting,
-                                          on_loaded=lambda version, way: self.admission.versions_changed())
+                                          on_loaded=self._on_loaded)
+        self.continuous = ContinuousDriver(self) if cfg.rollout.generation == "continuous" else None
         self.m = ctx.metrics.rollout
         self.encoder = PromptEncoder.from_config(cfg, tokenizer)
         self.evaluated: set[int] = set()
@@ -68,6 +78,11 @@ class RolloutService:
 
     def _on_announce(self, a: WeightsAnnounce, previous: int) -> None:
         self.admission.announced(a.version, a.min_version)
+
+    def _on_loaded(self, version: int, way: str) -> None:
+        self.admission.versions_changed()
+        if self.continuous is not None:
+            self.continuous.loaded()
 
     def admit(self) -> str | None:
         """None when a generate call may start now, else the reason it may not (counted, and a refill logged)."""
@@ -96,14 +111,7 @@ class RolloutService:
                                          n=self.ctx.cfg.algo.group_size, temperature=r.temperature, top_p=r.top_p,
                                          max_tokens=r.max_response_tokens, stop_token_ids=self.encoder.stop_ids)
             self.admission.record(version, len(groups))
-            samples = [s for g in groups for s in g.samples]
-            self.m.generated_samples_total.inc(len(samples))
-            self.m.generated_tokens_total.inc(sum(len(s.response_ids) for s in samples))
-            self.samples_generated += len(samples)
-            for part in split_groups(groups, self.ctx.cfg.cluster.wire.max_message_bytes // 2):
-                self.ctx.send(self.groups_out, make_envelope(GroupsMsg(groups=part), sender=self.engine_id,
-                                                             policy_version=version), "groups")
-            self.admission.shipped()
+            self.ship(groups, version)
         finally:
             self.m.inflight_groups.set(0)
         return groups
@@ -146,6 +154,9 @@ class RolloutService:
             self.weights.poll(0.0)
             self.weights.heartbeat()
             self.maybe_evaluate()
+            if self.continuous is not None:
+                self.continuous.step()
+                continue
             if self.admit() is not None:
                 self.weights.poll(0.2)
                 continue
@@ -157,7 +168,21 @@ class RolloutService:
                 self.ctx.processing_error("generate", "one generate call")
                 time.sleep(1.0)
 
+    def ship(self, groups: list[Group], version: int) -> None:
+        """Send ``groups`` to the verifier (in messages of at most half the frame limit) and count them."""
+        samples = [s for g in groups for s in g.samples]
+        self.m.generated_samples_total.inc(len(samples))
+        self.m.generated_tokens_total.inc(sum(len(s.response_ids) for s in samples))
+        self.samples_generated += len(samples)
+        for part in split_groups(groups, self.ctx.cfg.cluster.wire.max_message_bytes // 2):
+            self.ctx.send(self.groups_out, make_envelope(GroupsMsg(groups=part), sender=self.engine_id,
+                                                         policy_version=version), "groups")
+        self.ctx.metrics.get("groups_shipped_total").inc(len(groups))
+        self.admission.shipped()
+
     def close(self) -> None:
+        if self.continuous is not None:
+            self.continuous.abort_all()
         self.ctx.write_stats()  # while the engine core and the eval worker are still up
         self.groups_out.close()
         self.weights.close()
@@ -165,6 +190,118 @@ class RolloutService:
             self.eval_pool.close()
         if self.metrics_log is not None:
             self.metrics_log.close()
+
+
+class ContinuousDriver:
+    """``rollout.generation = "continuous"``: keeps the engine (``rollout.continuous.ContinuousEngine``) at
+    ``rollout.max_in_flight`` sequences, a group at a time as admission allows (the staleness budget is decided per
+    group at submission), ships each group the moment its samples end, and aborts in flight a group whose oldest
+    token could no longer be trained on (its submission version below the learner's floor) or was made for weights
+    of a learner that went back to an older checkpoint. New versions reach the engine through the weights client,
+    which the service polls between steps; the engine pauses its requests around each load
+    (``rollout.weight_update``). State is per request (``pending``), not per call."""
+
+    def __init__(self, svc: RolloutService):
+        r = svc.ctx.cfg.rollout
+        self.svc, self.engine, self.m = svc, svc.engine, svc.ctx.metrics
+        self.group_size = svc.ctx.cfg.algo.group_size
+        self.max_in_flight = max(r.max_in_flight or r.max_num_seqs, self.group_size)
+        self.pending: dict[str, tuple] = {}
+        """Group key -> (problem, submitted version)."""
+        self._n = 0
+        self._occupancy = 0.0
+        self._occupancy_at = time.monotonic()
+        self._reprefilled = 0
+
+    def step(self) -> None:
+        self._drop_unusable()
+        submitted = self._fill()
+        finished = self.engine.finished(0.05 if self.pending else 0.0)
+        for fg in finished:
+            self._ship(fg)
+        self._observe()
+        if not submitted and not finished and not self.pending:
+            self.svc.weights.poll(0.2)  # nothing to do until a new version or budget
+
+    def _fill(self) -> int:
+        """Submit groups while the engine has room and admission allows; returns how many."""
+        r, svc, n = self.svc.ctx.cfg.rollout, self.svc, 0
+        while self.engine.in_flight() + self.group_size <= self.max_in_flight and svc.admit() is None:
+            problem = svc.sampler.take(1)[0]
+            self._n += 1
+            key = f"{problem.uid}#{self._n}"
+            version = self.engine.version
+            self.engine.submit(key, svc.encoder(problem), n=self.group_size, temperature=r.temperature,
+                               top_p=r.top_p, max_tokens=r.max_response_tokens, stop_token_ids=svc.encoder.stop_ids)
+            self.pending[key] = (problem, version)
+            svc.admission.record(version, 1)
+            n += 1
+        return n
+
+    def _ship(self, fg) -> None:
+        problem, _ = self.pending.pop(fg.key, (None, None))
+        if problem is None:  # aborted meanwhile
+            return
+        if fg.error is not None or not fg.samples:
+            self._aborted(fg.key, "error")
+            self.svc.ctx.log.warning("%s: group %s failed in the engine: %s", self.svc.engine_id, fg.key, fg.error)
+            return
+        group = make_group(problem, fg.prompt_ids, fg.samples, fg.submitted_version)
+        policy = self.svc.admission.policy
+        if policy is not None and not policy.may_generate(group.version, self.svc.weights.learner_version):
+            self._aborted(fg.key, "stale")  # the learner moved on while it finished: it would only be dropped
+            return
+        versions = {tuple(x)[0] for t in group.samples for x in t.version_spans}
+        if len(versions) > 1:
+            self.m.get("multi_version_groups_total").inc()
+        self.m.get("tokens_after_switch_total").inc(sum(
+            len(t.response_ids) - t.version_spans[1][1] for t in group.samples if len(t.version_spans) > 1))
+        self.m.get("group_ship_seconds").observe(fg.seconds)
+        self.svc.ship([group], group.version)
+
+    def _drop_unusable(self) -> None:
+        """Abort the groups in flight that can no longer be trained on (their oldest token below the floor) or that
+        were made by weights newer than the learner's (it restarted from an older checkpoint)."""
+        policy, learner = self.svc.admission.policy, self.svc.weights.learner_version
+        if policy is None:
+            return
+        for key, (_, version) in list(self.pending.items()):
+            reason = "stale" if not policy.may_generate(version, learner) else \
+                "rolled_back" if version > learner else None
+            if reason is not None and self.engine.abort(key):
+                self.pending.pop(key, None)
+                self._aborted(key, reason)
+
+    def _aborted(self, key: str, reason: str) -> None:
+        self.m.get("aborted_groups_total").labels(reason=reason).inc()
+        self.svc.admission.made = max(0, self.svc.admission.made - 1)  # never made: its budget is given back
+
+    def _observe(self) -> None:
+        n = self.engine.in_flight()
+        self.m.get("sequences_in_flight").set(n)
+        self.svc.m.inflight_groups.set(len(self.pending))
+        now = time.monotonic()
+        w = min(1.0, now - self._occupancy_at)  # a time-weighted average over about the last second
+        self._occupancy = (1 - w) * self._occupancy + w * min(1.0, n / self.max_in_flight)
+        self._occupancy_at = now
+        self.m.get("engine_occupancy_ratio").set(self._occupancy)
+
+    def loaded(self) -> None:
+        """A version was loaded: how long generation paused, and the tokens prefilled again."""
+        stats = getattr(self.engine, "update_stats", None)
+        if stats:
+            self.m.get("weight_pause_seconds").observe(stats[-1].total_s)
+        total = int(getattr(self.engine, "reprefill_tokens_total", 0))
+        self.m.get("reprefill_tokens_total").inc(max(0, total - self._reprefilled))
+        self._reprefilled = total
+
+    def abort_all(self) -> None:
+        for key in list(self.pending):
+            try:
+                self.engine.abort(key)
+            except Exception:  # closing: the engine may be gone already
+                break
+        self.pending.clear()
 
 
 def run_rollout(ctx: ServiceContext) -> None:
@@ -184,7 +321,14 @@ def run_rollout(ctx: ServiceContext) -> None:
     longest = PromptEncoder.from_config(cfg, tokenizer).longest(train_set + eval_set)
     spec = EngineSpec.from_config(cfg, base, longest_prompt=longest, instance=ctx.instance)
     ctx.log.info("%s: starting the vLLM engine on %s", ctx.name, base)
-    engine = VLLMEngine(spec, version=0)
+    r = cfg.rollout
+    if r.generation == "continuous":
+        from async_vapo.rollout.continuous import ContinuousEngine
+
+        engine = ContinuousEngine(spec, version=0, weight_update=r.weight_update,
+                                  recompute_kv_after_update=r.recompute_kv_after_update)
+    else:
+        engine = VLLMEngine(spec, version=0)
     ctx.log.info("%s: engine up in %.1f s", ctx.name, engine.start_seconds)
     a = cfg.algo
     pretrain = a.value_pretrain_steps if a.uses_critic else 0

@@ -70,7 +70,7 @@ class ProtocolError(TransportError):
         self.reason = reason
         self.detail = detail
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """Version of the envelope and every body below; a peer speaking another version is rejected.
 
 2: token ids and log-probs in groups are packed bytes (int32 / float32 LE) instead of msgpack arrays.
@@ -82,7 +82,10 @@ PROTOCOL_VERSION = 7
 6: weights over torch.distributed ("dist"): ``WeightsGroupJoin``, ``WeightsGroupOffer``,
    ``WeightsAnnounce.dist_engines`` and ``dist_bucket_bytes``.
 7: ``WeightsAck.via`` (the way the version came; "auto" chooses per engine from it), ``WeightsGroupJoin.backend``
-   and ``WeightsGroupOffer.backend`` / ``bucket_bytes`` (gloo or NCCL groups)."""
+   and ``WeightsGroupOffer.backend`` / ``bucket_bytes`` (gloo or NCCL groups).
+8: ``Trajectory.version_spans``: the weight version of every token (``(version, first token index)`` pairs), for
+   engines that update weights in flight; ``Group.version`` is the oldest token's. A replay log written before
+   (no spans) still opens: its samples are wholly of their group's version."""
 
 DEFAULT_MAX_BYTES = 256 * 2**20
 """Default size limit of one frame (a socket carrying batches of long responses may need more)."""

@@ -26,6 +26,10 @@ load is retried every 5 s (logged once per version).
 An engine always moves to the *latest* announced version (down too, after a learner resumed from an older
 checkpoint), so one that fell behind (and was taken out of rotation by the learner) rejoins with its next ack.
 
+A load that fails is acked as failed and tried again every 5 s; one whose pause or load misses its deadline
+(``TimeoutError`` from the engine) is an engine failure: acked as failed, then raised, so that the service exits and
+its supervisor restarts it (nothing half-loaded is served meanwhile: the engine serves version -1).
+
 Every version reaches the engine through one engine method, ``engine.apply_weights(version, load)``: the engine
 decides what "quiescent" means around ``load`` (between two generate calls for a lock-step engine; paused requests
 for a continuous one), so this client never knows how the engine generates.
@@ -169,6 +173,11 @@ class EngineWeightClient:
             with self.ctx.busy("load_weights"):
                 way, seconds = self._load(a)
             self.m.weight_transfers_total.labels(via=way).inc()
+        except TimeoutError as exc:  # the engine's pause or load missed its deadline: an engine failure
+            self.ack(a.version, False, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}", via=way)
+            self.ctx.log.error("%s: loading version %d missed its deadline (%s): the engine is failed, the service "
+                               "exits for its supervisor to restart it", self.engine_id, a.version, exc)
+            raise
         except Exception as exc:
             ok, error = False, f"{type(exc).__name__}: {exc}"
             self._next_retry = time.monotonic() + RETRY_S
