@@ -330,6 +330,14 @@ class ContinuousEngine(EngineWeights):
         with self._lock:
             return self._in_flight
 
+    def in_flight_keys(self) -> list[str]:
+        """Keys of the groups submitted and not finished (e.g. to abort them all after the learner went back to an
+        older version: a running request's token versions are known only when it finishes)."""
+        return self._call(self._keys(), 60.0, "in-flight keys")
+
+    async def _keys(self) -> list[str]:
+        return list(self._groups)
+
     def abort(self, key: str) -> bool:
         """Abort the group ``key`` (nothing of it is shipped); False if it is not in flight."""
         return self._call(self._abort(key), 60.0, f"abort {key}")

@@ -1,7 +1,7 @@
 """ContinuousEngine (``rollout/continuous.py``) on the real vLLM engine and the tiny model: weight updates that land
 while requests are running, from this thread, in each of the three modes.
 
-Every test submits a long group (200 tokens, EOS ignored) and then a short one (6 tokens); the short group is shipped
+Every test submits a long group (240 tokens, EOS ignored) and then a short one (6 tokens); the short group is shipped
 first, and the switch is made the moment it is, a few tokens into the long group (each request's own step count: they
 are scheduled one step apart or in the same step). Each token's log-prob is checked against the
 learner's forward (``async_vapo.models.rl``) of the version its span names. The versions are the base model and
@@ -19,7 +19,7 @@ import torch
 
 pytestmark = pytest.mark.slow
 
-LONG = 200
+LONG = 240  # the prompt (7 tokens) and the response fit the model's 256 positions
 PROMPT = "5+5-3="
 
 
@@ -204,7 +204,7 @@ def test_a_torn_load_serves_nothing_until_a_whole_version_loads(setup):
         engine.apply_weights(5, torn)
     assert engine.version == -1
     engine.submit("while-torn", ids, n=2, temperature=1.0, top_p=1.0, max_tokens=8, stop_token_ids=[], seed=1)
-    assert engine.finished(1.5) == []
+    assert engine.finished(1.5) == [] and engine.in_flight_keys() == ["while-torn"]
     state = {k: v.clone() for k, v in _policy(versions, base, 5).state_dict().items()}
     engine.apply_weights(5, lambda: engine.load_weights(state, 5))
     (g,) = engine.finished(60.0)
