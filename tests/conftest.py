@@ -48,6 +48,19 @@ def vllm_engine(tiny_base):
     engine.close()
 
 
+@pytest.fixture(scope="session")
+def continuous_engine(tiny_base):
+    """One ``ContinuousEngine`` (vLLM's async engine) for the session's continuous-generation tests, serving the tiny
+    base model; each test sets the ``weight_update`` it needs and loads the weights it starts from."""
+    from async_vapo.rollout.continuous import ContinuousEngine
+    from async_vapo.rollout.engine import EngineSpec
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    engine = ContinuousEngine(EngineSpec(model_path=str(tiny_base), max_model_len=256, kv_cache_gib=1))
+    yield engine
+    engine.close()
+
+
 def assert_engine_serves(engine, policy, tok, prompt="5+5-3=", temperature=1.0):
     """The engine's log-probs of its own samples (drawn at ``temperature``) equal the given policy's at that
     temperature: it serves exactly those weights. (Parameter checksums inside vLLM are no proof: the CPU backend

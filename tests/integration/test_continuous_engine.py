@@ -12,8 +12,6 @@ One engine for the module (its own, the session's ``vllm_engine`` is lock-step);
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -24,20 +22,16 @@ PROMPT = "5+5-3="
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_base):
+def setup(continuous_engine, tiny_base):
     from transformers import AutoTokenizer
 
     from async_vapo.models.rl import load_policy
-    from async_vapo.rollout.continuous import ContinuousEngine
-    from async_vapo.rollout.engine import EngineSpec
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    engine = ContinuousEngine(EngineSpec(model_path=str(tiny_base), max_model_len=256, kv_cache_gib=1))
     tok = AutoTokenizer.from_pretrained(tiny_base)
     base = load_policy(tiny_base)
+    continuous_engine.load_weights(base.state_dict(), 0)
     versions = {0: base}
-    yield engine, tok, versions, base
-    engine.close()
+    yield continuous_engine, tok, versions, base
 
 
 def _policy(versions, base, v: int):

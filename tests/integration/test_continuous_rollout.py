@@ -1,7 +1,7 @@
 """The rollout service in continuous mode (``rollout.generation = "continuous"``): the whole pipeline in one pytest
 process over the in-process transport with vLLM's async engine, a request per group, new weights loaded in flight.
 
-Budget: one engine start (30-60 s here) and two short runs of about a minute each."""
+Budget: two short runs of about a minute each, on the session's continuous engine (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -14,18 +14,6 @@ from conftest import TINY_TEST_OVERRIDES
 
 from async_vapo.config import load_config
 from async_vapo.services.context import SERVICES, make_context
-
-
-@pytest.fixture(scope="module")
-def continuous_engine(tiny_base, tiny_cfg):
-    from async_vapo.rollout.continuous import ContinuousEngine
-    from async_vapo.rollout.engine import EngineSpec
-
-    cfg = load_config([], [*TINY_TEST_OVERRIDES, f"model.cache_dir={tiny_cfg.model.cache_dir}",
-                           "rollout.max_response_tokens=120"])
-    engine = ContinuousEngine(EngineSpec.from_config(cfg, tiny_base, longest_prompt=64), version=0)
-    yield engine
-    engine.close()
 
 
 def _run(cfg, engine, tiny_base, run_dir, total: int) -> tuple[list[dict], dict]:
