@@ -22,7 +22,7 @@ cluster: setup
 
 test: test-deps
 	.venv/bin/ruff check .
-	.venv/bin/python -m pytest -q $(ARGS)
+	.venv/bin/python -m pytest -q --durations=25 $(ARGS)
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
 
 # The documentation site (mkdocs.yml, docs/): served with live reload at http://127.0.0.1:8000.

@@ -54,6 +54,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from async_vapo.staleness import StalenessPolicy
+
 GiB = 2**30
 
 # config.json as published (Qwen/Qwen2.5-32B, Qwen/Qwen2.5-7B): the shipped configs' models when not on disk here.
@@ -372,7 +374,7 @@ def estimate(cfg, shape: ModelShape, cl: Cluster, *, engines: int, budget: int |
     t = step_seconds(generated_tokens=n * mean_resp, learned_tokens=n * (cl.prompt_tokens // 2 + mean_resp),
                      generation_tokens_s=profile.generation(tp) * tp * engines,
                      learner_tokens_s=profile.learner_tokens_s_per_gpu * s.ranks,
-                     max_staleness=cfg.async_.max_staleness, sync_s=ws["seconds_all"])
+                     max_staleness=StalenessPolicy.from_config(cfg).max_staleness, sync_s=ws["seconds_all"])
     return Estimate(lm, s, em, ws, t, profile, lm["total"] <= gpu_bytes, em["sequences"] >= 1)
 
 
@@ -382,6 +384,7 @@ def report(cfg, placement, shape: ModelShape, source: str, cl: Cluster, *, hosts
     r, a, tp = cfg.rollout, cfg.algo, cfg.rollout.tensor_parallel_size
     est = estimate(cfg, shape, cl, engines=len(placement.engines))
     lm, s, em, ws, t = est.learner, est.setup, est.engine, est.sync, est.time
+    bound = StalenessPolicy.from_config(cfg).max_staleness
     gib = cl.gpu_memory_gib
     fits = "fits" if est.fits_learner else f"DOES NOT FIT {gib:g} GiB"
     n = a.prompts_per_step * a.group_size
@@ -434,8 +437,8 @@ def report(cfg, placement, shape: ModelShape, source: str, cl: Cluster, *, hosts
         _row("learner tokens/s per rank", f"{est.profile.learner_tokens_s_per_gpu:,.0f}"),
         _row("generate", f"{t['generate_s']:,.0f} s"),
         _row("learn", f"{t['learn_s']:,.0f} s"),
-        _row(f"step, async.max_staleness {cfg.async_.max_staleness}: "
-             + ("generate + learn + sync" if cfg.async_.max_staleness == 0 else "max(generate, learn) + sync"),
+        _row(f"step, async.max_staleness {bound}: "
+             + ("generate + learn + sync" if bound == 0 else "max(generate, learn) + sync"),
              f"{t['step_s']:,.0f} s"),
     ]
     return "\n".join(lines), est.fits
@@ -522,7 +525,7 @@ def search_report(cfg, shape: ModelShape, source: str, cl: Cluster, *, hosts: in
             f"cluster: {hosts} host(s) x {gpus_per_host} GPU(s) of {cl.gpu_memory_gib:g} GiB; "
             f"{a.prompts_per_step * a.group_size:,} responses per update of {cl.mean_response(cfg):,} tokens on "
             f"average (longest {cfg.rollout.max_response_tokens:,}), prompts up to {cl.prompt_tokens:,}; "
-            f"async.max_staleness {cfg.async_.max_staleness}",
+            f"async.max_staleness {StalenessPolicy.from_config(cfg).max_staleness}",
             f"rates: {(cl.profile.source if cl.profile else 'published figures of ' + cl.gpu)}; learner settings "
             f"from the config (activation_checkpointing {cfg.learner.activation_checkpointing}, logprob_chunk_tokens "
             f"{cfg.learner.logprob_chunk_tokens}, cpu_offload {cfg.learner.cpu_offload})",
