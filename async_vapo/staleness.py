@@ -200,6 +200,10 @@ class Admission:
     def record(self, version: int, groups: int) -> None:
         self.made += groups
 
+    def unmade(self, groups: int = 1) -> None:
+        """Groups recorded but never shipped (aborted in the engine): their share of the budget is given back."""
+        self.made = max(0, self.made - groups)
+
     def rolled_back(self, version: int) -> None:
         """The learner went back to ``version`` (restarted from a checkpoint): what was made since is for weights
         that no longer exist (or already in the replay, for ``version`` itself), so the count starts again there."""

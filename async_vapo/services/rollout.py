@@ -274,7 +274,7 @@ class ContinuousDriver:
 
     def _aborted(self, key: str, reason: str) -> None:
         self.m.get("aborted_groups_total").labels(reason=reason).inc()
-        self.svc.admission.made = max(0, self.svc.admission.made - 1)  # never made: its budget is given back
+        self.svc.admission.unmade(1)
 
     def _observe(self) -> None:
         n = self.engine.in_flight()

@@ -49,6 +49,8 @@ def test_admission_takes_the_bound_from_the_learners_announces():
     adm.record(1, 4 * 3)  # its share of batches for 1, 2 and 3 (base 3: served 1 counts from there)
     adm.made = adm.budget(1)
     assert adm.check(served=1, learner=3) == "version_budget"
+    adm.unmade(1)  # a group aborted in the engine gives its share back
+    assert adm.check(served=1, learner=3) is None
     adm.announced(version=2, min_version=0)  # a learner restarted from an older checkpoint: the count restarts
     assert (adm.base, adm.made, adm.learner) == (2, 0, 2)
 
