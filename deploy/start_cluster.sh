@@ -424,7 +424,7 @@ if [ ${#LEARNERS[@]} -gt 1 ]; then  # one torchrun agent per learner host (heade
     addr_var=${addr_var//-/_}
     start "$name" "$(host_of "$name")" "" "$PY" -m torch.distributed.run "${rdzv[@]}" --node-rank "$i" \
       --local-addr "${!addr_var}" --rdzv-conf "is_host=$([ "$i" = 0 ] && echo 1 || echo 0)" \
-      "$REPO/services/learner.py" "${svc_args[@]}" "${learn_extra[@]}" --node-rank "$i" \
+      "$REPO/services/learner.py" "${svc_args[@]}" "${learn_extra[@]}" --node-rank "$i" --host-addr "${!addr_var}" \
       --resume-since "$SUP/$(sup_tag "$(host_of "$name")").conf" -- "${OVERRIDES[@]}"
   done
 elif [ "$N_LEARNER" -gt 1 ]; then

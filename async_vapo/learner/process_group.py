@@ -74,6 +74,26 @@ def rank_by_node(node: int, environ: dict | None = None) -> int:
     return rank
 
 
+def gloo_interface_for(addr: str, environ: dict | None = None) -> str | None:
+    """Point gloo at the network interface that holds ``addr`` (``GLOO_SOCKET_IFNAME`` in ``environ``, default
+    ``os.environ``) unless it is set already, and return the interface (None: no interface here holds ``addr``).
+
+    Gloo otherwise takes the address its host name resolves to, which on many machines (containers, and hosts whose
+    /etc/hosts maps the name to 127.0.x.1) is a loopback address: the ranks on other hosts are then told to connect
+    to 127.0.0.1 and the group never forms. deploy/start_cluster.sh gives each learner agent the address the other
+    learner hosts reach it at (``--host-addr``)."""
+    import psutil
+
+    env = os.environ if environ is None else environ
+    if env.get("GLOO_SOCKET_IFNAME"):
+        return env["GLOO_SOCKET_IFNAME"]
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == addr for a in addrs):
+            env["GLOO_SOCKET_IFNAME"] = name
+            return name
+    return None
+
+
 def die_with_agent(agent_pid: int) -> None:
     """Under torchrun on Linux: SIGKILL this rank when its agent (``agent_pid``, its parent) dies.
 

@@ -94,6 +94,7 @@ def test_dry_run_prints_one_torchrun_agent_per_learner_host(tmp_path):
         assert opt["--rdzv-conf"] == f"is_host={1 - node}"  # the first learner host serves the rendezvous
         rdzv_ids.add(opt["--rdzv-id"])
         assert script[script.index("--node-rank") + 1] == str(node)
+        assert script[script.index("--host-addr") + 1] == host  # what gloo's interface is chosen by
         assert script[script.index("--resume-since") + 1] == str(tmp_path / "run" / "supervisor" / f"{host}.conf")
         assert "cluster.hosts.learner_host=n1" in script
     assert len(rdzv_ids) == 1
@@ -129,6 +130,17 @@ def test_ranks_are_taken_by_node_rank_whatever_the_rendezvous_order():
         assert (env["RANK"], env["GROUP_RANK"]) == (str(2 + local), "0")
     with pytest.raises(RuntimeError, match=r"node rank 2 does not fit torchrun's world: 4 ranks of 2 per agent"):
         rank_by_node(2, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4"})
+
+
+def test_gloo_connects_over_the_interface_of_the_agents_address():
+    from async_vapo.learner.process_group import gloo_interface_for
+
+    env: dict = {}
+    assert gloo_interface_for("127.0.0.1", env) == "lo" and env == {"GLOO_SOCKET_IFNAME": "lo"}
+    env = {"GLOO_SOCKET_IFNAME": "eth7"}  # the user's choice stands
+    assert gloo_interface_for("127.0.0.1", env) == "eth7" and env == {"GLOO_SOCKET_IFNAME": "eth7"}
+    env = {}
+    assert gloo_interface_for("192.0.2.77", env) is None and env == {}  # no interface here holds it: gloo's default
 
 
 def test_a_restarted_learner_resumes_from_the_newest_checkpoint_since_the_start(tmp_path):
