@@ -1,5 +1,6 @@
 """Per-rank memory of the learner as the model grows, in one process and sharded over 2 gloo ranks with FSDP2:
-policy + critic (float32 masters) with their AdamW states, through one VAPO update, at about 1 M, 30 M and 300 M
+policy + critic (float32 masters) with their AdamW states, through two VAPO updates (``--updates``: the second
+runs with every AdamW state allocated, the steady state the plan counts), at about 1 M, 30 M and 300 M
 parameters (the random Qwen2-architecture models of benchmarks/weight_sync.py). Each (size, ranks) runs in its own
 processes (2 ranks: one torchrun launch) so that the peaks do not mix.
 
@@ -9,25 +10,40 @@ Reported per rank:
 * ``rss_peak_mib``: the process's peak resident memory (it also holds activations, the batch, torch's allocator
   caches and, on rank 0, the full weights read once at start-up and broadcast);
 * ``grown_mib``: peak resident memory (VmHWM, reset through /proc/self/clear_refs once torch and transformers are
-  imported) less the resident memory at that moment: what loading and one update added, the quantity the plan
+  imported) less the resident memory at that moment: what loading and the updates added, the quantity the plan
   predicts;
+* ``phases``: resident memory, its peak so far (both less that same starting point) and glibc's heap counters
+  (``mallinfo2``: ``heap_in_use``, ``heap_free``: freed chunks glibc keeps resident, ``mmapped``) at each step of
+  loading (rank 0's read of the full weights, ``fully_shard``, the broadcast from rank 0) and after each forward,
+  backward and optimiser step; ``heap_free_end_mib``: glibc's free heap at the end;
 * ``plan_mib``: ``async_vapo.deploy.scale.learner_memory`` for this model, these ranks, this batch's longest row
   and the learner settings of this run (float32 on the CPU, so no 16-bit copies), on the device plus offloaded;
   ``plan_vs_grown`` = plan_mib / grown_mib.
 The goal for sharding: ``state_bytes`` at 2 ranks <= 0.55 x at 1 rank.
 
-    .venv/bin/python benchmarks/learner_memory.py [--sizes 1m,30m,300m] [--ranks 1,2] [--algo grpo]
+The ranks run with glibc's mmap threshold fixed at its initial 128 KiB (``MALLOC_MMAP_THRESHOLD_``;
+``--glibc-default`` leaves it dynamic): every tensor of 128 KiB or more is then its own mapping, returned to the
+system when freed, so the peak counts the tensors that were live, which is what the plan counts. With the default,
+the first such mapping freed raises the threshold to its size (up to 32 MiB) and later tensors below it come from
+glibc's heap, which keeps them resident once freed: on 2 ranks FSDP2's per-layer gathered parameters and unsharded
+gradients, allocated and freed layer after layer, left up to 775 and 849 MiB of freed heap resident at 30 M, and the
+ranks grew 2.2 and 2.1 times as much as with the fixed threshold (glibc_default.json against result.json); one
+process, 225 MiB and 1.14 times.
+
+    .venv/bin/python benchmarks/learner_memory.py [--sizes 1m,30m,300m] [--ranks 1,2] [--algo grpo] \
+        [--updates 2] [--glibc-default] [--trim]
 
 ``--algo grpo`` measures the policy alone (no critic): half the memory, for a machine that cannot hold both.
 
-Prints a table and writes benchmarks/results/learner_memory/result.json. The update runs on a small batch
-(4 responses of ~40 tokens): the states do not depend on it, and a 300 M update on 16 responses took 7 minutes on
-this 2-core machine.
+Prints a table and writes benchmarks/results/learner_memory/result.json (``--out``; ``--glibc-default`` rows of 30
+M: glibc_default.json). The update runs on a small batch (4 responses of ~40 tokens): the states do not depend on
+it, and a 300 M update on 16 responses took 7 minutes on this 2-core machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import random
@@ -42,6 +58,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 OUT = ROOT / "benchmarks" / "results" / "learner_memory" / "result.json"
+MMAP_THRESHOLD = 128 * 1024
+"""glibc's initial M_MMAP_THRESHOLD, fixed (module docstring)."""
 
 
 def _rss_mib() -> float:
@@ -59,6 +77,84 @@ def _reset_peak() -> None:
     """Start VmHWM again from the current resident memory (Linux: writing 5 to clear_refs); ru_maxrss cannot be
     reset and carries the peak of the process that forked this one across exec."""
     Path("/proc/self/clear_refs").write_text("5")
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+_LIBC = ctypes.CDLL(None)
+
+
+def _mallinfo() -> dict[str, float]:
+    """glibc's heap counters in MiB: ``heap_in_use`` (allocated chunks in the arenas), ``heap_free`` (freed chunks
+    the arenas keep, resident unless trimmed) and ``mmapped`` (chunks mapped on their own, returned when freed)."""
+    m = _LIBC.mallinfo2
+    m.restype = _Mallinfo2
+    r = m()
+    return {"heap_in_use": r.uordblks / 2**20, "heap_free": r.fordblks / 2**20, "mmapped": r.hblkhd / 2**20}
+
+
+class _Phases:
+    """VmRSS, VmHWM (both less the resident memory before loading) and glibc's counters at each named point of
+    loading and of the update; with ``trim`` glibc's free memory is handed back (``malloc_trim(0)``) at each
+    point, so that the peak holds live memory only."""
+
+    def __init__(self, base_kib: int, trim: bool):
+        self.base, self.trim, self.points = base_kib, trim, []
+
+    def mark(self, label: str) -> None:
+        row = {"at": label, "rss_mib": (_status_kib("VmRSS") - self.base) / 1024,
+               "hwm_mib": (_status_kib("VmHWM") - self.base) / 1024, **_mallinfo()}
+        if self.trim:
+            _LIBC.malloc_trim(0)
+            row["rss_trimmed_mib"] = (_status_kib("VmRSS") - self.base) / 1024
+        self.points.append(row)
+
+
+def _instrument(ph: _Phases) -> None:
+    """Marks at the learner's loading steps (``learner.sharding``: rank 0's full read, sharding, the broadcast)
+    and around each forward, backward and optimiser step of the update."""
+    import torch
+    import torch.distributed.checkpoint.state_dict as sd
+
+    from async_vapo.learner import sharding, vapo
+
+    def wrap(owner, name, label):
+        f = getattr(owner, name)
+
+        def g(*a, **k):
+            ph.mark(f"{label} start")
+            out = f(*a, **k)
+            ph.mark(f"{label} end")
+            return out
+        setattr(owner, name, g)
+
+    load_sharded = sharding.load_sharded
+
+    def load_sharded_marked(build, load_full, *a, **k):
+        def full():
+            m = load_full()
+            ph.mark("full weights read")
+            return m
+        ph.mark("load start")
+        out = load_sharded(build, full, *a, **k)
+        ph.mark("load end")
+        return out
+    sharding.load_sharded = load_sharded_marked
+    wrap(sharding, "shard", "fully_shard")
+    wrap(sd, "set_model_state_dict", "broadcast from rank 0")
+    wrap(torch.autograd, "backward", "backward")
+    learner_load = vapo.Learner._load
+
+    def load_marked(self, *a, **k):
+        out = learner_load(self, *a, **k)
+        ph.mark("model loaded")
+        out.register_forward_pre_hook(lambda *_: ph.mark("forward start"))
+        out.register_forward_hook(lambda *_: ph.mark("forward end"))
+        return out
+    vapo.Learner._load = load_marked
 
 
 def _plan_mib(cfg, model_dir: str, world: int, seq_tokens: int) -> float:
@@ -86,7 +182,7 @@ def _opt_bytes(opt) -> int:
     return sum(_local_bytes(v) for s in opt.state.values() for v in s.values() if hasattr(v, "numel"))
 
 
-def one_size(size: str, model_dir: str, algo: str = "vapo") -> dict:
+def one_size(size: str, model_dir: str, algo: str = "vapo", trim: bool = False, updates: int = 2) -> dict:
     import torch
 
     from async_vapo.config import load_config
@@ -103,8 +199,10 @@ def one_size(size: str, model_dir: str, algo: str = "vapo") -> dict:
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     out: dict = {"size": size, "algo": algo, "ranks": world, "rank": rank, "rss_start_mib": _rss_mib()}
+    ph = _Phases(0, trim)
+    _instrument(ph)
     _reset_peak()
-    base_kib = _status_kib("VmRSS")
+    base_kib = ph.base = _status_kib("VmRSS")
     cfg = load_config([ROOT / "configs" / "tiny_cpu.toml"],
                       [f"model.path={model_dir}", "model.critic_init=base", "algo.mini_batch_size=4",
                        "algo.micro_batch_size=2", "algo.prompts_per_step=2", "algo.group_size=2", f"algo.name={algo}"])
@@ -116,7 +214,10 @@ def one_size(size: str, model_dir: str, algo: str = "vapo") -> dict:
 
     def counting_step(model, opt, *args):  # gradients exist between backward and the optimiser step
         grads[id(model)] = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-        return step(model, opt, *args)
+        ph.mark("optimiser step start")
+        out = step(model, opt, *args)
+        ph.mark("optimiser step end")
+        return out
 
     learner._step = counting_step
     rng = random.Random(0)
@@ -132,13 +233,22 @@ def one_size(size: str, model_dir: str, algo: str = "vapo") -> dict:
                             version=0, samples=samples))
     batch = make_rollout_batch(groups, tok.pad_token_id)
     t1 = time.perf_counter()
-    learner.update(batch)
-    out["update_s"] = time.perf_counter() - t1
+    for k in range(updates):
+        ph.mark(f"update {k + 1}")
+        learner.update(batch)
+    out["updates"] = updates
+    out["update_s"] = (time.perf_counter() - t1) / updates
     out["load_s"] = t1 - t0
     out["rss_peak_mib"] = _rss_mib()
     out["grown_mib"] = (_status_kib("VmHWM") - base_kib) / 1024
     out["plan_mib"] = _plan_mib(cfg, model_dir, world, max(Learner._seq_tokens(batch)))
     out["plan_vs_grown"] = out["plan_mib"] / out["grown_mib"]
+    ph.mark("update end")
+    out["malloc"] = "MALLOC_MMAP_THRESHOLD_=" + os.environ["MALLOC_MMAP_THRESHOLD_"] \
+        if "MALLOC_MMAP_THRESHOLD_" in os.environ else "glibc default"
+    out["heap_free_end_mib"] = ph.points[-1]["heap_free"]
+    out["phases"] = [{k: round(v, 1) if isinstance(v, float) else v for k, v in r.items()} for r in ph.points
+                     if not r["at"].endswith(" start") or r["at"] == "load start"]
     models = [(learner.policy, learner.actor_opt)]
     if learner.critic is not None:
         models.append((learner.critic, learner.critic_opt))
@@ -154,12 +264,16 @@ def one_size(size: str, model_dir: str, algo: str = "vapo") -> dict:
     return out
 
 
-def run(size: str, ranks: int, model_dir: str, algo: str) -> list[dict]:
+def run(size: str, ranks: int, model_dir: str, algo: str, trim: bool = False, updates: int = 2,
+        glibc_default: bool = False) -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
         res = Path(d) / "rank"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                "OMP_NUM_THREADS": "1"}
-        args = [__file__, "--one", size, "--model-dir", model_dir, "--result", str(res), "--algo", algo]
+        if not glibc_default:  # freed tensors go back to the system (module docstring)
+            env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
+        args = [__file__, "--one", size, "--model-dir", model_dir, "--result", str(res), "--algo", algo,
+                "--updates", str(updates)] + (["--trim"] if trim else [])
         if ranks == 1:
             cmd = [sys.executable, *args]
         else:
@@ -178,18 +292,25 @@ def main() -> None:
     p.add_argument("--sizes", default="1m,30m,300m")
     p.add_argument("--ranks", default="1,2")
     p.add_argument("--algo", default="vapo", choices=["vapo", "grpo"])
+    p.add_argument("--trim", action="store_true",
+                   help="hand glibc's freed memory back (malloc_trim) at each phase: the peak of live memory")
+    p.add_argument("--updates", type=int, default=2, help="updates measured (the peak of all)")
+    p.add_argument("--glibc-default", action="store_true",
+                   help="glibc's default (dynamic) mmap threshold: its freed heap memory counts in the peak")
+    p.add_argument("--out", type=Path, default=OUT, help="result file (rows of other sizes in it are kept)")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        r = one_size(args.one, args.model_dir, args.algo)
+        r = one_size(args.one, args.model_dir, args.algo, args.trim, args.updates)
         Path(f"{args.result}.{r['rank']}").write_text(json.dumps(r))
         return
     from weight_sync import build_model
 
     # rows of earlier runs for other (size, ranks) are kept: sizes can be measured one at a time
-    old = json.loads(OUT.read_text()).get("results", []) if OUT.exists() else []
+    out = args.out
+    old = json.loads(out.read_text()).get("results", []) if out.exists() else []
     wanted = {(z, n, args.algo) for z in args.sizes.split(",") for n in map(int, args.ranks.split(","))}
     rows = [r for r in old if (r["size"], r.get("ranks", 1), r.get("algo", "vapo")) not in wanted
             and "state_bytes" in r]
@@ -199,7 +320,7 @@ def main() -> None:
             del model
             for ranks in map(int, args.ranks.split(",")):
                 print(f"[learner_memory] {size} on {ranks} rank(s) ...", file=sys.stderr, flush=True)
-                rows += run(size, ranks, d, args.algo)
+                rows += run(size, ranks, d, args.algo, args.trim, args.updates, args.glibc_default)
     order = {"1m": 0, "30m": 1, "300m": 2}
     for r in rows:
         r.setdefault("algo", "vapo")
@@ -220,10 +341,12 @@ def main() -> None:
               f"{r['rss_after_load_mib']:>14.0f} "
               f"{r['rss_peak_mib']:>12.0f} {r['update_s']:>8.1f} {r.get('grown_mib', float('nan')):>9.0f} "
               f"{r.get('plan_mib', float('nan')):>8.0f} {r.get('plan_vs_grown', float('nan')):>10.3f}")
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"command": "python benchmarks/learner_memory.py --sizes SIZE --ranks 1,2 [--algo grpo] "
-                                          "(one size at a time here; rows of other sizes are kept)", "results": rows},
-                              indent=2) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    flags = " --glibc-default --out " + str(out.relative_to(ROOT) if out.is_relative_to(ROOT) else out) \
+        if args.glibc_default else ""
+    out.write_text(json.dumps({"command": f"python benchmarks/learner_memory.py --sizes SIZE --ranks 1,2 [--algo grpo]"
+                                          f"{flags} (one size at a time here; rows of other sizes are kept)",
+                               "results": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

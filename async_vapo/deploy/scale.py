@@ -17,8 +17,11 @@ The learner as ``async_vapo.learner.vapo.Learner`` runs it (its settings, read f
 
 Learner memory per rank (bytes):
 
-* state, per parameter: float32 master 4 B + float32 gradient 4 B + AdamW's two moments 8 B = 16 B, divided by
-  the ranks when sharded; in host memory instead with ``learner.cpu_offload`` (FSDP2's CPUOffloadPolicy);
+* state: per parameter of each model a float32 master 4 B + AdamW's two moments 8 B = 12 B, and float32 gradients
+  4 B per parameter of one model: the learner runs the policy's backward and optimiser step, then the critic's, and
+  frees each model's gradients at its step (``zero_grad(set_to_none=True)``), so with a critic 28 B per parameter of
+  one model, without 16 B; divided by the ranks when sharded; in host memory instead with ``learner.cpu_offload``
+  (FSDP2's CPUOffloadPolicy);
 * sharded: the gathered units in compute dtype plus their float32 gradients before the reduce-scatter
   (``reduce_dtype`` float32): two decoder layers (one running, one prefetched) and the root unit (embeddings and
   head, which FSDP2 keeps gathered through the forward); unsharded with a 16-bit dtype: autocast's cached 16-bit
@@ -31,6 +34,11 @@ Learner memory per rank (bytes):
 * logits: ``learner.logprob_chunk_tokens`` > 0 computes them that many tokens at a time under checkpointing,
   else the whole micro-batch at once; tokens x vocab x (compute bytes + 4 B float32 log-softmax + 4 B its
   gradient).
+
+The parts are live tensors, what a GPU's allocator is asked for. A learner on the CPU also keeps what glibc's heap
+holds after tensors are freed: with glibc's default (dynamic) mmap threshold, FSDP2's per-layer gathered parameters
+and unsharded gradients on 2 gloo ranks left as much again resident as the live tensors' peak
+(``benchmarks/learner_memory.py --glibc-default``); not counted here.
 
 Engine (vLLM, ``tensor_parallel_size`` GPUs): weights in the engine dtype split over the GPUs; KV cache per token
 2 (K and V) x layers x KV heads x head dim x dtype bytes, the KV heads split over the GPUs (replicated when there are
@@ -157,10 +165,15 @@ def micro_batch_rows(budget: int, micro_batch_size: int, seq_tokens: int, mini_b
     return max(1, min(rows, share if budget else mini_batch_size))
 
 
+def state_bytes(shape: ModelShape, s: LearnerSetup) -> int:
+    """Masters and AdamW moments of every model (12 B/param) and one model's gradients (4 B/param) on a rank."""
+    return (s.models * 12 + 4) * shape.params() // (s.ranks if s.sharded else 1)
+
+
 def learner_memory(shape: ModelShape, s: LearnerSetup) -> dict[str, int]:
     """Bytes per learner rank by part (module docstring), ``total`` on the device and ``host`` in host memory."""
     p, h, cb, t = shape.params(), shape.hidden_size, s.compute_bytes, s.tokens
-    state = s.models * p * 16 // (s.ranks if s.sharded else 1)
+    state = state_bytes(shape, s)
     out = {"state": 0 if s.cpu_offload else state}
     if s.sharded:
         out["gathered"] = (2 * shape.layer_params() + shape.root_params()) * (cb + 4)
@@ -182,7 +195,9 @@ def learner_assumptions(shape: ModelShape, s: LearnerSetup) -> list[tuple[str, s
     """(label, what it assumed) for each line of :func:`learner_memory`, in its order."""
     div = f" / {s.ranks} ranks" if s.sharded else " (one unsharded rank)"
     return [
-        ("state", f"fp32 masters + fp32 grads + AdamW m, v: 16 B/param x {s.models} model(s){div}"
+        ("state", f"fp32 masters + AdamW m, v: 12 B/param x {s.models} model(s) + fp32 grads: 4 B/param x 1 model"
+                  + (" (policy and critic step one after the other, each model's grads freed at its step)"
+                     if s.models > 1 else "") + div
                   + ("; in host memory (learner.cpu_offload)" if s.cpu_offload else "")),
         ("gathered", "2 decoder layers + root unit (embeddings, head) gathered, "
                      f"{s.compute_bytes} B + fp32 grad 4 B/param" if s.sharded else
@@ -402,8 +417,7 @@ def report(cfg, placement, shape: ModelShape, source: str, cl: Cluster, *, hosts
         f"{'policy + critic' if s.models == 2 else 'policy'}; algo.max_tokens_per_micro_batch "
         f"{a.max_tokens_per_micro_batch}, micro_batch_size {a.micro_batch_size}; rows of {cl.prompt_tokens:,} "
         f"prompt + {r.max_response_tokens:,} response tokens):",
-        _row(f"state: {labels['state']}", _gib(s.models * shape.params() * 16 // (s.ranks if s.sharded else 1))
-             if s.cpu_offload else _gib(lm["state"])),
+        _row(f"state: {labels['state']}", _gib(state_bytes(shape, s)) if s.cpu_offload else _gib(lm["state"])),
         _row(f"gathered: {labels['gathered']}", _gib(lm["gathered"])),
         _row(f"activations: {labels['activations']}", _gib(lm["activations"])),
         _row(f"logits: {labels['logits']}", _gib(lm["logits"])),

@@ -21,6 +21,7 @@ from async_vapo.deploy.scale import (
     ModelShape,
     Profile,
     engine_memory,
+    learner_assumptions,
     learner_memory,
     micro_batch_rows,
     resolve_shape,
@@ -75,24 +76,34 @@ def test_learner_memory_by_hand():
     setup = LearnerSetup(ranks=3, models=2, seq_tokens=5, rows=1, compute_bytes=2, sharded=True,
                          activation_checkpointing=True, logprob_chunk_tokens=0)
     m = learner_memory(s, setup)
-    assert m["state"] == 2 * 420 * 16 // 3 == 4480
+    # masters + AdamW moments of both models, the gradients of one (each model's freed at its optimiser step)
+    assert m["state"] == (2 * 420 * 12 + 420 * 4) // 3 == 3920
     assert m["gathered"] == (2 * 168 + 84) * (2 + 4) == 2520  # two layers and the root unit, bf16 + fp32 grads
     assert m["activations"] == 2 * 5 * 4 * 2 + 34 * 5 * 4 == 760  # layer inputs + one layer at 16 bit
     assert m["logits"] == 5 * 10 * (2 + 4 + 4) == 500
-    assert (m["total"], m["host"]) == (4480 + 2520 + 760 + 500, 0)
+    assert (m["total"], m["host"]) == (3920 + 2520 + 760 + 500, 0)
     # each setting moves its own part only
     assert learner_memory(s, replace(setup, logprob_chunk_tokens=2))["logits"] == 2 * 10 * 10
     assert learner_memory(s, replace(setup, logprob_chunk_tokens=64))["logits"] == 500  # a chunk above the tokens
     assert learner_memory(s, replace(setup, activation_checkpointing=False))["activations"] == 2 * 34 * 5 * 4
     off = learner_memory(s, replace(setup, cpu_offload=True))
-    assert (off["state"], off["host"], off["total"]) == (0, 4480, 2520 + 760 + 500)
+    assert (off["state"], off["host"], off["total"]) == (0, 3920, 2520 + 760 + 500)
     assert learner_memory(s, replace(setup, models=1))["state"] == 420 * 16 // 3
     assert learner_memory(s, replace(setup, rows=3))["activations"] == 3 * 760
     # one unsharded float32 rank (the CPU): the whole state, no 16-bit copies, 4-byte activations
     one = learner_memory(s, replace(setup, ranks=1, sharded=False, compute_bytes=4))
-    assert (one["state"], one["gathered"]) == (2 * 420 * 16, 0)
+    assert (one["state"], one["gathered"]) == (2 * 420 * 12 + 420 * 4, 0)
     assert one["activations"] == 2 * 5 * 4 * 4 + 34 * 5 * 4 * 2 and one["logits"] == 5 * 10 * 12
     assert learner_memory(s, replace(setup, ranks=1, sharded=False))["gathered"] == 420 * 2  # autocast's cache
+
+
+def test_learner_assumptions_name_the_gradients_of_one_model():
+    s = _tiny()
+    setup = LearnerSetup(ranks=2, models=2, seq_tokens=5, rows=1)
+    state = dict(learner_assumptions(s, setup))["state"]
+    assert "12 B/param x 2 model(s) + fp32 grads: 4 B/param x 1 model" in state and "/ 2 ranks" in state
+    assert "one after the other" in state
+    assert "one after the other" not in dict(learner_assumptions(s, replace(setup, models=1)))["state"]
 
 
 @pytest.mark.parametrize("budget, mbs, seq, mini, ranks", [
@@ -182,8 +193,8 @@ def test_plan_for_the_paper_config():
     out = r.stdout
     assert "32.76 B parameters" in out and "6 engine(s)" in out
     assert "rollout-5   host3  CUDA_VISIBLE_DEVICES=4,5,6,7" in out
-    # 2 x 32.76e9 x 16 B / 8 ranks = 122.1 GiB; the learner's settings, not a micro-batch of 8 unchunked rows
-    assert "122.1 GiB" in out and "DOES NOT FIT 80 GiB" in out
+    # (2 x 12 + 4) B x 32.76e9 / 8 ranks = 106.8 GiB; the learner's settings, not a micro-batch of 8 unchunked rows
+    assert "106.8 GiB" in out and "DOES NOT FIT 80 GiB" in out
     assert "micro-batch 1 x 21,504 = 21,504 tokens" in out and "chunked, 4,096 tokens at a time" in out
     assert "65.5 GB" in out and "7.86 s" in out
 
@@ -278,7 +289,7 @@ def test_start_cluster_dry_run_runs_the_plans_memory_check(tmp_path):
     r = dry_run()
     assert r.returncode == 0, r.stderr
     assert "#   total on the GPU" in r.stdout and "(fits)" in r.stdout and "# commands (RUN_DIR" in r.stdout
-    r = dry_run("learner.cpu_offload=false")  # 16 ranks holding their state: 97.6 GiB each
+    r = dry_run("learner.cpu_offload=false")  # 16 ranks holding their state: 90.0 GiB each
     assert r.returncode == 1 and "DOES NOT FIT 80 GiB" in r.stdout
     assert "start_cluster: the plan does not fit its GPUs" in r.stderr and "# commands" not in r.stdout
     assert not (tmp_path / "run").exists()
