@@ -7,7 +7,7 @@ built once into a shared cache, with more SFT steps: see ``SFT_STEPS``). Prints 
 metrics per run, the largest difference between runs, and the cluster's final held-out accuracy per run.
 
     .venv/bin/python benchmarks/reproducibility.py --label after [--repo DIR] [--runs 2] [--steps 10]
-        [--cluster-runs 2] [--cluster-steps 30]
+        [--cluster-runs 2] [--cluster-steps 30] [--set KEY=VALUE ...]
 
 ``--repo`` runs another checkout (e.g. a ``git worktree`` of an older commit, with a ``.venv`` link) with
 this one's settings, so two commits are compared on the same model and seeds. Writes
@@ -40,7 +40,11 @@ def test_overrides() -> list[str]:
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import TINY_TEST_OVERRIDES
 
-    return list(TINY_TEST_OVERRIDES) + [f"base_model.sft_steps={SFT_STEPS}"]
+    return list(TINY_TEST_OVERRIDES) + [f"base_model.sft_steps={SFT_STEPS}"] + EXTRA_OVERRIDES
+
+
+EXTRA_OVERRIDES: list[str] = []
+"""``--set key=value`` overrides, applied to every run of both checkouts after the tests' ones."""
 
 
 def run_trainer(repo: Path, run_dir: Path, cache: Path, steps: int) -> list[dict]:
@@ -87,7 +91,8 @@ def measure(args: argparse.Namespace) -> dict:
     cache = work / "model-cache"
     result = {"label": args.label, "repo": str(repo), "commit": subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip(),
-              "steps": args.steps, "trainer": [], "cluster": [], "cluster_steps": args.cluster_steps}
+              "steps": args.steps, "trainer": [], "cluster": [], "cluster_steps": args.cluster_steps,
+              "overrides": list(EXTRA_OVERRIDES)}
     for i in range(args.runs):
         t0 = time.perf_counter()
         rows = run_trainer(repo, work / f"{args.label}-train-{i}", cache, args.steps)
@@ -136,8 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--cluster-runs", type=int, default=2)
     p.add_argument("--cluster-steps", type=int, default=30)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for every run (repeat), e.g. model.critic_init=base to compare two "
+                        "checkouts whose reward-like critics are built differently")
     p.add_argument("--compare", nargs="+", metavar="LABEL", help="print the table of saved labels and exit")
     args = p.parse_args(argv)
+    EXTRA_OVERRIDES[:] = args.set
     if args.compare:
         results = [json.loads((OUT / f"{lab}.json").read_text()) for lab in args.compare]
         print(table(results))
