@@ -74,7 +74,9 @@ def run_cluster(repo: Path, run_dir: Path, cache: Path, steps: int) -> list[dict
 def spread(runs: list[list[dict]], kind: str = "train") -> list[dict]:
     """Per step: each metric's values over the runs and their range."""
     by_run = [[r for r in rows if r["kind"] == kind] for rows in runs]
-    out = []
+    out: list[dict] = []
+    if not by_run:  # cluster runs only (--runs 0)
+        return out
     for i in range(min(len(r) for r in by_run)):
         row = {"step": by_run[0][i]["step"]}
         for k in METRICS:
