@@ -81,12 +81,18 @@ def gloo_interface_for(addr: str, environ: dict | None = None) -> str | None:
     Gloo otherwise takes the address its host name resolves to, which on many machines (containers, and hosts whose
     /etc/hosts maps the name to 127.0.x.1) is a loopback address: the ranks on other hosts are then told to connect
     to 127.0.0.1 and the group never forms. deploy/start_cluster.sh gives each learner agent the address the other
-    learner hosts reach it at (``--host-addr``)."""
+    learner hosts reach it at (``--host-addr``: an address, or a host name as the hostfile gives it, resolved here)."""
+    import socket
+
     import psutil
 
     env = os.environ if environ is None else environ
     if env.get("GLOO_SOCKET_IFNAME"):
         return env["GLOO_SOCKET_IFNAME"]
+    try:
+        addr = socket.gethostbyname(addr)
+    except OSError:
+        return None
     for name, addrs in psutil.net_if_addrs().items():
         if any(a.address == addr for a in addrs):
             env["GLOO_SOCKET_IFNAME"] = name

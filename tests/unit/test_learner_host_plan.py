@@ -140,7 +140,10 @@ def test_gloo_connects_over_the_interface_of_the_agents_address():
     env = {"GLOO_SOCKET_IFNAME": "eth7"}  # the user's choice stands
     assert gloo_interface_for("127.0.0.1", env) == "eth7" and env == {"GLOO_SOCKET_IFNAME": "eth7"}
     env = {}
+    assert gloo_interface_for("localhost", env) == "lo"  # a hostfile's host name, resolved
+    env = {}
     assert gloo_interface_for("192.0.2.77", env) is None and env == {}  # no interface here holds it: gloo's default
+    assert gloo_interface_for("no-such-host.invalid", env) is None and env == {}
 
 
 def test_a_restarted_learner_resumes_from_the_newest_checkpoint_since_the_start(tmp_path):
