@@ -114,6 +114,18 @@ class ModelConfig(_Section):
     """Without ``critic_path``: "base" = the policy's base with a zero value head; "reward" = a reward-model-like
     head trained on labelled responses at the last token only (embedded task; built once, cached), so the
     critic starts biased at earlier tokens the way VAPO's reward-model-initialised critic does."""
+    critic_head_layers: int = Field(0, ge=0, le=16)
+    """Critic design: residual MLP layers (pre-norm, GELU, twice the hidden size wide) between the trunk's last hidden
+    state and the linear value head, each starting as the identity (its output layer zero), so the critic starts as
+    the one it is loaded from; per-token depth the trunk does not have. 0 = the linear head alone (the default).
+    Recorded in the critic's HF config, so a saved critic loads with its layers."""
+    critic_logprobs: bool = False
+    """Critic design: the value of the state before each response token also reads the behaviour log-probs (the
+    engine's, which every group carries) of the response tokens before it: the previous token's log-prob and
+    probability, the lowest and the mean log-prob so far, their sum, and the count of tokens below probability 1/2
+    (``models.rl.logprob_features``), through a small MLP over [hidden state, features] added to the linear head (its
+    output layer zero at the start). Never a token's own log-prob or a later one's. False = hidden states only (the
+    default). Recorded in the critic's HF config. Combines with ``critic_head_layers``."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Compute dtype: the rollout engines run in it and receive weights in it; the learner keeps float32 master
     weights and AdamW state and runs its forwards and backwards under autocast to it (mixed precision; float16

@@ -4,7 +4,9 @@ A checkpoint (``Learner.save``) keeps the weights and optimiser states as torch.
 ``dcp/``, however many ranks wrote them, and the small files that make an HF directory (config, generation
 config, tokenizer) in ``hf_meta/<model>/``. Export builds the model from that config on the host, reads its
 weights from the shards (DCP reshards to one process) and writes ``save_pretrained`` output with the tokenizer
-files beside it: a directory that transformers and vLLM load.
+files beside it: a directory that transformers and vLLM load. A critic of another design than the linear head
+(``model.critic_head_layers``, ``model.critic_logprobs``) is rebuilt with it from its config, and its export loads
+again with ``models.rl.load_critic``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def export(ckpt: str | Path, out: str | Path, model: str = "policy", dtype: str 
 
     from async_vapo.learner.precision import DTYPES
     from async_vapo.learner.process_group import single_process_checkpoint
+    from async_vapo.models.rl import DESIGN_KEY, CriticDesign, apply_critic_design
 
     ckpt, out = Path(ckpt), Path(out)
     meta = ckpt / "hf_meta" / model
@@ -49,7 +52,12 @@ def export(ckpt: str | Path, out: str | Path, model: str = "policy", dtype: str 
                                 f"(needs dcp/ and {meta}/config.json)")
     config = AutoConfig.from_pretrained(str(meta))
     auto = AutoModelForCausalLM if model == "policy" else AutoModelForTokenClassification
+    design = CriticDesign.from_dict(getattr(config, DESIGN_KEY, None))  # a critic's value head (models.rl)
+    if hasattr(config, DESIGN_KEY):
+        delattr(config, DESIGN_KEY)
     net = auto.from_config(config, dtype=torch.float32).eval()
+    if model == "critic":
+        apply_critic_design(net, design)
     state = {model: get_model_state_dict(net)}
     with single_process_checkpoint():
         dcp.load(state, checkpoint_id=str(ckpt / "dcp"), no_dist=True)

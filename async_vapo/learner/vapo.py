@@ -40,6 +40,11 @@ Advantages by algorithm (the math lives in ``async_vapo.algo``):
 - vapo / ppo: GAE on the critic's values; actor λ = ``lam_policy`` or, with length-adaptive GAE,
   1 − 1/(α·l) per response; critic targets with ``lam_critic`` (decoupled GAE) or the actor's λ.
 - grpo / dapo: group-normalised terminal reward on every token; no critic.
+
+The critic's design (``model.critic_head_layers``, ``model.critic_logprobs``; ``models.rl.CriticDesign``) is built
+from the config over whatever critic it starts from. A log-prob design reads each row's behaviour log-probs
+(``RolloutBatch.behavior_logprobs``, the tokens' before each value) in every critic forward: the values before an
+update, the critic's training steps, value pretraining and the held-out critic quality alike.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ from async_vapo.learner.process_group import (
     single_process_checkpoint,
 )
 from async_vapo.models.rl import (
+    CriticDesign,
     TokenBatch,
     attn_implementation,
     build_critic,
@@ -86,6 +92,7 @@ from async_vapo.models.rl import (
     load_critic,
     load_policy,
     make_token_batch,
+    reads_logprobs,
     resolve_packing,
     response_logits,
     response_values,
@@ -217,12 +224,15 @@ class Learner:
         self.critic = self.critic_opt = self.critic_scaler = None
         if self.algo.uses_critic:
             path = critic_path or policy_path
-            self.critic = self._load(lambda: build_critic(path, attn_implementation=attn),
-                                     lambda: load_critic(path, attn_implementation=attn))
+            # model.critic_head_layers / critic_logprobs: the value head's design (models.rl.CriticDesign)
+            design = CriticDesign.from_config(cfg)
+            self.critic = self._load(lambda: build_critic(path, attn_implementation=attn, design=design),
+                                     lambda: load_critic(path, attn_implementation=attn, design=design))
             self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.optim.critic_lr,
                                                 betas=(cfg.optim.beta1, cfg.optim.beta2),
                                                 weight_decay=cfg.optim.weight_decay)
             self.critic_scaler = self.precision.grad_scaler()
+        self._critic_reads_logprobs = self.critic is not None and reads_logprobs(self.critic)
         self.version = 0  # policy updates published so far
         self.optimizer_steps = 0  # policy optimiser steps
         self.critic_steps = 0  # critic optimiser steps, value pretraining included
@@ -272,9 +282,12 @@ class Learner:
         with torch.no_grad():
             return lp, entropy_from_logits(logits)
 
-    def _values(self, tb: TokenBatch) -> torch.Tensor:
+    def _values(self, tb: TokenBatch, batch: RolloutBatch, rows: list[int]) -> torch.Tensor:
+        """The critic's values of ``tb`` = ``batch.tokens.select(rows)``; a log-prob design reads the rows' behaviour
+        log-probs (``models.rl.logprob_features``: those of the tokens before each one)."""
+        lp = batch.behavior_logprobs[rows, : tb.response_ids.shape[1]] if self._critic_reads_logprobs else None
         with self.precision.autocast():
-            return response_values(self.critic, tb, self.packing or False, self.precision.compute_dtype)
+            return response_values(self.critic, tb, self.packing or False, self.precision.compute_dtype, logprobs=lp)
 
     def _minibatches(self, n: int) -> list[list[int]]:
         order = list(range(n))
@@ -346,7 +359,7 @@ class Learner:
                 old_lp[idx, : tb.response_ids.shape[1]] = lp
         for idx, real in self._my_micro(list(range(n)), seq_tokens) if values is not None else ():
             tb = batch.tokens.select(idx)
-            v = self._values(tb)
+            v = self._values(tb, batch, idx)
             if real:
                 values[idx, : tb.response_ids.shape[1]] = v
         all_reduce_sum_(old_lp)
@@ -416,7 +429,7 @@ class Learner:
         for mi, real in self._my_micro(idx, seq_tokens):
             tb = batch.tokens.select(mi)
             w = tb.response_ids.shape[1]
-            v = self._values(tb)
+            v = self._values(tb, batch, mi)
             vl, m = value_loss(v, returns[mi, :w], tb.response_mask, old_values[mi, :w], self.algo.value_clip)
             weight = microbatch_weight(tb.response_mask, total, True) if real else 0.0
             self.critic_scaler.scale(self.algo.vf_coef * weight * vl).backward()

@@ -6,12 +6,22 @@ Both are plain transformers classes, so they save and load in HF format: the pol
 checkpoint gets a zero head (V = 0 everywhere before value pretraining); one loaded from a critic or
 reward checkpoint keeps its head, and with it whatever bias that head has, as in the paper.
 
+Critic designs (:class:`CriticDesign`, ``model.critic_head_layers`` and ``model.critic_logprobs``): the value head
+may be more than one linear layer over the trunk's last hidden state. ``score`` is then a :class:`ValueHead`, an
+``nn.Linear`` (its ``weight`` and ``bias`` are the plain head's, so a plain critic or reward checkpoint loads into
+any design) with extra modules: residual MLP layers between the trunk and the linear head, and/or a small MLP that
+also reads features of the response's behaviour log-probs *before* each token (:func:`logprob_features`; the value
+of the state before token t reads log-probs of tokens < t only). Each extra output layer starts at zero, so a design
+starts as the critic it was loaded from. The design is recorded in the critic's HF config
+(``async_vapo_critic_design``): a saved critic loads again with its design.
+
 Sequences are laid out as a left-padded prompt followed by a right-padded response, so that every
 response starts at the same column and per-token tensors are ``[B, T]`` over response tokens only.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +48,159 @@ def build_policy(path: str | Path, dtype: str = "float32", attn_implementation: 
                                             **_attn(attn_implementation))
 
 
+DESIGN_KEY = "async_vapo_critic_design"
+"""The critic's HF config attribute that records its :class:`CriticDesign` (absent: the plain linear head)."""
+
+
+@dataclass(frozen=True)
+class CriticDesign:
+    """What the critic's value head is (``model.critic_head_layers``, ``model.critic_logprobs``).
+
+    ``head_layers``: residual MLP layers (pre-norm, GELU, width ``head_width``) between the trunk's last hidden
+    state and the linear value head: per-token depth the trunk does not have. ``logprobs``: the value also reads
+    :func:`logprob_features` of the behaviour log-probs of the response tokens before it, through a small MLP over
+    [hidden state, features] (width ``logprob_width``) whose output is added to the linear head's."""
+
+    head_layers: int = 0
+    logprobs: bool = False
+    head_width: int = 0
+    """Hidden width of each head layer; 0 = twice the trunk's hidden size."""
+    logprob_width: int = 64
+
+    @property
+    def plain(self) -> bool:
+        return self.head_layers == 0 and not self.logprobs
+
+    @property
+    def name(self) -> str:
+        parts = ([f"layers{self.head_layers}"] if self.head_layers else []) + (["logprobs"] if self.logprobs else [])
+        return "+".join(parts) or "linear"
+
+    def as_dict(self) -> dict:
+        return {"head_layers": self.head_layers, "logprobs": self.logprobs, "head_width": self.head_width,
+                "logprob_width": self.logprob_width}
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> CriticDesign:
+        return cls(**(d or {}))
+
+    @classmethod
+    def from_config(cls, cfg) -> CriticDesign:
+        """The design of a run's ``Config`` (``model.critic_head_layers``, ``model.critic_logprobs``)."""
+        return cls(head_layers=cfg.model.critic_head_layers, logprobs=cfg.model.critic_logprobs)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> CriticDesign:
+        """The design a critic model was built with."""
+        return cls.from_dict(getattr(model.config, DESIGN_KEY, None))
+
+
+LOGPROB_FEATURES = 7
+"""Features per position of :func:`logprob_features`."""
+_LP_FLOOR = -10.0  # log-probs below this count as this (a token the policy all but excluded)
+
+
+def logprob_features(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T, LOGPROB_FEATURES]`` float32 features of the behaviour log-probs ``[B, T]`` of the response tokens for
+    the value of the state *before* each token t: every feature at t reads log-probs of tokens < t only (t = 0: none
+    read yet). Log-probs outside ``mask`` or NaN (not reported by the engine) count as 0 (a certain token); each is
+    floored at -10. Features: the previous token's log-prob / 10 and its probability; the lowest log-prob so far / 10
+    and its probability (a slip: a token the policy found unlikely); the mean log-prob so far / 10; the sum so far
+    / 100 (the prefix's log-probability); log(1 + the number of tokens so far with probability below 1/2)."""
+    lp = torch.nan_to_num(logprobs.float(), nan=0.0).masked_fill(~mask.bool(), 0.0).clamp(min=_LP_FLOOR, max=0.0)
+    b, t = lp.shape
+    prev = torch.cat([lp.new_zeros(b, 1), lp[:, :-1]], dim=1)  # log-prob of token t - 1 at position t
+    run_min = torch.cummin(prev, dim=1).values
+    run_sum = torch.cumsum(prev, dim=1)
+    seen = torch.arange(t, device=lp.device, dtype=lp.dtype)[None].clamp(min=1)
+    run_mean = run_sum / seen
+    unlikely = torch.cumsum((prev < math.log(0.5)).to(lp.dtype), dim=1)
+    return torch.stack([prev / 10, prev.exp(), run_min / 10, run_min.exp(), run_mean / 10, run_sum / 100,
+                        torch.log1p(unlikely)], dim=-1)
+
+
+class _HeadLayer(torch.nn.Module):
+    """x + W2 GELU(W1 LayerNorm(x)), W2 zero at initialisation (the layer starts as the identity)."""
+
+    def __init__(self, hidden: int, width: int):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.up = torch.nn.Linear(hidden, width)
+        self.down = torch.nn.Linear(width, hidden)
+        torch.nn.init.zeros_(self.down.weight)
+        torch.nn.init.zeros_(self.down.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class ValueHead(torch.nn.Linear):
+    """The value head of a critic design (see the module docstring): ``weight``/``bias`` are the plain linear head's,
+    ``layers`` the residual MLP layers before it, ``lp_in``/``lp_out`` the MLP that reads the log-prob features.
+
+    The features reach it beside the hidden states through :meth:`reading` (the HF forward passes the head hidden
+    states only): ``[rows, L, LOGPROB_FEATURES]`` in the forward's layout (:meth:`ModelInputs.scatter`)."""
+
+    def __init__(self, linear: torch.nn.Linear, design: CriticDesign):
+        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                         device=linear.weight.device, dtype=linear.weight.dtype)
+        with torch.no_grad():
+            self.weight.copy_(linear.weight)
+            if self.bias is not None:
+                self.bias.copy_(linear.bias)
+        hidden, kw = linear.in_features, {"device": linear.weight.device, "dtype": linear.weight.dtype}
+        self.design = design
+        width = design.head_width or 2 * hidden
+        self.layers = torch.nn.ModuleList(_HeadLayer(hidden, width) for _ in range(design.head_layers)).to(**kw)
+        if design.logprobs:
+            self.lp_in = torch.nn.Linear(hidden + LOGPROB_FEATURES, design.logprob_width, **kw)
+            self.lp_out = torch.nn.Linear(design.logprob_width, linear.out_features, **kw)
+            torch.nn.init.zeros_(self.lp_out.weight)
+            torch.nn.init.zeros_(self.lp_out.bias)
+        self._features: torch.Tensor | None = None
+
+    def reading(self, features: torch.Tensor | None):
+        """Context in which the head's forwards read ``features`` (the log-prob design needs them)."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            self._features = features
+            try:
+                yield self
+            finally:
+                self._features = None
+
+        return ctx()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        out = super().forward(x)
+        if self.design.logprobs:
+            f = self._features
+            if f is None:
+                raise ValueError("this critic reads the behaviour log-probs of the response tokens "
+                                 "(model.critic_logprobs): pass them (response_values(..., logprobs=...))")
+            h = torch.cat([x, f.to(x.dtype)], dim=-1)
+            out = out + self.lp_out(torch.nn.functional.gelu(self.lp_in(h)))
+        return out
+
+
+def apply_critic_design(model: torch.nn.Module, design: CriticDesign) -> torch.nn.Module:
+    """Give a plain critic (linear ``score``) the head of ``design`` (its linear head kept, every extra output layer
+    zero) and record the design in its config; a plain design leaves it as it is."""
+    if isinstance(model.score, ValueHead):
+        if CriticDesign.of(model) != design:
+            raise ValueError(f"the critic already has design {CriticDesign.of(model)}, not {design}")
+        return model
+    if design.plain:
+        return model
+    model.score = ValueHead(model.score, design)
+    setattr(model.config, DESIGN_KEY, design.as_dict())
+    return model
+
+
 def _critic_config(path: str | Path):
     config = AutoConfig.from_pretrained(str(path), num_labels=1)
     # no dropout before the value head: a noisy V would leak straight into every GAE advantage
@@ -45,21 +208,70 @@ def _critic_config(path: str | Path):
     return config
 
 
-def build_critic(path: str | Path, dtype: str = "float32", attn_implementation: str | None = None) -> torch.nn.Module:
-    """The critic's modules from its config alone (no weights read): for meta-device initialisation."""
-    return AutoModelForTokenClassification.from_config(_critic_config(path), dtype=_DTYPES[dtype],
-                                                       **_attn(attn_implementation))
+def _resolve_design(config, design: CriticDesign | None, path) -> CriticDesign:
+    """The design to build: the requested one, or the checkpoint's own (``design`` None). A checkpoint of another
+    (not plain) design is refused: its head would not load."""
+    saved = CriticDesign.from_dict(getattr(config, DESIGN_KEY, None))
+    if design is None:
+        return saved
+    if not saved.plain and saved != design:
+        raise ValueError(f"{path} holds a critic of design {saved.name} ({saved.as_dict()}), not the requested "
+                         f"{design.name} ({design.as_dict()})")
+    return design
 
 
-def load_critic(path: str | Path, dtype: str = "float32", attn_implementation: str | None = None) -> torch.nn.Module:
+def build_critic(path: str | Path, dtype: str = "float32", attn_implementation: str | None = None,
+                 design: CriticDesign | None = None) -> torch.nn.Module:
+    """The critic's modules from its config alone (no weights read): for meta-device initialisation. ``design``:
+    None = the one ``path``'s config records (plain when none)."""
     config = _critic_config(path)
+    design = _resolve_design(config, design, path)
+    if hasattr(config, DESIGN_KEY):
+        delattr(config, DESIGN_KEY)
+    model = AutoModelForTokenClassification.from_config(config, dtype=_DTYPES[dtype], **_attn(attn_implementation))
+    return apply_critic_design(model, design)
+
+
+def _saved_head_state(path: Path) -> dict[str, torch.Tensor]:
+    """The ``score.*`` tensors of the critic checkpoint at ``path`` (every safetensors file, the head's keys only)."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            out.update({k[len("score."):]: st.get_tensor(k) for k in st.keys() if k.startswith("score.")})
+    return out
+
+
+def load_critic(path: str | Path, dtype: str = "float32", attn_implementation: str | None = None,
+                design: CriticDesign | None = None) -> torch.nn.Module:
+    """A critic from an HF directory: a critic or reward checkpoint keeps its head (a saved design its extra layers
+    too), a causal LM gets a zero head. ``design``: None = the checkpoint's own; a plain checkpoint (critic, reward
+    or LM) takes any design, with fresh extra layers whose outputs start at zero."""
+    config = _critic_config(path)
+    design = _resolve_design(config, design, path)
+    saved_design = CriticDesign.from_dict(getattr(config, DESIGN_KEY, None))
+    if hasattr(config, DESIGN_KEY):
+        delattr(config, DESIGN_KEY)
     is_critic = any(a.endswith("ForTokenClassification") for a in (config.architectures or []))
-    model = AutoModelForTokenClassification.from_pretrained(str(path), config=config, dtype=_DTYPES[dtype],
-                                                            **_attn(attn_implementation)).eval()
+    import transformers
+
+    level = transformers.logging.get_verbosity()
+    if not saved_design.plain:  # the design's extra head tensors are loaded below, not by from_pretrained
+        transformers.logging.set_verbosity_error()
+    try:
+        model = AutoModelForTokenClassification.from_pretrained(str(path), config=config, dtype=_DTYPES[dtype],
+                                                                **_attn(attn_implementation)).eval()
+    finally:
+        transformers.logging.set_verbosity(level)
     if not is_critic:
         torch.nn.init.zeros_(model.score.weight)
         if model.score.bias is not None:
             torch.nn.init.zeros_(model.score.bias)
+    apply_critic_design(model, design)
+    if not saved_design.plain:
+        state = _saved_head_state(Path(path))
+        model.score.load_state_dict({k: v.to(_DTYPES[dtype]) for k, v in state.items()}, strict=True)
     return model
 
 
@@ -226,6 +438,19 @@ class ModelInputs:
             return out[:, self.prompt_len - 1: self.prompt_len - 1 + self.response_len]
         return out.flatten(0, 1)[self.index]
 
+    def scatter(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`select` for a per-response-token input ``x`` ``[B, T, F]``: ``[rows, L, F]`` in the
+        forward's layout, ``x`` where ``select`` would read it (``mask``'s tokens), 0 elsewhere."""
+        ids = self.kwargs["input_ids"]
+        out = x.new_zeros(*ids.shape, x.shape[-1])
+        if self.index is None:
+            out[:, self.prompt_len - 1: self.prompt_len - 1 + self.response_len] = x * mask[..., None].to(x.dtype)
+            return out
+        flat = out.view(-1, x.shape[-1])
+        m = mask.bool()
+        flat[self.index[m]] = x[m]
+        return out
+
 
 def model_inputs(batch: TokenBatch, packed: bool | str = False, mask_dtype: torch.dtype = torch.float32
                  ) -> ModelInputs:
@@ -276,11 +501,27 @@ def response_logits(model: torch.nn.Module, batch: TokenBatch, temperature: floa
     return logits if temperature == 1.0 else logits.div_(temperature)
 
 
+def reads_logprobs(critic: torch.nn.Module) -> bool:
+    """Whether ``critic``'s values read the behaviour log-probs of the response tokens (a log-prob design)."""
+    return isinstance(critic.score, ValueHead) and critic.score.design.logprobs
+
+
 def response_values(critic: torch.nn.Module, batch: TokenBatch, packed: bool | str = False,
-                    mask_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Critic value of the state before each response token: ``[B, T]``."""
+                    mask_dtype: torch.dtype = torch.float32, logprobs: torch.Tensor | None = None) -> torch.Tensor:
+    """Critic value of the state before each response token: ``[B, T]``. ``logprobs`` ``[B, T]``: the behaviour
+    log-probs of the response tokens, which a log-prob design reads (those of tokens before each one; others ignore
+    them)."""
     inputs = model_inputs(batch, packed, mask_dtype)
-    out = critic(**inputs.kwargs)
+    if not reads_logprobs(critic):
+        out = critic(**inputs.kwargs)
+        return inputs.select(out.logits)[..., 0].float()
+    if logprobs is None:
+        raise ValueError("this critic reads the behaviour log-probs of the response tokens (model.critic_logprobs): "
+                         "pass logprobs")
+    t = batch.response_ids.shape[1]
+    feats = logprob_features(logprobs[:, :t].to(batch.response_mask.device), batch.response_mask)
+    with critic.score.reading(inputs.scatter(feats, batch.response_mask)):
+        out = critic(**inputs.kwargs)
     return inputs.select(out.logits)[..., 0].float()
 
 
