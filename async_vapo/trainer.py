@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -49,11 +50,17 @@ def process_tree_cpu_s() -> float:
 
 
 def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
-          engine: VLLMEngine | None = None) -> dict:
+          engine: VLLMEngine | None = None,
+          engine_weights: Callable[[dict, int], dict] | None = None) -> dict:
     """Run the one-process trainer; returns a summary (base and final held-out accuracy, times).
 
     ``engine``: an already running engine to reuse (its weights are replaced by the learner's);
-    by default one is started for this run and shut down at the end."""
+    by default one is started for this run and shut down at the end.
+    ``engine_weights(state, version) -> state``: for experiments only, what the engine is given to *generate
+    training samples* instead of the learner's weights, at every version it serves, the first (base or resumed)
+    included; it must not modify ``state`` in place (its tensors may be the learner's own). The learner keeps its
+    weights, and the held-out evaluation runs on them (loaded for the evaluation, the engine's copy restored after).
+    ``benchmarks/mismatch_training.py`` perturbs the engine's copy with it to make a rollout–learner mismatch."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -88,12 +95,16 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
     encoder = PromptEncoder.from_config(cfg, tokenizer)
     spec = EngineSpec.from_config(cfg, policy_path, longest_prompt=encoder.longest(train_set + eval_set))
     own_engine = engine is None
+
+    def publish(version: int, state: dict) -> float:
+        return engine.load_weights(state if engine_weights is None else engine_weights(state, version), version)
+
     if engine is None:
         if every_core and not torch.cuda.is_available() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             os.environ.update(engine_cpu_env(cpus))
         engine = VLLMEngine(spec, version=learner.version)
-    else:
-        engine.load_weights(learner.policy_state(), learner.version)
+    if not own_engine or engine_weights is not None:
+        publish(learner.version, learner.policy_state())
     verifier = VerifierPool.from_config(cfg.verifier)
     rollout = Rollout(cfg, engine, verifier, encoder)
     source = InProcessSource(cfg, rollout, PromptSampler(train_set, cfg.train.seed))
@@ -105,7 +116,11 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
     heldout: list[HeldoutCritic] = []  # the critic scored on the latest evaluation's responses
 
     def run_eval(step: int) -> dict[str, float]:
+        if engine_weights is not None:  # evaluate the learner's weights, not the engine's altered copy
+            engine.load_weights(learner.policy_state(), learner.version)
         ev = run_evaluation(rollout, eval_set, cfg)
+        if engine_weights is not None:
+            publish(learner.version, learner.policy_state())
         m, examples = ev.metrics, ev.examples(rollout.encoder.decode)
         if learner.critic is not None:
             heldout[:] = [HeldoutCritic.from_config(cfg, ev.groups, tokenizer.pad_token_id, tokenizer.decode)]
@@ -118,17 +133,14 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
             tqdm.write(f"[eval] step {step}: held-out accuracy {m['eval/accuracy']:.3f} ({elapsed():.0f}s)")
         return row
 
-    def publish(version: int, state: dict) -> float:
-        return engine.load_weights(state, version)
-
     loop = StepLoop(cfg, learner, source, pad_id=tokenizer.pad_token_id, run_dir=run_dir, log_writer=log,
                     publish=publish, evaluate=run_eval, wall=elapsed, progress=progress,
                     # value pretraining is judged on the first evaluation's responses (the policy it fits is fixed)
                     heldout_critic=lambda: heldout[0](learner) if heldout else {})
     if resume:
         loop.resume(learner.load_state(resume))
-        if policy_path == base_path:  # the engine started from the base model: give it the checkpoint's weights
-            engine.load_weights(learner.policy_state(), learner.version)
+        if policy_path == base_path or engine_weights is not None:  # the engine has the base model's weights
+            publish(learner.version, learner.policy_state())
     try:
         first_eval = run_eval(loop.start_step)
         summary["initial_eval_accuracy"] = first_eval["eval/accuracy"]
