@@ -128,12 +128,14 @@ def mean_se(xs: list[float]) -> tuple[float, float]:
     return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
 
 
-def fmt(x, pct=False) -> str:
+def fmt(x, pct=False, digits=None) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "–"
     if pct:
         return f"{100 * x:.1f} %"
-    return f"{x:.2g}" if abs(x) < 0.01 else f"{x:.3f}"
+    if digits is not None:
+        return f"{x:.{digits}f}"
+    return f"{x:.2g}" if abs(x) < 0.01 else f"{x:.3g}"
 
 
 def report(doc: dict, out_dir: Path) -> str:
@@ -142,8 +144,8 @@ def report(doc: dict, out_dir: Path) -> str:
     arms = [a for a in ARMS if any(r["arm"] == a for r in runs)]
     base_gain = mean_se([r["gain"] for r in runs if r["arm"] == "unperturbed"])[0] if "unperturbed" in arms else None
     lines = ["| arm | seeds | held-out start | held-out end | gain (± s.e.) | share of unperturbed gain | "
-             "mismatch/k3 (mean of updates) | \\|log ρ\\| max (mean) | truncated (token TIS cap 5) | masked |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "training samples correct (engine) | mismatch/k3 | \\|log ρ\\| max | truncated (TIS cap 5) | masked |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for a in arms:
         rs = [r for r in runs if r["arm"] == a]
         s, _ = mean_se([r["acc_start"] for r in rs])
@@ -156,7 +158,8 @@ def report(doc: dict, out_dir: Path) -> str:
             return sum(v) / len(v) if v else None
 
         lines.append(f"| {LABELS[a]} | {len(rs)} | {100 * s:.1f} % | {100 * e:.1f} % | "
-                     f"{100 * g:+.1f} ± {100 * gse:.1f} pts | {share} | {fmt(avg('mismatch/k3'))} | "
+                     f"{100 * g:+.1f} ± {fmt(100 * gse, digits=1)} pts | {share} | "
+                     f"{fmt(avg('rollout/accuracy'), True)} | {fmt(avg('mismatch/k3'))} | "
                      f"{fmt(avg('mismatch/abs_log_ratio_max'))} | {fmt(avg('correction/truncated_frac'), True)} | "
                      f"{fmt(avg('correction/masked_frac'), True)} |")
     table = "\n".join(lines)

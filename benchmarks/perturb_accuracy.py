@@ -14,6 +14,10 @@ correction would truncate or mask, on ``--prompts`` training problems:
 
     .venv/bin/python benchmarks/perturb_accuracy.py --config configs/tiny_cpu.toml --mismatch \
         --scales 1e-3,3e-3,1e-2,3e-2 --out benchmarks/results/mismatch/tiny_cpu_perturbed.json
+
+Training under such a mismatch (every version the engine serves perturbed with the same draw as :func:`perturb_`,
+the learner trained and evaluated on its own weights), with and without each behaviour correction, is
+``benchmarks/mismatch_training.py``.
 """
 
 from __future__ import annotations
