@@ -284,8 +284,10 @@ def supervisor_restarts(run_dir: Path) -> list[dict]:
 
 
 def run_cluster(config_files: list[str], overrides: list[str], run_dir: Path, plan: list[Fault], *,
-                timeout_s: float, wait_eval: bool = True, env: dict | None = None, log=print) -> dict:
-    """Start the cluster, inject ``plan``, wait for DONE (and rollout 0's last evaluation), stop it, audit it."""
+                timeout_s: float, wait_eval: bool = True, env: dict | None = None, log=print,
+                start_args: list[str] = ()) -> dict:
+    """Start the cluster (``start_args``: more start_cluster.sh options), inject ``plan``, wait for DONE (and rollout
+    0's last evaluation), stop it, audit it."""
     from async_vapo.config import load_config
 
     cfg = load_config(config_files, overrides)
@@ -295,7 +297,7 @@ def run_cluster(config_files: list[str], overrides: list[str], run_dir: Path, pl
     for c in config_files:
         cmd += ["--config", str(c)]
     t0 = time.time()
-    start = subprocess.run([*cmd, "--run-dir", str(run_dir), "--", *overrides], cwd=REPO, env=env,
+    start = subprocess.run([*cmd, "--run-dir", str(run_dir), *start_args, "--", *overrides], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=900)
     if start.returncode != 0:
         stop = subprocess.run(["bash", str(REPO / "deploy" / "stop_cluster.sh"), str(run_dir)], capture_output=True,

@@ -1,23 +1,17 @@
 """The asynchronous cluster: services that survive bad frames (real ZeroMQ sockets, in process), learner
-checkpoints and resume, and the whole cluster end to end with start_cluster.sh / stop_cluster.sh and a
-real Prometheus server scraping every service."""
+checkpoints and resume. The whole cluster end to end (start_cluster.sh / stop_cluster.sh, a real Prometheus server
+scraping every service, faults) is tests/integration/test_faults.py."""
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import subprocess
 import threading
 import time
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pytest
 import zmq
-from conftest import free_ports, group_alive
+from conftest import free_ports
 
 from async_vapo.config import load_config
 from async_vapo.services.context import make_context
@@ -121,154 +115,6 @@ def test_replay_service_counts_bad_frames_and_keeps_serving(tmp_path):
 
 # -- the cluster, end to end ---------------------------------------------------------------------------------------
 
-
-
-def _prom_query(port: int, query: str) -> list[dict]:
-    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": query})
-    with urllib.request.urlopen(url, timeout=5) as r:
-        doc = json.loads(r.read())
-    assert doc["status"] == "success", doc
-    return doc["data"]["result"]
-
-
-def _prom_value(port: int, query: str) -> float | None:
-    try:
-        res = _prom_query(port, query)
-    except OSError:
-        return None
-    return float(res[0]["value"][1]) if res else None
-
-
-
-
-@pytest.mark.slow
-def test_cluster_end_to_end_with_prometheus(tiny_cfg, tiny_base, tmp_path):
-    """Four updates with a held-out evaluation and a checkpoint every two: enough for a served version to advance
-    twice, a mid-run evaluation and checkpoint, and the run's statistics. Budget: a cluster start and four updates
-    (with six it took 334 s on this 2-core machine at a load average of 20; not yet timed on a quiet one)."""
-    prometheus = shutil.which("prometheus")
-    if prometheus is None:
-        pytest.skip("the prometheus binary is not installed (.ci/install_prometheus.sh installs Debian's package)")
-    names = ["verifier_port", "replay_port", "replay_batch_port", "weights_port", "acks_port", "weights_fetch_port",
-             "replay_metrics_port", "verifier_metrics_port", "learner_metrics_port", "rollout_metrics_port"]
-    ports = free_ports(len(names) + 1)
-    prom_port = ports.pop()
-    total_steps = 4
-    config = tmp_path / "cluster.toml"
-    config.write_text("[cluster]\n" + "".join(f"{k} = {p}\n" for k, p in zip(names, ports, strict=True))
-                      + "heartbeat_s = 0.5\nhealth_timeout_s = 240\nstop_grace_s = 15\nfsync = \"never\"\n")
-    from conftest import TINY_TEST_OVERRIDES
-
-    overrides = [*TINY_TEST_OVERRIDES, f"model.cache_dir={tiny_cfg.model.cache_dir}",
-                 f"train.total_steps={total_steps}", "train.eval_every=2", "train.checkpoint_every=2"]
-    run_dir = tmp_path / "run"
-    py = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else "python"
-    env = {**os.environ, "PYTHON": py}
-    # The scrape config as start_cluster.sh writes it (same plan helper), so Prometheus is up before the services.
-    subprocess.run([py, "-m", "async_vapo.deploy.launch", "plan", "--config", str(config), "--run-dir", str(run_dir),
-                    "--scrape-interval", "1s", "--", *overrides], check=True, cwd=REPO, env=env,
-                   stdout=subprocess.DEVNULL)
-    prom = subprocess.Popen([prometheus, f"--config.file={run_dir / 'prometheus' / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={tmp_path / 'prom-data'}",
-                             f"--web.listen-address=127.0.0.1:{prom_port}"],
-                            stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("w"),
-                            start_new_session=True)
-    t0 = time.monotonic()
-    try:
-        start = subprocess.run(["bash", str(REPO / "deploy" / "start_cluster.sh"), "--config", str(config),
-                                "--run-dir", str(run_dir), "--scrape-interval", "1s", "--", *overrides],
-                               cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-        assert start.returncode == 0, start.stderr[-4000:]
-        for _ in range(60):
-            if prom.poll() is None and _prom_value(prom_port, "vector(1)") == 1:
-                break
-            time.sleep(0.5)
-        else:
-            pytest.fail("prometheus did not come up: " + (tmp_path / "prometheus.log").read_text()[-2000:])
-        t_up = time.monotonic() - t0
-        pids = {p.stem: int(p.read_text()) for p in (run_dir / "pids").glob("*.pid")}
-        assert set(pids) == {"replay", "verifier", "rollout-0", "learner"}
-        assert json.loads((run_dir / "prometheus" / "targets.json").read_text())
-
-        # Prometheus scrapes all four; the learner's version and the engine's served version advance.
-        served_seen: list[float] = []
-        deadline = time.monotonic() + 150
-        while time.monotonic() < deadline:
-            served = _prom_value(prom_port, 'async_vapo_rollout_served_version{service="rollout"}')
-            if served is not None and (not served_seen or served != served_seen[-1]):
-                served_seen.append(served)
-            if (_prom_value(prom_port, "async_vapo_learner_version") or 0) >= total_steps and served == total_steps:
-                break
-            time.sleep(0.5)
-        assert (run_dir / "DONE").exists(), (run_dir / "logs" / "learner.log").read_text()[-3000:]
-        ups = {r["metric"]["service"]: float(r["value"][1]) for r in _prom_query(prom_port, 'up{job="async-vapo"}')}
-        assert ups == {"replay": 1.0, "verifier": 1.0, "rollout": 1.0, "learner": 1.0}
-        for svc in ("replay", "verifier", "rollout", "learner"):  # each service's own health gauge
-            assert _prom_value(prom_port, f"async_vapo_{svc}_up") == 1.0, svc
-        assert _prom_value(prom_port, "async_vapo_learner_version") == total_steps
-        assert len(served_seen) >= 2 and served_seen == sorted(served_seen) and served_seen[-1] == total_steps
-        assert (_prom_value(prom_port, "async_vapo_rollout_generated_samples_total") or 0) > 0
-        assert (_prom_value(prom_port, "sum(async_vapo_verifier_checks_total)") or 0) > 0
-        assert _prom_value(prom_port, "async_vapo_learner_engines_in_rotation") == 1
-        # the engine shares the learner's host: every version came by mapping its shared-memory slot
-        loads = {r["metric"]["via"]: float(r["value"][1])
-                 for r in _prom_query(prom_port, "async_vapo_rollout_weight_transfers_total")}
-        assert loads == {"shm": total_steps}, loads
-        for svc, stage in (("rollout", "generate"), ("verifier", "verify"), ("learner", "learn")):
-            busy = _prom_value(prom_port, f'async_vapo_{svc}_busy_seconds_total{{stage="{stage}"}}')
-            assert busy is not None and busy > 0, (svc, stage)
-        assert _prom_value(prom_port, 'async_vapo_learner_critic_value_error_abs_by_age{age="0"}') is not None
-        # max_staleness = 0: every group served was generated by the learner's current weights (age 0). The replay
-        # is scraped on its own schedule: its last scrape may predate the last batch by an interval, so wait for it.
-        expected = (total_steps + tiny_cfg.algo.value_pretrain_steps) * tiny_cfg.algo.prompts_per_step
-        deadline = time.monotonic() + 20
-        while ((n_served := _prom_value(prom_port, "async_vapo_replay_sample_age_versions_count")) != expected
-               and time.monotonic() < deadline):
-            time.sleep(0.5)
-        assert n_served == expected
-        assert _prom_value(prom_port, 'async_vapo_replay_sample_age_versions_bucket{le="0.0"}') == n_served
-
-        def read_rows() -> list[dict]:
-            return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-        deadline = time.monotonic() + 60  # rollout 0 evaluates the last version after loading it
-        while time.monotonic() < deadline and not any(r["kind"] == "eval" and r["version"] == total_steps
-                                                      for r in read_rows()):
-            time.sleep(0.5)
-        rows = read_rows()
-        train = [r for r in rows if r["kind"] == "train"]
-        assert [r["step"] for r in train] == list(range(1, total_steps + 1))
-        assert all(r["version"] == r["step"] and r["replay/max_age"] == 0 for r in train)
-        assert [r["kind"] for r in rows if r["kind"] == "pretrain"] == ["pretrain"]
-        assert {r["version"] for r in rows if r["kind"] == "eval"} >= {0, 2, 4}
-        assert (run_dir / "checkpoints" / f"step_{total_steps}" / "learner_state.pt").exists()
-        print(f"cluster healthy after {t_up:.0f} s, trained {total_steps} steps by {time.monotonic() - t0:.0f} s")
-    finally:  # also after a failed or timed-out start: stop_cluster.sh stops whatever was recorded
-        stop = subprocess.run(["bash", str(REPO / "deploy" / "stop_cluster.sh"), str(run_dir)], capture_output=True,
-                              text=True, timeout=120)
-        prom.send_signal(signal.SIGTERM)
-        try:
-            prom.wait(20)
-        except subprocess.TimeoutExpired:
-            prom.kill()
-    assert stop.returncode == 0, stop.stderr
-    pids = {p.stem: int(p.read_text()) for p in (run_dir / "pids").glob("*.pid")}
-    assert pids and not [name for name, pgid in pids.items() if group_alive(pgid)]
-    children = [int(x) for f in (run_dir / "pids").glob("*.children") for x in f.read_text().split()]
-    assert children  # the verifier's sandbox workers were recorded, and are gone too
-    assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]
-    # Each service left its statistics: busy intervals per stage, peak memory (the engine core counted in rollout's)
-    from async_vapo.experiments.report import analyse_cluster_run
-
-    stats = {p.stem: json.loads(p.read_text()) for p in (run_dir / "stats").glob("*.json")}
-    assert set(stats) == {"replay-0", "verifier-0", "rollout-0", "learner-0"}
-    assert all(s["peak_rss_mib"] > 10 for s in stats.values())  # the replay service needs ~45 MiB
-    assert stats["rollout-0"]["peak_rss_with_children_mib"] > stats["rollout-0"]["peak_rss_mib"]
-    fig = analyse_cluster_run(run_dir)
-    assert fig["updates"] == total_steps - 1 and fig["max_age"] == 0
-    for stage in ("generate", "verify", "learn"):
-        assert 0 < fig["busy_fraction"][stage] <= 1, fig["busy_fraction"]
-    assert list(fig["critic_by_age"]) == [0]  # synchronous: every sample on-policy
 
 
 # -- learner + replay services in process: checkpoints and --resume ----------------------------------------------

@@ -1,16 +1,27 @@
-"""Every service killed once during a cluster run, on the test model, and the engine silenced once: the supervisors
-restart each killed service, the learner takes the silent engine out of rotation and back, and the run loses nothing
-(async_vapo.deploy.faults). One fixed schedule, in order, each once the previous service is healthy (or back in
-rotation): the rollout engine's process group SIGSTOPped at version 1 for longer than the liveness deadline (then
-SIGCONT), the replay (SIGKILL) at version 2, the verifier at 3, the rollout engine at 4 and the learner in the middle
-of an update at version >= 6, two updates after its checkpoint at 4 (checkpoint_every 4). 9 updates. Budget: about
-4 minutes here, at most 8. The random schedules and the comparison with an undisturbed run are benchmarks/faults.py."""
+"""The whole cluster end to end, disturbed: start_cluster.sh on the test model with a real Prometheus server scraping
+every service, the engine silenced once and every service killed once. The supervisors restart each killed service,
+the learner takes the silent engine out of rotation and back, Prometheus sees every service and the training advance,
+the engine evaluates held-out problems, and the run loses nothing (async_vapo.deploy.faults); stop_cluster.sh leaves
+nothing. One fixed schedule, in order, each once the previous service is healthy (or back in rotation): the rollout
+engine's process group SIGSTOPped at version 1 for longer than the liveness deadline (then SIGCONT), the replay
+(SIGKILL) at version 2, the verifier at 3, the rollout engine at 4 and the learner in the middle of an update at
+version >= 6, two updates after its checkpoint at 4 (checkpoint_every 4). 9 updates, a held-out evaluation every 3.
+One cluster start serves what were three tests (end to end with Prometheus, a stopped engine, the kills). Budget:
+about 4 minutes here, at most 10. The random schedules and the comparison with an undisturbed run are
+benchmarks/faults.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
+import signal
+import subprocess
+import threading
 import time
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -20,17 +31,69 @@ from async_vapo.config.schema import PortsConfig
 from async_vapo.deploy.faults import Fault, run_cluster
 
 REPO = Path(__file__).resolve().parents[2]
-BUDGET_S = 8 * 60
+BUDGET_S = 10 * 60
+
+
+def _prom_query(port: int, query: str) -> list[dict]:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": query})
+    with urllib.request.urlopen(url, timeout=5) as r:
+        doc = json.loads(r.read())
+    assert doc["status"] == "success", doc
+    return doc["data"]["result"]
+
+
+def _prom_value(port: int, query: str) -> float | None:
+    try:
+        res = _prom_query(port, query)
+    except OSError:
+        return None
+    return float(res[0]["value"][1]) if res else None
+
+
+class _Watch:
+    """What Prometheus says while the run goes on (polled from a thread beside ``run_cluster``)."""
+
+    def __init__(self, port: int):
+        self.port, self.stop = port, threading.Event()
+        self.up: dict[str, float] = {}
+        self.own_up: dict[str, float] = {}
+        self.learner_versions: list[float] = []
+        self.served: list[float] = []
+        self.in_rotation: list[float] = []
+
+    def run(self) -> None:
+        while not self.stop.wait(0.5):
+            try:
+                for r in _prom_query(self.port, 'up{job="async-vapo"}'):
+                    svc = r["metric"]["service"]
+                    self.up[svc] = max(self.up.get(svc, 0.0), float(r["value"][1]))
+                for svc in ("replay", "verifier", "rollout", "learner"):
+                    v = _prom_value(self.port, f"async_vapo_{svc}_up")
+                    if v is not None:
+                        self.own_up[svc] = max(self.own_up.get(svc, 0.0), v)
+                for name, seen in (("async_vapo_learner_version", self.learner_versions),
+                                   ('async_vapo_rollout_served_version{service="rollout"}', self.served),
+                                   ("async_vapo_learner_engines_in_rotation", self.in_rotation)):
+                    v = _prom_value(self.port, name)
+                    if v is not None and (not seen or seen[-1] != v):
+                        seen.append(v)
+            except OSError:
+                continue
 
 
 @pytest.mark.slow
-def test_each_service_killed_once_loses_nothing(tiny_cfg, tiny_base, tmp_path):
+def test_cluster_end_to_end_under_faults_scraped_by_prometheus(tiny_cfg, tiny_base, tmp_path):
+    prometheus = shutil.which("prometheus")
+    if prometheus is None:
+        pytest.skip("the prometheus binary is not installed (.ci/install_prometheus.sh installs Debian's package)")
     total = 9
-    ports = dict(zip(PortsConfig.model_fields, free_ports(len(PortsConfig.model_fields)), strict=True))
+    ports = free_ports(len(PortsConfig.model_fields) + 1)
+    prom_port = ports.pop()
+    ports = dict(zip(PortsConfig.model_fields, ports, strict=True))
     config = tmp_path / "cluster.toml"
     config.write_text("[cluster.ports]\n" + "".join(f"{k} = {p}\n" for k, p in ports.items()))
     overrides = [*TINY_TEST_OVERRIDES, f"model.cache_dir={tiny_cfg.model.cache_dir}", f"train.total_steps={total}",
-                 "train.checkpoint_every=4", "async.max_staleness=1", "cluster.rollout.eval=false",
+                 "train.checkpoint_every=4", "train.eval_every=3", "async.max_staleness=1",
                  "cluster.wire.heartbeat_s=0.5", "cluster.wire.peer_dead_s=5",
                  # groups lost in flight to a killed verifier or replay are made up once the learner has reported
                  # waiting this long since the engine last shipped; the timer refill is kept out of the way
@@ -42,9 +105,32 @@ def test_each_service_killed_once_loses_nothing(tiny_cfg, tiny_base, tmp_path):
     run_dir = tmp_path / "run"
     py = REPO / ".venv" / "bin" / "python"
     env = {**os.environ, "PYTHON": str(py) if py.exists() else "python"}
+    # The scrape config as start_cluster.sh writes it (same plan helper), so Prometheus is up before the services.
+    subprocess.run([env["PYTHON"], "-m", "async_vapo.deploy.launch", "plan", "--config", str(config), "--run-dir",
+                    str(run_dir), "--scrape-interval", "1s", "--", *overrides], check=True, cwd=REPO, env=env,
+                   stdout=subprocess.DEVNULL)
+    prom = subprocess.Popen([prometheus, f"--config.file={run_dir / 'prometheus' / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'prom-data'}",
+                             f"--web.listen-address=127.0.0.1:{prom_port}"],
+                            stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("w"),
+                            start_new_session=True)
+    watch = _Watch(prom_port)
+    watcher = threading.Thread(target=watch.run, daemon=True)
+    watcher.start()
     t0 = time.monotonic()
-    report = run_cluster([str(config)], overrides, run_dir, plan, timeout_s=BUDGET_S - 90, wait_eval=False, env=env)
-    took = time.monotonic() - t0
+    try:
+        report = run_cluster([str(config)], overrides, run_dir, plan, timeout_s=BUDGET_S - 90, wait_eval=True,
+                             env=env, start_args=["--scrape-interval", "1s"])
+        took = time.monotonic() - t0
+        time.sleep(2)  # the last scrapes of the stopped services
+    finally:
+        watch.stop.set()
+        watcher.join(10)
+        prom.send_signal(signal.SIGTERM)
+        try:
+            prom.wait(20)
+        except subprocess.TimeoutExpired:
+            prom.kill()
     print(f"\nfault run: {took:.0f} s; faults: "
           + "; ".join(f"{f['fault']['service']} healthy after {f['healthy_s']} s, training on after "
                       f"{f['progress_s']} s" for f in report["faults"]))
@@ -71,11 +157,15 @@ def test_each_service_killed_once_loses_nothing(tiny_cfg, tiny_base, tmp_path):
     for name in ("replay", "verifier", "rollout-0", "learner"):  # two starts each, the PID file names the second
         starts = (run_dir / "supervisor" / f"{name}.starts").read_text().split()
         assert len(starts) == 2 and starts[-1] == (run_dir / "pids" / f"{name}.pid").read_text().strip(), name
-    # the learner resumed from its checkpoint; the groups it had been served since were stored again
-    resumed = "learner: resumed from " + str(run_dir / "checkpoints" / "step_4")
-    assert resumed in (run_dir / "logs" / "learner.log").read_text()
-    assert a["updates_redone"] >= 2  # updates 5 and 6 were lost with it and made again
-    assert a["fates"].get("requeued", 0) > 0, a["fates"]
+    # the learner resumed from its newest checkpoint (step 4 when the schedule runs on time: updates 5 and 6 lost with
+    # it); the updates since were made again and the groups it had been served since were stored again
+    killed = next(f for f in kills if f["fault"]["service"] == "learner")
+    ckpt = killed["version_at_fire"] // 4 * 4
+    resumed = "learner: resumed from " + str(run_dir / "checkpoints" / f"step_{ckpt}")
+    assert ckpt >= 4 and resumed in (run_dir / "logs" / "learner.log").read_text(), killed
+    if killed["version_at_fire"] > ckpt:
+        assert a["updates_redone"] >= killed["version_at_fire"] - ckpt, a
+        assert a["fates"].get("requeued", 0) > 0, a["fates"]
     # the restarted replay served on from its log: the groups it held and its cursor
     replay_log = (run_dir / "logs" / "replay.log").read_text()
     restored = re.findall(r"replay: (\d+) groups restored from .*, cursor (\d+);", replay_log)
@@ -86,12 +176,33 @@ def test_each_service_killed_once_loses_nothing(tiny_cfg, tiny_base, tmp_path):
     assert a["staleness_violations_rows"] == [] and a["staleness_violations_groups"] == 0, a
     assert a["engine_version_violations"] == 0 and a["engines"]["rollout-0"]["incarnations"] == 2, a["engines"]
     # the dead learner's weight slots were removed, and stop_cluster.sh left nothing
-    learner = next(f for f in kills if f["fault"]["service"] == "learner")
-    assert not list(Path("/dev/shm").glob(f"async-vapo-*-{learner['pid']}"))
+    assert not list(Path("/dev/shm").glob(f"async-vapo-*-{killed['pid']}"))
     assert report["stop_returncode"] == 0, report["stop_stderr"]
     pids = {p.stem: int(p.read_text()) for p in (run_dir / "pids").glob("*.pid")}
     assert not [n for n, pgid in pids.items() if group_alive(pgid)]
     children = [int(x) for f in (run_dir / "pids").glob("*.children") for x in f.read_text().split()]
     assert not [c for c in children if Path(f"/proc/{c}/cmdline").exists()
                 and b"async_vapo.verify.sandbox" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    # Prometheus scraped all four services and their own health gauges, and saw the learner and the engine advance
+    assert watch.up == {"replay": 1.0, "verifier": 1.0, "rollout": 1.0, "learner": 1.0}, watch.up
+    assert watch.own_up == {"replay": 1.0, "verifier": 1.0, "rollout": 1.0, "learner": 1.0}, watch.own_up
+    assert watch.learner_versions and watch.learner_versions[-1] == total, watch.learner_versions
+    assert len(set(watch.served)) >= 3 and max(watch.served) == total, watch.served
+    assert watch.in_rotation and watch.in_rotation[-1] == 1.0, watch.in_rotation
+    # held-out evaluations by the engine: before training, at the end, and between
+    evals = [r for r in (json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines())
+             if r["kind"] == "eval"]
+    assert {0, total} <= {r["version"] for r in evals} and len(evals) >= 3, [r["version"] for r in evals]
+    assert all(0.0 <= r["eval/accuracy"] <= 1.0 for r in evals)
+    assert (run_dir / "checkpoints" / f"step_{total}" / "learner_state.pt").exists()
+    # each service's last incarnation left its statistics (busy intervals, peak memory, the engine core counted)
+    from async_vapo.experiments.report import analyse_cluster_run
+
+    stats = {p.stem: json.loads(p.read_text()) for p in (run_dir / "stats").glob("*.json")}
+    assert set(stats) == {"replay-0", "verifier-0", "rollout-0", "learner-0"}
+    assert all(s["peak_rss_mib"] > 10 for s in stats.values())
+    assert stats["rollout-0"]["peak_rss_with_children_mib"] > stats["rollout-0"]["peak_rss_mib"]
+    fig = analyse_cluster_run(run_dir)
+    for stage in ("generate", "verify", "learn"):
+        assert 0 < fig["busy_fraction"][stage] <= 1, fig["busy_fraction"]
     assert took < BUDGET_S
