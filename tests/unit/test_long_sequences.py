@@ -164,7 +164,8 @@ def static_shapes():
 
 def test_packed_flex_forward_equals_padded(setup, static_shapes):
     """FlexAttention packing (BlockMask of the sequences) = the padded SDPA forward: logits, chunked log-probs and
-    critic values to 1e-5, on two packed lengths (the whole batch and 3 of its rows). Forward only on the CPU."""
+    critic values to 1e-5, the whole batch packed into one row. Forward only on the CPU (each packed length is a
+    compilation of its own: one, ~20 s here)."""
     _, base, batch = setup
     dev = _device()
     padded_model, flex_model = _policy(base).to(dev), _policy(base, "flex_attention").to(dev)
@@ -172,7 +173,7 @@ def test_packed_flex_forward_equals_padded(setup, static_shapes):
     with torch.no_grad():
         torch.nn.init.normal_(critic.score.weight, generator=torch.Generator().manual_seed(0))
         flex_critic.score.weight.copy_(critic.score.weight)
-        for rows in (list(range(8)), [1, 4, 6]):
+        for rows in (list(range(8)),):
             tb = batch.tokens.select(rows).to(dev)
             mask = tb.response_mask.bool()
             padded = response_logits(padded_model, tb, 0.7)
