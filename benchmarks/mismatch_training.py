@@ -220,6 +220,8 @@ def main() -> int:
     p.add_argument("--out-dir", default="benchmarks/results/mismatch/training")
     p.add_argument("--set", action="append", default=[], help="KEY=VALUE config override for every run")
     p.add_argument("--report", action="store_true", help="redraw README.md and curves.png from results.json")
+    p.add_argument("--append", action="store_true",
+                   help="add this invocation's runs to OUT_DIR/results.json (same scale, updates and evaluation)")
     args = p.parse_args()
     out_dir = Path(args.out_dir)
     if args.report:
@@ -248,9 +250,16 @@ def main() -> int:
                            "(perturb_accuracy.perturb_'s draw), the same at every version, the first included; "
                            "held-out evaluation on the learner's own weights",
            "engine_start_s": engine.start_seconds, "runs": []}
+    if args.append and (out_dir / "results.json").exists():
+        prev = json.loads((out_dir / "results.json").read_text())
+        if (prev["scale"], prev["updates"], prev["eval_every"]) != (args.scale, args.updates, args.eval_every):
+            raise SystemExit("--append: scale, updates or eval-every differ from results.json's")
+        doc["command"] = f"{prev['command']}; then {doc['command']}"
+        doc["seeds"] = sorted(set(prev["seeds"]) | set(doc["seeds"]))
+        doc["runs"] = prev["runs"]
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        for seed in doc["seeds"]:
+        for seed in [int(s) for s in args.seeds.split(",")]:
             for arm in args.arms.split(","):
                 doc["runs"].append(run_arm(args, arm, seed, engine, base))
                 write_result(out_dir / "results.json", doc)
