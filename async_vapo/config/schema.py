@@ -125,7 +125,9 @@ class ModelConfig(_Section):
     probability, the lowest and the mean log-prob so far, their sum, and the count of tokens below probability 1/2
     (``models.rl.logprob_features``), through a small MLP over [hidden state, features] added to the linear head (its
     output layer zero at the start). Never a token's own log-prob or a later one's. False = hidden states only (the
-    default). Recorded in the critic's HF config. Combines with ``critic_head_layers``."""
+    default). Recorded in the critic's HF config. Combines with ``critic_head_layers``. The held-out critic quality
+    reads the evaluation's log-probs: of another distribution than training's when ``rollout.eval_temperature`` or
+    ``eval_top_p`` differ from the training ones."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Compute dtype: the rollout engines run in it and receive weights in it; the learner keeps float32 master
     weights and AdamW state and runs its forwards and backwards under autocast to it (mixed precision; float16
