@@ -20,9 +20,12 @@ train: setup
 cluster: setup
 	bash deploy/start_cluster.sh --config $(CONFIG) --wait $(RUN) $(if $(ARGS),-- $(ARGS),)
 
+# Two pytest workers: the tests that start engines or clusters (or use the session's engines) run on one of them, one
+# after another (tests/conftest.py); the rest share the other's time. PYTEST_WORKERS=0 runs everything in one process.
+PYTEST_WORKERS ?= 2
 test: test-deps
 	.venv/bin/ruff check .
-	.venv/bin/python -m pytest -q --durations=25 $(ARGS)
+	.venv/bin/python -m pytest -q --durations=25 $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup) $(ARGS)
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
 
 # The documentation site (mkdocs.yml, docs/): served with live reload at http://127.0.0.1:8000.

@@ -10,6 +10,20 @@ import pytest
 from async_vapo.config import load_config
 from async_vapo.types import Group, Trajectory
 
+ENGINE_FIXTURES = {"vllm_engine", "continuous_engine"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """With pytest-xdist (``make test`` runs two workers, ``--dist loadgroup``): every test that starts engines,
+    clusters or long runs (``slow``, ``engines``) or uses the session's shared engines runs on one worker, one after
+    another, so the session's engines start once and no two engines or clusters compete for the two cores and the
+    memory; the rest share the other worker's time. Without xdist the mark does nothing."""
+    for item in items:
+        if (item.get_closest_marker("slow") or item.get_closest_marker("engines")
+                or ENGINE_FIXTURES & set(getattr(item, "fixturenames", ()))):
+            item.add_marker(pytest.mark.xdist_group("engines"))
+
+
 # A small embedded model that still learns the format: built once per session into a temp cache.
 TINY_TEST_OVERRIDES = [
     "base_model.hidden_size=64", "base_model.num_layers=2", "base_model.num_heads=2", "base_model.num_kv_heads=1",

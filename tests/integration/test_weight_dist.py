@@ -30,6 +30,7 @@ from async_vapo.weights.collective import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.engines  # rollout services with engines of their own, in subprocesses
 
 
 def test_buckets_are_bounded_and_keep_order():
