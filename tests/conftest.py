@@ -13,6 +13,7 @@ from async_vapo.types import Group, Trajectory
 ENGINE_FIXTURES = {"vllm_engine", "continuous_engine"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group marks into the node ids
 def pytest_collection_modifyitems(config, items):
     """With pytest-xdist (``make test`` runs two workers, ``--dist loadgroup``): every test that starts engines,
     clusters or long runs (``slow``, ``engines``) or uses the session's shared engines runs on one worker, one after
@@ -22,6 +23,12 @@ def pytest_collection_modifyitems(config, items):
         if (item.get_closest_marker("slow") or item.get_closest_marker("engines")
                 or ENGINE_FIXTURES & set(getattr(item, "fixturenames", ()))):
             item.add_marker(pytest.mark.xdist_group("engines"))
+            if getattr(config.option, "loadgroup", False) and hasattr(item, "_id"):
+                # pytest >= 9.2 derives nodeid from the structured ``_id``; pytest-xdist 3.8 appends the group to the
+                # old ``_nodeid``, which no longer reaches the scheduler: append it where the node id is read
+                from _pytest.nodeid import coerce_node_id
+
+                item._id = coerce_node_id(f"{item.nodeid}@engines")
 
 
 # A small embedded model that still learns the format: built once per session into a temp cache.
