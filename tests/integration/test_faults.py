@@ -3,9 +3,11 @@ every service, the engine silenced once and every service killed once. The super
 the learner takes the silent engine out of rotation and back, Prometheus sees every service and the training advance,
 the engine evaluates held-out problems, and the run loses nothing (async_vapo.deploy.faults); stop_cluster.sh leaves
 nothing. One fixed schedule, in order, each once the previous service is healthy (or back in rotation): the rollout
-engine's process group SIGSTOPped at version 1 for longer than the liveness deadline (then SIGCONT), the replay
-(SIGKILL) at version 2, the verifier at 3, the rollout engine at 4 and the learner in the middle of an update at
-version >= 6, two updates after its checkpoint at 4 (checkpoint_every 4). 9 updates, a held-out evaluation every 3.
+replay (SIGKILL) at version 1, the verifier at 2, the rollout engine at 3, the learner in the middle of an update at
+version >= 5, two updates after its checkpoint at 3 (checkpoint_every 3), and once the learner is back, the rollout
+engine's process group SIGSTOPped at version >= 8 for longer than the liveness deadline (then SIGCONT). 16 updates
+(an update takes about a second here: the last ones need the engine back, so the run cannot end before it rejoins),
+a held-out evaluation every 4.
 One cluster start serves what were three tests (end to end with Prometheus, a stopped engine, the kills). Budget:
 about 4 minutes here, at most 10. The random schedules and the comparison with an undisturbed run are
 benchmarks/faults.py."""
@@ -86,22 +88,23 @@ def test_cluster_end_to_end_under_faults_scraped_by_prometheus(tiny_cfg, tiny_ba
     prometheus = shutil.which("prometheus")
     if prometheus is None:
         pytest.skip("the prometheus binary is not installed (.ci/install_prometheus.sh installs Debian's package)")
-    total = 9
+    total = 16
+    ckpt_every = 3
     ports = free_ports(len(PortsConfig.model_fields) + 1)
     prom_port = ports.pop()
     ports = dict(zip(PortsConfig.model_fields, ports, strict=True))
     config = tmp_path / "cluster.toml"
     config.write_text("[cluster.ports]\n" + "".join(f"{k} = {p}\n" for k, p in ports.items()))
     overrides = [*TINY_TEST_OVERRIDES, f"model.cache_dir={tiny_cfg.model.cache_dir}", f"train.total_steps={total}",
-                 "train.checkpoint_every=4", "train.eval_every=3", "async.max_staleness=1",
+                 f"train.checkpoint_every={ckpt_every}", "train.eval_every=4", "async.max_staleness=1",
                  "cluster.wire.heartbeat_s=0.5", "cluster.wire.peer_dead_s=5",
                  # groups lost in flight to a killed verifier or replay are made up once the learner has reported
                  # waiting this long since the engine last shipped; the timer refill is kept out of the way
                  "cluster.rollout.admission_starved_s=3", "cluster.rollout.admission_refill_s=120",
                  "cluster.deploy.health_timeout_s=240", "cluster.deploy.stop_grace_s=15"]
-    # a silent engine: stopped for longer than peer_dead_s, then continued
-    plan = [Fault("stop", "rollout-0", 1, duration_s=8), Fault("kill", "replay", 2), Fault("kill", "verifier", 3),
-            Fault("kill", "rollout-0", 4), Fault("kill", "learner", 6, when="mid_update")]
+    # the last: a silent engine, stopped for longer than peer_dead_s, then continued
+    plan = [Fault("kill", "replay", 1), Fault("kill", "verifier", 2), Fault("kill", "rollout-0", 3),
+            Fault("kill", "learner", 5, when="mid_update"), Fault("stop", "rollout-0", 8, duration_s=8)]
     run_dir = tmp_path / "run"
     py = REPO / ".venv" / "bin" / "python"
     env = {**os.environ, "PYTHON": str(py) if py.exists() else "python"}
@@ -141,8 +144,8 @@ def test_cluster_end_to_end_under_faults_scraped_by_prometheus(tiny_cfg, tiny_ba
 
     a = report["audit"]
     assert report["done_s"] is not None and a["reached_total_steps"], logs()
-    stop, kills = report["faults"][0], report["faults"][1:]
-    assert stop["fired_at"] is not None and stop["version_at_fire"] >= 1, stop
+    kills, stop = report["faults"][:-1], report["faults"][-1]
+    assert stop["fired_at"] is not None and stop["version_at_fire"] >= 8, stop
     # the learner took the silent engine out of rotation at its liveness deadline and back once it spoke again
     assert stop["left_rotation"] and stop["rejoined_s"] is not None and stop["progress_s"] is not None, (stop, logs())
     assert "rollout-0 silent for more than 5 s: out of rotation" in (run_dir / "logs" / "learner.log").read_text()
@@ -157,12 +160,12 @@ def test_cluster_end_to_end_under_faults_scraped_by_prometheus(tiny_cfg, tiny_ba
     for name in ("replay", "verifier", "rollout-0", "learner"):  # two starts each, the PID file names the second
         starts = (run_dir / "supervisor" / f"{name}.starts").read_text().split()
         assert len(starts) == 2 and starts[-1] == (run_dir / "pids" / f"{name}.pid").read_text().strip(), name
-    # the learner resumed from its newest checkpoint (step 4 when the schedule runs on time: updates 5 and 6 lost with
+    # the learner resumed from its newest checkpoint (step 3 when the schedule runs on time: updates 4 and 5 lost with
     # it); the updates since were made again and the groups it had been served since were stored again
     killed = next(f for f in kills if f["fault"]["service"] == "learner")
-    ckpt = killed["version_at_fire"] // 4 * 4
+    ckpt = killed["version_at_fire"] // ckpt_every * ckpt_every
     resumed = "learner: resumed from " + str(run_dir / "checkpoints" / f"step_{ckpt}")
-    assert ckpt >= 4 and resumed in (run_dir / "logs" / "learner.log").read_text(), killed
+    assert ckpt >= ckpt_every and resumed in (run_dir / "logs" / "learner.log").read_text(), killed
     if killed["version_at_fire"] > ckpt:
         assert a["updates_redone"] >= killed["version_at_fire"] - ckpt, a
         assert a["fates"].get("requeued", 0) > 0, a["fates"]
