@@ -150,15 +150,18 @@ FAST = ["base_model.hidden_size=32", "base_model.num_layers=1", "base_model.num_
         "optim.actor_lr=1e-2", "optim.critic_lr=1e-2"]
 
 
-def _groups(tok) -> list[Group]:
-    rng = random.Random(0)
+def _groups(tok, rng: random.Random | None = None, behavior=lambda rng: -1.0) -> list[Group]:
+    """Two groups of 4 short arithmetic responses, rewards alternating. ``behavior(rng)``: the engine's log-prob of
+    each response token, drawn in turn (None: the engine reported none)."""
+    rng = random.Random(0) if rng is None else rng
     groups = []
     for g in range(2):
         samples = []
         for k in range(4):
             text = f"{rng.randint(0, 9)}+{rng.randint(0, 9)}=" + "7" * rng.randint(1, 12)
             ids = tok(text).input_ids + [tok.eos_token_id]
-            samples.append(Trajectory(response_ids=ids, behavior_logprobs=[-1.0] * len(ids), finish_reason="stop",
+            blp = [] if behavior is None else [behavior(rng) for _ in ids]
+            samples.append(Trajectory(response_ids=ids, behavior_logprobs=blp, finish_reason="stop",
                                       reward=1.0 if k % 2 else -1.0, correct=bool(k % 2), verdict="x"))
         groups.append(Group(uid=f"g{g}", prompt="p", answer="7", prompt_ids=tok(f"{g}+1")["input_ids"], version=0,
                             samples=samples))

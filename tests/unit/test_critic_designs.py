@@ -3,10 +3,9 @@ a trivial target, reads log-probs causally, and survives a learner checkpoint, i
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
+from conftest import _groups
 from transformers import AutoTokenizer
 
 from async_vapo.config import load_config
@@ -20,7 +19,6 @@ from async_vapo.models.rl import (
     make_token_batch,
     response_values,
 )
-from async_vapo.types import Group, Trajectory
 
 FAST = ["base_model.hidden_size=32", "base_model.num_layers=1", "base_model.num_heads=2",
         "base_model.num_kv_heads=1", "base_model.intermediate_size=64", "base_model.sft_steps=3",
@@ -115,21 +113,6 @@ def test_logprob_critic_reads_only_the_logprobs_before_each_token(base):
         response_values(critic, tb)
 
 
-def _groups(tok, rng: random.Random) -> list[Group]:
-    groups = []
-    for g in range(2):
-        samples = []
-        for k in range(4):
-            ids = tok(f"{rng.randint(0, 9)}+{rng.randint(0, 9)}=" + "7" * rng.randint(1, 12)).input_ids
-            ids.append(tok.eos_token_id)
-            blp = [-rng.random() * 2 for _ in ids]
-            samples.append(Trajectory(response_ids=ids, behavior_logprobs=blp, finish_reason="stop",
-                                      reward=1.0 if k % 2 else -1.0, correct=bool(k % 2), verdict="x"))
-        groups.append(Group(uid=f"g{g}", prompt="p", answer="7", prompt_ids=tok(f"{g}+1").input_ids, version=0,
-                            samples=samples))
-    return groups
-
-
 def test_learner_trains_a_designed_critic_and_its_checkpoint_and_export_load_again(base, tmp_path):
     from async_vapo.learner.export import export
 
@@ -137,7 +120,7 @@ def test_learner_trains_a_designed_critic_and_its_checkpoint_and_export_load_aga
                    "optim.critic_lr=3e-3"]
     cfg = load_config([], over)
     tok = AutoTokenizer.from_pretrained(str(base))
-    batch = make_rollout_batch(_groups(tok, random.Random(0)), tok.pad_token_id)
+    batch = make_rollout_batch(_groups(tok, behavior=lambda rng: -rng.random() * 2), tok.pad_token_id)
     torch.manual_seed(0)
     learner = Learner(cfg, base)
     assert CriticDesign.of(learner.critic) == CriticDesign(head_layers=1, logprobs=True)

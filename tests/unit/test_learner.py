@@ -3,16 +3,14 @@ engines' dtype) and the learning-rate warm-up of each optimiser, across a checkp
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
+from conftest import _groups
 from transformers import AutoTokenizer
 
 from async_vapo.config import load_config
 from async_vapo.learner.vapo import Learner, make_rollout_batch
 from async_vapo.models.base_model import ensure_base_model
-from async_vapo.types import Group, Trajectory
 
 FAST = ["base_model.hidden_size=32", "base_model.num_layers=1", "base_model.num_heads=2",
         "base_model.num_kv_heads=1", "base_model.intermediate_size=64", "base_model.sft_steps=3",
@@ -32,18 +30,7 @@ def make(cache, *overrides: str, behavior: float | None = None) -> tuple[Learner
     cfg = load_config([], FAST + [f"model.cache_dir={cache}", *overrides])
     base = ensure_base_model(cfg, progress=False)
     tok = AutoTokenizer.from_pretrained(str(base))
-    rng = random.Random(0)
-    groups = []
-    for g in range(2):
-        samples = []
-        for k in range(4):
-            ids = tok(f"{rng.randint(0, 9)}+{rng.randint(0, 9)}=" + "7" * rng.randint(1, 12)).input_ids
-            ids.append(tok.eos_token_id)
-            blp = [] if behavior is None else [behavior] * len(ids)
-            samples.append(Trajectory(response_ids=ids, behavior_logprobs=blp, finish_reason="stop",
-                                      reward=1.0 if k % 2 else -1.0, correct=bool(k % 2), verdict="x"))
-        groups.append(Group(uid=f"g{g}", prompt="p", answer="7", prompt_ids=tok(f"{g}+1").input_ids, version=0,
-                            samples=samples))
+    groups = _groups(tok, behavior=None if behavior is None else (lambda rng: behavior))
     torch.manual_seed(0)
     return Learner(cfg, base), make_rollout_batch(groups, tok.pad_token_id)
 
