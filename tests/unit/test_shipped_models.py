@@ -23,9 +23,8 @@ def test_the_shipped_models_are_those_the_embedded_default_builds():
     When this fails after a recipe or config change: `async-vapo make-base --config configs/tiny_cpu.toml
     --force --ship` rebuilds them and replaces the shipped copies."""
     cfg = load_config(["configs/tiny_cpu.toml"])
-    models = ship.manifest()["models"]
-    assert models["base"]["key"] == base_model_key(cfg)
-    assert models["reward_critic"]["key"] == reward_critic_key(cfg)
+    assert ship.shipped_entry("base", base_model_key(cfg)) is not None
+    assert ship.shipped_entry("reward_critic", reward_critic_key(cfg)) is not None
     size = 0
     for kind, key in (("base", base_model_key(cfg)), ("reward_critic", reward_critic_key(cfg))):
         d = ship.shipped_model(kind, key)  # raises on a file that does not match its SHA-256
@@ -52,7 +51,7 @@ def test_a_cold_cache_gets_the_shipped_build(tmp_path, shipped, capsys):
     assert {p.name: p.read_bytes() for p in path.iterdir()} == {p.name: p.read_bytes() for p in built.iterdir()}
     assert "the shipped build (SHA-256 checked)" in capsys.readouterr().err
     manifest = json.loads((shipped_dir / "MANIFEST.json").read_text())
-    assert manifest["recipe"] == "test" and manifest["models"]["base"]["dir"] == built.name
+    assert [(e["kind"], e["recipe"], e["dir"]) for e in manifest["models"]] == [("base", "test", built.name)]
 
 
 def test_a_damaged_shipped_build_is_rebuilt_with_the_reason(tmp_path, shipped, capsys):
@@ -73,3 +72,31 @@ def test_another_config_builds_its_own(tmp_path, shipped, capsys):
     path = ensure_base_model(cfg, progress=False)
     assert "no shipped base model for this config" in capsys.readouterr().err
     assert json.loads((path / "async_vapo_base.json").read_text())["key"] == base_model_key(cfg)
+
+
+def test_a_second_config_ships_beside_the_first_and_a_reship_replaces_its_own(tmp_path, shipped):
+    """Two configs' builds ship side by side; shipping again from one command replaces only that command's."""
+    shipped_dir, built = shipped
+    other = load_config([], FAST + ["base_model.seed=1", f"model.cache_dir={tmp_path / 'build'}"])
+    other_built = make_base(other, base_model_path(other), progress=False)
+    ship.ship({"base": (base_model_key(other), other_built)}, recipe="other")
+    first = load_config([], FAST + [f"model.cache_dir={tmp_path / 'build'}"])
+    assert ship.shipped_model("base", base_model_key(first)) == shipped_dir / built.name
+    assert ship.shipped_model("base", base_model_key(other)) == shipped_dir / other_built.name
+    again = load_config([], FAST + ["base_model.seed=2", f"model.cache_dir={tmp_path / 'build'}"])
+    again_built = make_base(again, base_model_path(again), progress=False)
+    ship.ship({"base": (base_model_key(again), again_built)}, recipe="other")
+    assert ship.shipped_model("base", base_model_key(other)) is None
+    assert not (shipped_dir / other_built.name).exists()
+    assert ship.shipped_model("base", base_model_key(first)) is not None
+    assert sorted(p.name for p in shipped_dir.iterdir() if p.is_dir()) == sorted([built.name, again_built.name])
+
+
+def test_a_manifest_of_the_one_build_per_kind_layout_still_reads(tmp_path):
+    old = {"recipe": "async-vapo make-base --config configs/tiny_cpu.toml --ship", "torch": "2.13.0+cpu",
+           "models": {"base": {"dir": "tiny-base-abc", "key": "abc", "files": {}},
+                      "reward_critic": {"dir": "tiny-rm-def", "key": "def", "files": {}}}}
+    (tmp_path / "MANIFEST.json").write_text(json.dumps(old))
+    assert ship.shipped_entry("base", "abc", tmp_path)["dir"] == "tiny-base-abc"
+    assert ship.shipped_entry("reward_critic", "def", tmp_path)["recipe"] == old["recipe"]
+    assert ship.shipped_entry("base", "def", tmp_path) is None
