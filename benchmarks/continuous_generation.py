@@ -16,6 +16,11 @@ Same prompts (the config's training problems, its prompt encoder), same ``rollou
   ``in_flight() + group_size <= max_num_seqs``. Tokens/s over the whole run (its last groups drain as a lock-step
   call's tail does) and over the admission window (until the last group was submitted: the steady state of a service
   that never runs out of prompts).
+* **decode step time by batch size** (``--probe-sizes``): ``size`` sequences of exactly ``--probe-steps`` tokens on
+  the lock-step engine. From it, the *bound in seconds*: the lock-step calls' decode time modelled step by step
+  (step t over the responses longer than t) against the same tokens at ``max_num_seqs`` sequences per step. Where
+  a step's time grows in proportion to its sequences (a compute-bound CPU), a short step is cheap and this bound
+  is far below the step-counting one.
 * **weight updates**: the continuous run again over ``--update-prompts`` prompts with one update (the same weights
   loaded as a new version) made from another thread at ``--update-at`` of the run's measured length without one, in
   each mode (``keep`` with and without KV recompute, ``wait``, ``abort``), ``--reps`` times with the modes and a run
@@ -64,7 +69,7 @@ def run_lockstep(engine, prompts, per_call, kw) -> dict:
         t = time.perf_counter()
         out = engine.generate(batch, seed=kw["seed"] + c, **{k: v for k, v in kw.items() if k != "seed"})
         lens = [len(s.token_ids) for g in out for s in g]
-        calls.append({"seconds": time.perf_counter() - t, "tokens": sum(lens),
+        calls.append({"seconds": time.perf_counter() - t, "tokens": sum(lens), "lengths": lens,
                       "tail_fraction": tail_fraction(lens, engine.spec.max_num_seqs),
                       "tail_fraction_call": tail_fraction(lens, min(len(lens), engine.spec.max_num_seqs))})
         lengths += lens
@@ -72,6 +77,41 @@ def run_lockstep(engine, prompts, per_call, kw) -> dict:
     return {"seconds": wall, "tokens": sum(lengths), "tokens_per_s": sum(lengths) / wall, "calls": calls,
             "tail_fraction": statistics.fmean(c["tail_fraction"] for c in calls),
             "tail_fraction_call": statistics.fmean(c["tail_fraction_call"] for c in calls), "lengths": lengths}
+
+
+def probe_batches(engine, prompts, kw, sizes: list[int], steps: int) -> dict[int, float]:
+    """Seconds per decode step at each batch size: ``size`` sequences (``size / n`` prompts x ``n`` samples) of
+    exactly ``steps`` tokens (``steps`` below the shortest response, so none ends early), prompt prefill included."""
+    out = {}
+    for size in sizes:
+        batch = prompts[: max(1, size // kw["n"])]
+        t = time.perf_counter()
+        res = engine.generate(batch, **{**kw, "max_tokens": steps})
+        lens = [len(s.token_ids) for g in res for s in g]
+        out[size] = (time.perf_counter() - t) / max(lens)
+    return out
+
+
+def step_seconds(probe: dict[int, float], b: int) -> float:
+    """Seconds of one decode step over ``b`` sequences, interpolated linearly between the probed sizes."""
+    sizes = sorted(probe)
+    if b <= sizes[0]:
+        return probe[sizes[0]]
+    for lo, hi in zip(sizes, sizes[1:], strict=False):
+        if b <= hi:
+            return probe[lo] + (probe[hi] - probe[lo]) * (b - lo) / (hi - lo)
+    return probe[sizes[-1]] * b / sizes[-1]
+
+
+def seconds_bound(calls: list[dict], probe: dict[int, float], full: int) -> dict[str, float]:
+    """The lock-step calls' decode time from the probed step times (step t runs the responses longer than t)
+    against the same tokens at ``full`` sequences per step: the bound on continuous generation's gain counted in
+    seconds, where the tail fraction counts steps (a step over fewer sequences is shorter)."""
+    lock = sum(step_seconds(probe, sum(1 for n in c["lengths"] if n > t))
+               for c in calls for t in range(max(c["lengths"])))
+    tokens = sum(sum(c["lengths"]) for c in calls)
+    ideal = tokens / full * step_seconds(probe, full)
+    return {"lockstep_model_s": lock, "full_batch_model_s": ideal, "bound": lock / ideal}
 
 
 def run_continuous(engine, prompts, kw, *, update=None) -> dict:
@@ -112,6 +152,9 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--modes", default="keep,keep_no_recompute,wait,abort")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--probe-sizes", default="8,32,64,128,256",
+                   help="batch sizes whose decode step time is measured (the seconds-based bound)")
+    p.add_argument("--probe-steps", type=int, default=64)
     p.add_argument("--out", required=True)
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
@@ -149,6 +192,8 @@ def main() -> int:
     try:
         eng.generate(prompts[:2], **kw)  # warm-up
         lock = run_lockstep(eng, prompts, per_call, kw)
+        sizes = [int(x) for x in args.probe_sizes.split(",") if x] if args.probe_sizes else []
+        probe = probe_batches(eng, prompts, kw, sizes, args.probe_steps) if sizes else {}
     finally:
         eng.close()
     print(f"  {lock['tokens_per_s']:.0f} tokens/s, tail fraction {lock['tail_fraction']:.3f}", flush=True)
@@ -205,11 +250,19 @@ def main() -> int:
     doc["tail_bound"] = 1 / (1 - lock["tail_fraction"]) if lock["tail_fraction"] < 1 else None
     doc["call_tail_bound"] = 1 / (1 - lock["tail_fraction_call"])
     doc["admission_window_s"] = window
+    if probe:
+        doc["batch_probe"] = {"steps": args.probe_steps, "step_s": {str(b): v for b, v in probe.items()},
+                              "tokens_per_s": {str(b): b / v for b, v in probe.items()}}
+        doc["seconds_bound"] = seconds_bound(lock["calls"], probe, spec.max_num_seqs)
+    doc["lockstep"]["calls"] = [{**c, "lengths": percentiles(c["lengths"])} for c in lock["calls"]]
     doc["lengths"] = {"lockstep": percentiles(lock["lengths"]), "continuous": percentiles(cont["lengths"])}
     doc["updates"] = updates
     write_result(args.out, doc)
     print(f"speedup {doc['speedup']:.2f}x (lock-step tail fraction {lock['tail_fraction']:.3f}, of the call's own "
           f"size {lock['tail_fraction_call']:.3f})")
+    if probe:
+        print("decode tokens/s by batch size: " + ", ".join(f"{b}: {b / v:.0f}" for b, v in probe.items())
+              + f"; bound in seconds {doc['seconds_bound']['bound']:.2f}x")
     return 0
 
 
