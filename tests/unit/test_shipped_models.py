@@ -18,11 +18,12 @@ FAST = ["base_model.hidden_size=32", "base_model.num_layers=1", "base_model.num_
         "rollout.max_response_tokens=30", "train.threads=1"]
 
 
-def test_the_shipped_models_are_those_the_embedded_default_builds():
-    """configs/tiny_cpu.toml's base model and critic ship, under the keys its config builds them with, intact.
-    When this fails after a recipe or config change: `async-vapo make-base --config configs/tiny_cpu.toml
-    --force --ship` rebuilds them and replaces the shipped copies."""
-    cfg = load_config(["configs/tiny_cpu.toml"])
+@pytest.mark.parametrize("config", ["configs/tiny_cpu.toml", "configs/tiny_long_cpu.toml"])
+def test_the_shipped_models_are_those_the_tiny_configs_build(config):
+    """The embedded default's and the long task's base model and critic ship, under the keys their configs build
+    them with, intact. When this fails after a recipe or config change: `async-vapo make-base --config CONFIG
+    --force --ship` rebuilds them and replaces that config's shipped copies."""
+    cfg = load_config([config])
     assert ship.shipped_entry("base", base_model_key(cfg)) is not None
     assert ship.shipped_entry("reward_critic", reward_critic_key(cfg)) is not None
     size = 0
