@@ -89,6 +89,9 @@ def probe_batches(engine, prompts, kw, sizes: list[int], steps: int) -> dict[int
         res = engine.generate(batch, **{**kw, "max_tokens": steps})
         lens = [len(s.token_ids) for g in res for s in g]
         out[size] = (time.perf_counter() - t) / max(lens)
+        if min(lens) < steps:
+            print(f"  probe at {size}: a response ended after {min(lens)} of {steps} tokens, so its steps ran "
+                  "fewer sequences; lower --probe-steps below the shortest response", file=sys.stderr)
     return out
 
 

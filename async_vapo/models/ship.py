@@ -102,8 +102,7 @@ def _command(recipe: str) -> list[str]:
 def ship(models: dict[str, tuple[str, Path]], shipped_dir: Path | None = None, recipe: str = "") -> Path:
     """Ship ``models`` (kind -> (key, built cache directory)), built by the command ``recipe``, and write the
     manifest. They replace the shipped builds of the same kind and key and those the same command (``--force``
-    aside) shipped before;
-    other configs' builds stay."""
+    aside) shipped before; other configs' builds stay."""
     import torch
     import transformers
 
