@@ -30,7 +30,8 @@ FAKE_ENGINE = textwrap.dedent("""
     import datetime, json, os, sys, torch, torch.distributed as dist
     addr, port, prefix, die_after, sizes, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), \\
         json.loads(sys.argv[5]), sys.argv[6]
-    t = datetime.timedelta(seconds=30)
+    print("ready", flush=True)  # imported: joins at once from here (a loaded machine imports torch slowly)
+    t = datetime.timedelta(seconds=120)
     store = dist.TCPStore(addr, port, 2, is_master=False, timeout=t)
     g = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), 1, 2, t)
     got = []
@@ -68,18 +69,21 @@ def main() -> None:
         if rank == 0:
             sizes = [b.nbytes for b in plan_buckets(engine_meta(learner.policy, dtype), BUCKET_BYTES)]
             for engine, die_after in ENGINES.items():
-                g = EngineGroup(engine, timeout_s=10)
+                # each broadcast within 20 s (the dying engine's failure), the join within 120 s
+                g = EngineGroup(engine, timeout_s=20, join_timeout_s=120)
                 i = g.init_info
                 procs.append(subprocess.Popen([sys.executable, "-c", FAKE_ENGINE, i["master_addr"],
                                                str(i["master_port"]), i["prefix"], str(die_after), json.dumps(sizes),
-                                               str(out / f"{engine}.pt")]))
+                                               str(out / f"{engine}.pt")], stdout=subprocess.PIPE, text=True))
                 groups.append(g)
-        got = stream_sharded(learner.policy, dtype, groups, bucket_bytes=BUCKET_BYTES, timeout_s=20)
+            for p in procs:
+                assert p.stdout.readline() == "ready\n"
+        got = stream_sharded(learner.policy, dtype, groups, bucket_bytes=BUCKET_BYTES, timeout_s=180)
         dtensors = sum(isinstance(v, DTensor) for v in learner.policy.state_dict().values())
         results = {e: (type(r).__name__, str(r)) for e, r in got["results"].items()}
         torch.save({**got, "results": results, "dtensors": dtensors}, out / f"stream.{rank}")
         for p in procs:
-            p.wait(timeout=30)
+            p.wait(timeout=120)
     finally:
         for p in procs:
             p.kill()
