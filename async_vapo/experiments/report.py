@@ -114,8 +114,17 @@ def analyse_cluster_run(run: Path) -> dict:
         "learn_s_per_update": statistics.fmean(r["time/learn_s"] for r in train),
         "wait_s_per_update": statistics.fmean(r["time/wait_batch_s"] for r in train),
         "critic_by_age": critic, "evals": evals, "peak_rss_mib": memory,
+        # how old the trained tokens were (rows of runs before per-token versions lack these: None)
+        "token_lag_mean": _mean_of(train, "replay/token_lag_mean"),
+        "token_lag_max": max((r["replay/token_lag_max"] for r in train if "replay/token_lag_max" in r), default=None),
+        "multi_version_samples": _mean_of(train, "replay/multi_version_samples"),
         "final_accuracy": evals[-1][1] if evals else None,
     }
+
+
+def _mean_of(rows: list[dict], key: str) -> float | None:
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.fmean(vals) if vals else None
 
 
 def analyse_one_process_run(run: Path) -> dict:
@@ -133,9 +142,8 @@ def analyse_one_process_run(run: Path) -> dict:
 
 
 def report_async(out: Path) -> dict:
-    runs = sorted((d for d in out.iterdir() if d.is_dir() and d.name.startswith("staleness_")),
-                  key=lambda d: int(d.name.split("_")[1]))
-    res = {int(d.name.split("_")[1]): analyse_cluster_run(d) for d in runs if (d / "metrics.jsonl").exists()}
+    runs = sorted((d for d in out.iterdir() if d.is_dir() and d.name.startswith("staleness_")), key=_run_order)
+    res = {_run_key(d): analyse_cluster_run(d) for d in runs if (d / "metrics.jsonl").exists()}
     if 0 not in res:
         raise ValueError(f"{out}: no staleness_0 run (the synchronous reference)")
     sync = res[0]
@@ -179,6 +187,12 @@ def report_async(out: Path) -> dict:
             err = "–" if not c or c["value_error_abs"] is None else f"{c['value_error_abs']:.3f}"
             cells.append("–" if not c else f"{err} / {ev} / {c['samples']}")
         critic_rows.append(f"| {s} | " + " | ".join(cells) + " |")
+    lag_rows = ["| max_staleness | mean token lag | max token lag | samples under more than one version |",
+                "|---|---|---|---|"]
+    for s, r in res.items():
+        if r["token_lag_mean"] is not None:
+            lag_rows.append(f"| {s} | {r['token_lag_mean']:.3f} | {r['token_lag_max']} | "
+                            f"{r['multi_version_samples']:.1%} |")
     services = sorted({k for r in res.values() for k in r["peak_rss_mib"]})
     mem_rows = ["| max_staleness | " + " | ".join(services) + " |", "|---|" + "---|" * len(services)]
     for s, r in res.items():
@@ -220,6 +234,8 @@ def report_async(out: Path) -> dict:
         f"Best bound: max_staleness = {best}: **{res[best]['speedup_vs_sync']:.2f}× sync** samples/s, pipeline "
         f"efficiency **{res[best]['pipeline_efficiency']:.2f}**.", "",
         *one_text,
+        *(["## Token-version lag at training time (the learner's version minus the version that sampled each "
+           "trained token; mean over updates)", "", "\n".join(lag_rows), ""] if len(lag_rows) > 2 else []),
         "## Critic error by sample age (before each update, pooled over updates)", "", "\n".join(critic_rows), "",
         "## Peak resident memory per service (MiB, with child processes: vLLM engine core, sandbox workers)", "",
         "\n".join(mem_rows), "",
@@ -227,8 +243,20 @@ def report_async(out: Path) -> dict:
     (out / "async_vs_sync.md").write_text("\n".join(text))
     (out / "async_vs_sync.json").write_text(json.dumps(summary, indent=2) + "\n")
     _plot_async(out, res, alone, slowest)
-    _plot_timeline(out, sorted({0, best}))
+    _plot_timeline(out, [0] if best == 0 else [0, best])
     return summary
+
+
+def _run_order(d: Path) -> tuple[int, str]:
+    bound, _, label = d.name.removeprefix("staleness_").partition("_")
+    return int(bound), label
+
+
+def _run_key(d: Path) -> int | str:
+    """``staleness_<s>`` -> s; ``staleness_<s>_<label>`` (the same bound in another mode, e.g. ``continuous``) ->
+    "<s>_<label>", its run directory's suffix."""
+    bound, label = _run_order(d)
+    return f"{bound}_{label}" if label else bound
 
 
 def _config_name(out: Path) -> str:

@@ -25,7 +25,9 @@ def _write_run(run, *, step_s: float, gen: float, learn: float, ages: list[int],
         busy_l.append(["learn", end - learn, end])
         busy_r.append(["generate", end - learn - gen, end - learn])
         row = {"kind": "train", "step": k, "version": k, "wall_s": end, "samples_seen": 128 * k,
-               "time/learn_s": learn, "time/wait_batch_s": step_s - learn, "replay/max_age": max(ages)}
+               "time/learn_s": learn, "time/wait_batch_s": step_s - learn, "replay/max_age": max(ages),
+               "replay/token_lag_mean": 0.1 * max(ages) * k, "replay/token_lag_max": max(ages),
+               "replay/multi_version_samples": 0.05 * max(ages)}
         for a in ages:
             row |= {f"critic_age/{a}/samples": 64.0, f"critic_age/{a}/value_error_abs": 0.5 + 0.1 * a,
                     f"critic_age/{a}/explained_variance": 0.2 - 0.1 * a}
@@ -68,6 +70,24 @@ def test_async_report_ratios_against_the_synchronous_run(tmp_path):
         assert (tmp_path / f).stat().st_size > 0
     with pytest.raises(ValueError, match="staleness_0"):
         report_async(tmp_path / "staleness_1")
+
+
+def test_async_report_puts_a_bound_run_in_another_mode_beside_its_plain_run(tmp_path):
+    # staleness_1_continuous: the same bound with continuous generation (benchmarks/async_vs_sync.sh
+    # CONTINUOUS_BOUNDS), 5.6 s per update against the lock-step run's 6.4
+    _write_run(tmp_path / "staleness_0", step_s=8.0, gen=2.0, learn=6.0, ages=[0])
+    _write_run(tmp_path / "staleness_1", step_s=6.4, gen=2.0, learn=6.0, ages=[0, 1])
+    _write_run(tmp_path / "staleness_1_continuous", step_s=5.6, gen=2.0, learn=5.0, ages=[0, 1])
+    s = report_async(tmp_path)
+    assert list(s["runs"]) == ["0", "1", "1_continuous"]
+    assert s["best_bound"] == "1_continuous"
+    assert s["best_speedup_vs_sync"] == pytest.approx(8 / 5.6)
+    assert s["runs"]["1"]["speedup_vs_sync"] == pytest.approx(8 / 6.4)
+    md = (tmp_path / "async_vs_sync.md").read_text()
+    assert "| 1_continuous | 22.86 | 1.43 |" in md
+    assert s["runs"]["1_continuous"]["token_lag_mean"] == pytest.approx(0.3)  # 0.1 × (1 + ... + 5) / 5
+    assert "| 1_continuous | 0.300 | 1 | 5.0% |" in md
+    assert (tmp_path / "timeline.png").stat().st_size > 0
 
 
 def test_async_report_against_the_one_process_trainer(tmp_path):
