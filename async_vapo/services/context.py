@@ -147,13 +147,17 @@ class ServiceContext:
             yield
         finally:
             self.metrics.set_health(busy="")
-            t1 = time.time()
-            self.metrics.get("busy_seconds_total").labels(stage=stage).inc(t1 - t0)
-            try:
-                with (self.stats_dir() / f"{self.name}.busy.jsonl").open("a") as f:
-                    f.write(f'["{stage}", {t0 - self.t0:.4f}, {t1 - self.t0:.4f}]\n')
-            except OSError:  # statistics never stop a service
-                pass
+            self.record_busy(stage, t0, time.time())
+
+    def record_busy(self, stage: str, t0: float, t1: float) -> None:
+        """``busy``'s record of [t0, t1] (``time.time()`` seconds) for work that is not one block of code, e.g. the
+        continuous engine's time with requests in flight."""
+        self.metrics.get("busy_seconds_total").labels(stage=stage).inc(t1 - t0)
+        try:
+            with (self.stats_dir() / f"{self.name}.busy.jsonl").open("a") as f:
+                f.write(f'["{stage}", {t0 - self.t0:.4f}, {t1 - self.t0:.4f}]\n')
+        except OSError:  # statistics never stop a service
+            pass
 
     def stats_dir(self) -> Path:
         d = self.run_dir / "stats"

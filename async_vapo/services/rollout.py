@@ -212,6 +212,8 @@ class ContinuousDriver:
         self._occupancy = 0.0
         self._occupancy_at = time.monotonic()
         self._reprefilled = 0
+        self._busy_since: float | None = None
+        """``time.time()`` since when the engine has had requests in flight (the ``generate`` stage is busy)."""
 
     def step(self) -> None:
         self._drop_unusable()
@@ -285,6 +287,20 @@ class ContinuousDriver:
         self._occupancy = (1 - w) * self._occupancy + w * min(1.0, n / self.max_in_flight)
         self._occupancy_at = now
         self.m.get("engine_occupancy_ratio").set(self._occupancy)
+        self._busy(n > 0)
+
+    def _busy(self, busy: bool, flush_s: float = 5.0) -> None:
+        """The ``generate`` stage is busy while requests are in flight: recorded as the lock-step calls' are
+        (``ServiceContext.record_busy``), cut every ``flush_s`` so that a long busy span is on disk as it goes."""
+        now = time.time()
+        if busy and self._busy_since is None:
+            self._busy_since = now
+            self.svc.ctx.metrics.set_health(busy="generate")
+        elif self._busy_since is not None and (not busy or now - self._busy_since >= flush_s):
+            self.svc.ctx.record_busy("generate", self._busy_since, now)
+            self._busy_since = now if busy else None
+            if not busy:
+                self.svc.ctx.metrics.set_health(busy="")
 
     def loaded(self) -> None:
         """A version was loaded: how long generation paused, and the tokens prefilled again."""
@@ -296,6 +312,7 @@ class ContinuousDriver:
         self._reprefilled = total
 
     def abort_all(self) -> None:
+        self._busy(False)
         for key in list(self.pending):
             try:
                 self.engine.abort(key)

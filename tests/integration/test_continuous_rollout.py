@@ -90,6 +90,11 @@ def test_keep_trains_within_the_bound_of_every_token(continuous_engine, tiny_cfg
     assert figures["groups_shipped_total"] >= 3 * cfg.algo.prompts_per_step
     assert figures["aborted"]["error"] == 0
     assert figures["pauses"] > 0  # each version paused the engine
+    # the engine's time with requests in flight is the generate stage's busy time, as a lock-step call's is
+    busy = [json.loads(x) for x in (tmp_path / "run" / "stats" / "rollout-0.busy.jsonl").read_text().splitlines()]
+    generate = [(a, b) for stage, a, b in busy if stage == "generate"]
+    assert generate and all(b >= a for a, b in generate)
+    assert sum(b - a for a, b in generate) > 1.0
     print("continuous keep:", figures, [(r["replay/token_lag_mean"], r["replay/multi_version_samples"])
                                         for r in train])
 
