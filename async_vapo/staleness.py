@@ -41,7 +41,10 @@ learner version ≥ L, so it is usable only if ``s ≥ floor(L)``:
     several engines each keeps to its own share, so a faster engine does not make up a slower one's (the learner
     waits for the slower, or for the refill below); the engines cannot see each other's counts.
   * a budget that is spent while no new version arrives for ``refill_s`` is topped up by one share (groups lost to
-    a crash elsewhere must not starve the learner forever). Sooner when the learner says it starves: its heartbeats
+    a crash elsewhere must not starve the learner forever). A learner that is merely slow must not trigger it (the
+    share would only go stale, generated on the learner's time): the wait is at least twice the longest interval
+    seen between two of the learner's versions (from version 1 on: version 0's includes value pretraining). Sooner
+    when the learner says it starves: its heartbeats
     carry how long it has waited for its batch, and a wait of ``starved_s``, reported that long after the engine
     last shipped groups (so not groups still on their way), tops the budget up at once.
   * an announce below the learner's last version (a learner restarted from an older checkpoint) starts the count
@@ -139,6 +142,15 @@ class Admission:
     """When this engine last shipped groups."""
     starving: bool = False
     """The learner reported a wait of ``starved_s`` at least ``starved_s`` after ``last_shipped``."""
+    version_interval_s: float = 0.0
+    """The longest interval seen between two consecutive learner versions, from version 1 on."""
+    _version_at: float | None = None
+
+    @property
+    def refill_after_s(self) -> float:
+        """How long a spent budget waits for a new version before one more share: ``refill_s``, or twice the
+        learner's slowest update so far when that is longer."""
+        return max(self.refill_s, 2 * self.version_interval_s)
 
     @property
     def policy(self) -> StalenessPolicy | None:
@@ -153,10 +165,15 @@ class Admission:
         batches = self.policy.batches_worth(served, base) + (self.pretrain_batches if base == 0 else 0)
         return max(0, batches + self.refills) * self.share()
 
-    def announced(self, version: int, min_version: int) -> None:
+    def announced(self, version: int, min_version: int, now: float | None = None) -> None:
         """The learner announced ``version`` with its floor ``min_version`` (< 0: none sent): take its bound; a
-        new version restarts the refill timer, a lower one (a learner restarted from an older checkpoint) the
-        count."""
+        new version restarts the refill timer (and times the learner's update), a lower one (a learner restarted
+        from an older checkpoint) the count."""
+        if version > self.learner:
+            now = time.monotonic() if now is None else now
+            if self._version_at is not None and self.learner >= 1:
+                self.version_interval_s = max(self.version_interval_s, now - self._version_at)
+            self._version_at = now
         if min_version >= 0:
             self.max_staleness = StalenessPolicy.from_floor(version, min_version).max_staleness
         elif self.max_staleness is None:  # an announce without a floor (a bare WeightBroadcast.publish): strictest
@@ -165,7 +182,7 @@ class Admission:
             if version < self.learner:
                 self.rolled_back(version)
             self.learner = version
-            self.versions_changed()
+            self.versions_changed(now)
 
     def versions_changed(self, now: float | None = None) -> None:
         self.last_change = time.monotonic() if now is None else now
@@ -190,7 +207,7 @@ class Admission:
             return "stale_weights"
         if self.made >= self.budget(served):
             now = time.monotonic() if now is None else now
-            if now - self.last_change < self.refill_s and not self.starving:
+            if now - self.last_change < self.refill_after_s and not self.starving:
                 return "version_budget"
             self.refills += 1
             self.last_change = now

@@ -413,7 +413,10 @@ class AlgoConfig(_Section):
     lowest-variance choice for the one-version lags this project runs); "sequence" min(Π_t ρ_t, C) on the whole
     response (sequence TIS: unbiased for the sequence but its variance grows with length); "geometric"
     min(exp(mean_t log ρ_t), C) (length-normalised sequence TIS); "off" no weight (use with ``behavior_mask``
-    for pure rejection)."""
+    for pure rejection). Under a mismatch large enough that single tokens change an answer (``mismatch/k3`` above
+    ~0.05) prefer "geometric": token-level weights and masks remove the negative advantage from the very tokens the
+    engine chose and the learner would not, and push the learner off the rest of the response
+    (docs/results/mismatch.md, "Why the per-token corrections collapse")."""
     behavior_weight_cap: float = Field(5.0, gt=1, le=1e4)
     """C, the truncation of the behaviour weight. 5 as before (AReaL's decoupled PPO and the IcePop β); verl
     documents 1.5-5 for token weights and 2-10 for sequence weights."""
@@ -647,7 +650,9 @@ class ClusterRolloutConfig(_Section):
     """The rollout service: admission and evaluation."""
     admission_refill_s: float = Field(60.0, gt=0)
     """Rollout admission: when an engine's budget is spent and no new version came for this long, it gets one
-    more batch worth of budget (groups lost to a crash must not starve the learner)."""
+    more batch worth of budget (groups lost to a crash must not starve the learner). At least twice the longest
+    interval the engine has seen between two of the learner's versions, so that a slow learner does not get
+    batches that would only go stale."""
     admission_starved_s: float = Field(10.0, gt=0)
     """Rollout admission: when the learner's heartbeat says it has waited this long for a batch, this long after
     the engine last shipped groups, an engine whose budget is spent gets one more batch worth of budget at once

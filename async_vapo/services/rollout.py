@@ -92,7 +92,7 @@ class RolloutService:
         if self.admission.refills > refills:
             self.ctx.metrics.get("admission_refills_total").inc()
             why = (f"the learner has waited {self.admission.starved_s:.0f} s for groups since this engine last "
-                   "shipped" if starving else f"no new version for {self.admission.refill_s:.0f} s")
+                   "shipped" if starving else f"no new version for {self.admission.refill_after_s:.0f} s")
             self.ctx.log.warning("%s: %s, with the budget of version %d spent: one more share (groups lost "
                                  "downstream are made up)", self.engine_id, why, self.engine.version)
         if reason is not None:

@@ -85,6 +85,21 @@ def test_admission_refills_a_spent_budget_after_a_quiet_period():
     assert adm.check(0, 0, now=112.0) == "version_budget"
 
 
+def test_a_slow_learner_does_not_trigger_the_refill():
+    # updates every 100 s from version 1 on (version 0's interval, with value pretraining, is longer and not counted)
+    adm = Admission(max_staleness=0, prompts_per_step=4, num_engines=1, refill_s=60.0)
+    adm.announced(0, 0, now=0.0)
+    adm.announced(1, 1, now=500.0)
+    assert adm.refill_after_s == 60.0
+    adm.announced(2, 2, now=600.0)
+    assert adm.version_interval_s == 100.0 and adm.refill_after_s == 200.0
+    adm.announced(3, 3, now=650.0)  # a faster update does not shorten the wait
+    assert adm.refill_after_s == 200.0
+    adm.record(3, 4)
+    assert adm.check(3, 3, now=720.0) == "version_budget"  # past refill_s, but the learner is only slow
+    assert adm.check(3, 3, now=851.0) is None and adm.refills == 1  # twice its slowest update: groups were lost
+
+
 def test_admission_makes_up_lost_groups_as_soon_as_the_learner_reports_starving():
     # one engine at its budget; the groups it shipped at t=100 were lost downstream (a verifier died holding them)
     adm = Admission(max_staleness=1, prompts_per_step=4, num_engines=1, refill_s=60.0, starved_s=10.0)
