@@ -408,12 +408,13 @@ def test_worker_killed_while_idle_is_replaced(hook_pool):
 
 def test_cpu_limit_ends_a_spinning_check_and_rewards_are_overridable():
     with VerifierPool(
-        num_workers=1, timeout_s=6.0, cpu_limit_s=1.0, reason_rewards={"timeout": -2.0}, _test_hooks=True
+        num_workers=1, timeout_s=30.0, cpu_limit_s=1.0, reason_rewards={"timeout": -2.0}, _test_hooks=True
     ) as p:
         [result] = p.verify([("__spin_hard__", "1")])
         assert result.reason == "timeout" and result.detail == "cpu time limit"
         assert result.reward == -2.0
-        assert result.seconds < 4.0  # RLIMIT_CPU, not the 6 s wall-clock deadline
+        # RLIMIT_CPU (1 s of CPU: a few seconds of wall-clock on a loaded machine), not the 30 s wall-clock deadline
+        assert result.seconds < 20.0
         assert p.stats["workers_replaced"] == 1
 
 
