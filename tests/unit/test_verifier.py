@@ -247,7 +247,9 @@ def test_throughput_typical_batch(pool):
     results = pool.verify(items)
     elapsed = time.monotonic() - t0
     assert reasons(results) == ["correct" if k % 4 == 0 else "incorrect" for k in range(256)]
-    assert elapsed < 1.0, f"256 typical responses took {elapsed:.3f}s"
+    # a guard against a pathological path (a process per item, a math-verify timeout per item), not a speed target:
+    # about 0.1-0.3 s here idle; speed is measured by benchmarks, not asserted on a shared machine
+    assert elapsed < 10.0, f"256 typical responses took {elapsed:.3f}s"
 
 
 def test_verify_from_a_worker_thread(pool):
