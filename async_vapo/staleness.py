@@ -44,9 +44,9 @@ learner version ≥ L, so it is usable only if ``s ≥ floor(L)``:
     a crash elsewhere must not starve the learner forever). A learner that is merely slow must not trigger it (the
     share would only go stale, generated on the learner's time): the wait is at least twice the longest interval
     seen between two of the learner's versions (from version 1 on: version 0's includes value pretraining). Sooner
-    when the learner says it starves: its heartbeats
-    carry how long it has waited for its batch, and a wait of ``starved_s``, reported that long after the engine
-    last shipped groups (so not groups still on their way), tops the budget up at once.
+    when the learner says it starves: its heartbeats carry how long it has waited for its batch, and a wait of
+    ``starved_s``, reported that long after the engine last shipped groups (so not groups still on their way), tops
+    the budget up at once.
   * an announce below the learner's last version (a learner restarted from an older checkpoint) starts the count
     again from that version: the groups made since were made for weights that no longer exist, and the learner's
     next versions are new weights that need their groups.

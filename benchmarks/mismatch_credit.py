@@ -40,17 +40,6 @@ CORRECTIONS = {  # name: (weight level or None, mask (low, high) or None)
 }
 
 
-def _sample(engine, cfg, encoder, problems, verifier, seed: int):
-    from async_vapo.rollout.generate import generate_groups, score_groups
-
-    r = cfg.rollout
-    groups = generate_groups(engine, encoder, problems, version=engine.version, n=cfg.algo.group_size,
-                             temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_response_tokens,
-                             stop_token_ids=encoder.stop_ids, seed=seed)
-    score_groups(groups, verifier, encoder.decode)
-    return groups
-
-
 def credit(groups, learner, encoder, low: float) -> dict:
     import torch
 
@@ -114,6 +103,7 @@ def main() -> int:
     from mismatch import engine_for, setup
     from perturb_accuracy import perturb_
 
+    from async_vapo.rollout.generate import Rollout
     from async_vapo.verify.sandbox import VerifierPool
 
     t0 = time.perf_counter()
@@ -121,18 +111,22 @@ def main() -> int:
     problems = train[: args.prompts]
     engine = engine_for(cfg, base, encoder, train + held_out, "float32")
     verifier = VerifierPool.from_config(cfg.verifier)
+    rollout = Rollout(cfg, engine, verifier, encoder)
+    r = cfg.rollout
     doc = {"config": args.config, "base_model": str(base), "scale": args.scale, "seed": args.seed,
            "prompts": len(problems), "group_size": cfg.algo.group_size, "temperature": cfg.rollout.temperature,
            "low": args.low, "engine_dtype": "float32", "learner_dtype": "float32"}
     try:
-        own = _sample(engine, cfg, encoder, problems, verifier, args.seed)
+        own, _ = rollout.groups(problems, n=cfg.algo.group_size, temperature=r.temperature, top_p=r.top_p,
+                                seed=args.seed)
         doc["accuracy_learner_weights"] = sum(s.correct for g in own for s in g.samples) / sum(
             len(g.samples) for g in own)
         policy = copy.deepcopy(learner.policy)
         perturb_(policy, args.scale, args.seed)
         engine.load_weights(learner.precision.engine_state({k: v.detach().cpu()
                                                             for k, v in policy.state_dict().items()}), 1)
-        groups = _sample(engine, cfg, encoder, problems, verifier, args.seed)
+        groups, _ = rollout.groups(problems, n=cfg.algo.group_size, temperature=r.temperature, top_p=r.top_p,
+                                   seed=args.seed)
         doc |= credit(groups, learner, encoder, args.low)
     finally:
         verifier.close()
