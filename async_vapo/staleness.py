@@ -47,6 +47,17 @@ learner version ≥ L, so it is usable only if ``s ≥ floor(L)``:
     when the learner says it starves: its heartbeats carry how long it has waited for its batch, and a wait of
     ``starved_s``, reported that long after the engine last shipped groups (so not groups still on their way), tops
     the budget up at once.
+  * groups made in time and never trained on give their share back: those the engine aborted
+    (:meth:`Admission.unmade`), and those that reached the replay already stale (a group that finished after the
+    learner had moved past it, e.g. a long response of an engine that updates weights in flight), which the replay
+    counts per engine and the learner repeats in its heartbeats (:meth:`Admission.dropped_late`). Without that an
+    engine's lead shrinks by every such group for the rest of the run. A refill's share is the exception: the learner
+    may never need it (it was only slow), and then it goes stale; late drops up to the refilled groups are taken as
+    that surplus and not made again. Groups that went stale *waiting* in the replay are not given back: the learner
+    takes the oldest first, so such a group was one more than the learner could use within the bound, and the
+    engine cannot tell one made too late for its window (weights loaded late: more groups of the old version) from
+    what the budget's maxima leave over when the learner takes fewer (value pretraining stopped on its plateau,
+    DAPO's unused resampling rounds), which, made again, would go stale again at every version.
   * an announce below the learner's last version (a learner restarted from an older checkpoint) starts the count
     again from that version: the groups made since were made for weights that no longer exist, and the learner's
     next versions are new weights that need their groups.
@@ -144,6 +155,12 @@ class Admission:
     """The learner reported a wait of ``starved_s`` at least ``starved_s`` after ``last_shipped``."""
     version_interval_s: float = 0.0
     """The longest interval seen between two consecutive learner versions, from version 1 on."""
+    late_seen: int | None = None
+    """The learner's last count of this engine's groups that reached the replay already stale (None: none heard)."""
+    late_given_back: int = 0
+    """Groups given back to the budget for late drops (since this engine started)."""
+    refill_absorbed: int = 0
+    """Groups of the refilled shares matched by late drops since ``base`` (those drops are not given back)."""
     _version_at: float | None = None
 
     @property
@@ -221,10 +238,30 @@ class Admission:
         """Groups recorded but never shipped (aborted in the engine): their share of the budget is given back."""
         self.made = max(0, self.made - groups)
 
+    def dropped_late(self, total: int) -> int:
+        """The learner's heartbeat: ``total`` of this engine's groups reached the replay already stale since that
+        learner started. Each new one was made and will never be trained on: its share of the budget is given back,
+        unless it matches a refilled share's group (the module docstring). The first count heard (an engine that
+        just started: drops of an earlier process's groups) only sets where counting starts; a count below the last
+        one (a restarted learner counts from 0) is all new. Returns the groups given back."""
+        if self.late_seen is None:
+            self.late_seen = total
+            return 0
+        new = total - self.late_seen if total >= self.late_seen else total
+        self.late_seen = total
+        if new <= 0:
+            return 0
+        surplus = min(new, self.refills * self.share() - self.refill_absorbed)
+        self.refill_absorbed += max(0, surplus)
+        back = new - max(0, surplus)
+        self.unmade(back)
+        self.late_given_back += back
+        return back
+
     def rolled_back(self, version: int) -> None:
         """The learner went back to ``version`` (restarted from a checkpoint): what was made since is for weights
         that no longer exist (or already in the replay, for ``version`` itself), so the count starts again there."""
-        self.base, self.made, self.refills = version, 0, 0
+        self.base, self.made, self.refills, self.refill_absorbed = version, 0, 0, 0
 
 
 LAG_BUCKETS = ("0", "1", "2", "3+")

@@ -91,7 +91,7 @@ class Trajectory(msgspec.Struct, kw_only=True, gc=False, forbid_unknown_fields=T
             _to_native_order(lps, packed_lps)
 
 
-class Group(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class Group(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     """The samples of one prompt (rollout -> verifier -> replay -> learner); ``version`` is the oldest version of any
     of its tokens."""
 
@@ -102,6 +102,9 @@ class Group(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Prompt token ids; holds ``array('i')``."""
     version: int
     samples: list[Trajectory]
+    engine: str = ""
+    """The rollout engine that generated it (its service name; empty: generated in-process, or a log written before
+    protocol 9): groups the replay drops as stale go back to that engine's admission budget."""
 
     def __post_init__(self) -> None:
         ids = self.prompt_ids

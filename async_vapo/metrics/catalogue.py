@@ -97,6 +97,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "stale_weights, version_budget).", ("reason",)),
     MetricSpec("rollout", "admission_refills_total", C, "Budgets topped up: the learner reported a wait of "
                "cluster.rollout.admission_starved_s, or no new version came for cluster.rollout.admission_refill_s."),
+    MetricSpec("rollout", "admission_given_back_total", C, "Groups of this engine that reached the replay already "
+               "stale (the learner's count, in its heartbeats), given back to the engine's admission budget; those "
+               "matched by a refilled share are not."),
     # continuous generation (rollout.generation = "continuous")
     MetricSpec("rollout", "sequences_in_flight", G, "Sequences in the engine now (submitted, not finished)."),
     MetricSpec("rollout", "engine_occupancy_ratio", G, "Sequences in flight over rollout.max_in_flight, averaged over "

@@ -138,6 +138,10 @@ class ReplayStats(msgspec.Struct, frozen=True, kw_only=True):
     """Served groups per age in versions, over every batch ever served."""
     max_age_served: int | None
     torn_tail_truncations: int
+    late_dropped_by_engine: dict[str, int] = {}
+    """Groups dropped as stale on arrival (already below the learner's floor when stored: they finished after the
+    learner had moved past them) since this process started, by the engine that generated them (``Group.engine``;
+    groups that name none are left out)."""
 
 
 def _ids_in_range(ids, vocab_size: int) -> bool:
@@ -210,6 +214,7 @@ class ReplayBuffer:
         self.seed = seed
         self._lock = threading.RLock()
         self._rejected: dict[str, int] = {}
+        self._late_by_engine: dict[str, int] = {}
         self._versions: list[int] = []
         self._by_version: dict[int, dict[int, None]] = {}
         self.limits = limits or GroupLimits(group_size=group_size)
@@ -242,6 +247,8 @@ class ReplayBuffer:
             self._index_add(seq, group.version, group.uid)
             if self._floor is not None and group.version < self._floor:
                 self._drop([seq], DROP_STALE)
+                if group.engine:  # late: its engine's admission gives its share back (async_vapo.staleness)
+                    self._late_by_engine[group.engine] = self._late_by_engine.get(group.engine, 0) + 1
             else:
                 self._enforce_capacity()
             return seq
@@ -355,6 +362,7 @@ class ReplayBuffer:
                 age_histogram=ages,
                 max_age_served=max(ages) if ages else None,
                 torn_tail_truncations=store.recovery.torn_tail_truncations,
+                late_dropped_by_engine=dict(self._late_by_engine),
             )
 
     def __len__(self) -> int:

@@ -66,6 +66,7 @@ class RolloutService:
                                                 peer="verifier")
         self.weights = EngineWeightClient(ctx, transport, engine, on_announce=self._on_announce,
                                           on_learner_waiting=self.admission.learner_waiting,
+                                          on_late_dropped=self._on_late_dropped,
                                           on_loaded=self._on_loaded)
         self.continuous = ContinuousDriver(self) if cfg.rollout.generation == "continuous" else None
         self.m = ctx.metrics.rollout
@@ -78,6 +79,13 @@ class RolloutService:
 
     def _on_announce(self, a: WeightsAnnounce, previous: int) -> None:
         self.admission.announced(a.version, a.min_version)
+
+    def _on_late_dropped(self, total: int) -> None:
+        back = self.admission.dropped_late(total)
+        if back:
+            self.ctx.metrics.get("admission_given_back_total").inc(back)
+            self.ctx.log.info("%s: %d of its groups reached the replay already stale: given back to its budget",
+                              self.engine_id, back)
 
     def _on_loaded(self, version: int, way: str) -> None:
         self.admission.versions_changed()
@@ -171,6 +179,8 @@ class RolloutService:
     def ship(self, groups: list[Group], version: int) -> None:
         """Send ``groups`` to the verifier (in messages of at most half the frame limit) and count them."""
         samples = [s for g in groups for s in g.samples]
+        for g in groups:
+            g.engine = self.engine_id  # a group that reaches the replay already stale comes back to this budget
         self.m.generated_samples_total.inc(len(samples))
         self.m.generated_tokens_total.inc(sum(len(s.response_ids) for s in samples))
         self.samples_generated += len(samples)

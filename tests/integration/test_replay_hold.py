@@ -94,3 +94,23 @@ def test_a_new_request_answers_the_held_one_of_the_same_learner(replay):
     t.join(5)
     assert got["batch"].groups == [] and got["waited"] < 3.0, got
     assert batch.groups == [] and not svc._waiting
+
+
+def test_groups_that_arrive_stale_are_counted_by_the_engine_that_made_them(replay):
+    # the learner asks for version 1 with floor 1; then groups of version 0 from two engines arrive: all four are
+    # dropped on arrival. The next answer names each engine's late groups once (the learner sums them into its
+    # heartbeats), the one after none.
+    svc, sender, req, _ = replay
+    ask = make_envelope(BatchRequest(n_groups=2, for_version=1, min_version=1, wait_s=0.0), sender="learner-0")
+    assert req.request(ask, 10.0).body.groups == []
+    groups = [_group(10), _group(11), _group(12), _group(13)]
+    for g, engine in zip(groups, ("rollout-0", "rollout-1", "rollout-1", ""), strict=True):
+        g.engine = engine
+    sender.send(make_envelope(GroupsMsg(groups=groups), sender="verifier-0"), 1.0)
+    deadline = time.monotonic() + 5.0
+    while svc.buffer.stats().added_total < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    batch = req.request(ask, 10.0).body
+    assert batch.groups == [] and svc.buffer.stats().stale_dropped_total == 4
+    assert batch.late_dropped_by_engine == {"rollout-0": 1, "rollout-1": 2}  # a group naming no engine: left out
+    assert req.request(ask, 10.0).body.late_dropped_by_engine == {}

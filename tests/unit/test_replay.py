@@ -13,6 +13,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -28,7 +29,7 @@ from async_vapo.replay import (
     StoreLockedError,
 )
 from async_vapo.replay.store import FILE_MAGIC
-from async_vapo.types import Group, Trajectory
+from async_vapo.types import Group, Trajectory, enc_hook
 
 REPO = Path(__file__).resolve().parents[2]
 RECORD_MAGIC_TORN = b"\xabVR\x01\xff\x00\x00\x00"  # a record header declaring 255 bytes, then nothing
@@ -270,7 +271,7 @@ def test_acknowledged_groups_survive_a_killed_writer(tmp_path):
 import sys
 sys.path.insert(0, {str(REPO)!r})
 from async_vapo.replay import GroupStore, ReplayBuffer
-from async_vapo.types import Group, Trajectory
+from async_vapo.types import Group, Trajectory, enc_hook
 buf = ReplayBuffer(GroupStore({str(path)!r}, fsync="never"), max_staleness=1)
 t = Trajectory(response_ids=list(range(60)), behavior_logprobs=[-0.5] * 60, finish_reason="stop")
 i = 0
@@ -368,6 +369,34 @@ def test_a_complete_last_record_with_a_bad_crc_is_corruption_not_a_torn_tail(tmp
         GroupStore(path)
     assert err.value.offset == last and "replay fsck" in str(err.value)
     assert path.read_bytes() == bytes(data)
+
+
+def test_groups_that_arrive_stale_are_counted_by_the_engine_that_made_each():
+    # groups that went stale waiting in the buffer are not counted (one more than the learner could use); those
+    # that arrive below the learner's floor are, by engine
+    buf = ReplayBuffer(GroupStore(None), max_staleness=0)
+    for version, engine in ((0, "rollout-0"), (0, "rollout-1"), (1, "rollout-1")):
+        g = make_group(version)
+        g.engine = engine
+        buf.add(g)
+    assert buf.make_batch(1, learner_version=1) is not None  # the two of version 0 went stale waiting
+    for engine in ("rollout-0", "rollout-1", "rollout-1", ""):
+        late = make_group(0)
+        late.engine = engine
+        assert buf.add(late) is not None  # stored, then dropped on arrival: below the last request's floor
+    stats = buf.stats()
+    assert stats.stale_dropped_total == 6
+    assert stats.late_dropped_by_engine == {"rollout-0": 1, "rollout-1": 2}  # naming no engine: left out
+
+
+def test_a_group_naming_no_engine_encodes_as_before():
+    # protocol 8 groups (and replay logs) have no engine field: such a group decodes, and one without an engine
+    # encodes to the same bytes as before the field existed
+    g = make_group(3)
+    assert b"engine" not in msgspec.msgpack.encode(g, enc_hook=enc_hook)
+    g.engine = "rollout-2"
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(g, enc_hook=enc_hook), type=Group)
+    assert back.engine == "rollout-2"
 
 
 def test_fsck_reports_quarantines_and_rewrites(tmp_path):
