@@ -125,16 +125,17 @@ class RolloutService:
         return groups
 
     # -- evaluation ---------------------------------------------------------------------------------------------
-    def maybe_evaluate(self) -> None:
+    def maybe_evaluate(self) -> bool:
+        """Evaluate the served version when it is due; whether it did (the learner went on meanwhile)."""
         cfg = self.ctx.cfg
         v = self.engine.version
         if self.metrics_log is None or not cfg.cluster.rollout.eval or v in self.evaluated:
-            return
+            return False
         latest = self.weights.latest
         if latest is None or latest.version != v:  # catching up: evaluate the learner's weights only
-            return
+            return False
         if v % cfg.train.eval_every and v != cfg.train.total_steps:
-            return
+            return False
         self.evaluated.add(v)
         from async_vapo.verify.sandbox import VerifierPool
 
@@ -149,10 +150,11 @@ class RolloutService:
                 m, _ = evaluate(Rollout(cfg, self.engine, self.eval_pool, self.encoder), self.eval_set, cfg)
         except Exception:
             self.ctx.processing_error("evaluate", f"evaluation of version {v}")
-            return
+            return True
         self.metrics_log.write({"kind": "eval", "step": v, "version": v, "wall_s": self.ctx.elapsed(),
                                 "samples_seen": self.samples_generated, **m})
         self.ctx.log.info("%s: held-out accuracy of version %d: %.3f", self.engine_id, v, m["eval/accuracy"])
+        return True
 
     # -- loop -----------------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -161,7 +163,10 @@ class RolloutService:
         while not self.ctx.stop.is_set():
             self.weights.poll(0.0)
             self.weights.heartbeat()
-            self.maybe_evaluate()
+            if self.maybe_evaluate():
+                # the learner went on while this engine evaluated: take its weights before starting groups, or
+                # the groups made up now are of the old version, more of it than the learner can still use
+                continue
             if self.continuous is not None:
                 self.continuous.step()
                 continue

@@ -1,0 +1,140 @@
+"""Held-out accuracy against wall-clock, paired by seed: the runs of ``benchmarks/continuous_seeds.sh``.
+
+    .venv/bin/python benchmarks/continuous_seeds.py benchmarks/results/continuous_seeds
+
+Reads ``<kind>_seed<N>/metrics.jsonl`` in the folder (kinds: one_process, keep, wait, abort, lockstep). Time is
+counted from each run's first evaluation (of the untrained model), so that start-up (the services' processes and
+engines, the trainer's one engine) is left out of the comparison; value pretraining, every update and every later
+evaluation are in it. Between two evaluations a run's accuracy is interpolated linearly. For every seed and every pair
+of kinds it reports the mean and the largest accuracy difference over the time both runs cover, every 10 s;
+``keep`` against ``wait`` is the issue's criterion (within 0.03 at equal wall-clock). Per run also: accuracy and time
+at every evaluation, seconds per update, the trained tokens' mean version lag and the share of samples generated under
+more than one version. Writes ``summary.json`` and ``accuracy_vs_time.png`` beside the runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+from bench_io import write_result
+
+KINDS = ("one_process", "keep", "wait", "abort", "lockstep")
+STEP_S = 10.0
+
+
+def read_run(path: Path) -> dict:
+    evals, train = [], []
+    for line in (path / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row.get("kind") == "eval" and "eval/accuracy" in row:
+            evals.append((row["step"], row["wall_s"], row["eval/accuracy"]))
+        elif row.get("kind") == "train":
+            train.append(row)
+    evals.sort()
+    if not evals:
+        raise SystemExit(f"{path}: no evaluation rows in metrics.jsonl")
+    t0 = evals[0][1]
+    lags = [r["replay/token_lag_mean"] for r in train if "replay/token_lag_mean" in r]
+    multi = [r["replay/multi_version_samples"] for r in train if "replay/multi_version_samples" in r]
+    walls = sorted(r["wall_s"] for r in train if "wall_s" in r)
+    return {
+        "evals": [{"step": s, "t_s": round(w - t0, 1), "accuracy": round(a, 4)} for s, w, a in evals],
+        "updates": len(train),
+        "s_per_update": round((walls[-1] - walls[0]) / (len(walls) - 1), 3) if len(walls) > 1 else None,
+        "token_lag_mean": round(statistics.fmean(lags), 3) if lags else 0.0,
+        "multi_version_samples": round(statistics.fmean(multi), 4) if multi else 0.0,
+    }
+
+
+def accuracy_at(evals: list[dict], t: float) -> float:
+    """Linear between the evaluations around ``t`` (``t`` within the run's span)."""
+    for a, b in zip(evals, evals[1:], strict=False):
+        if a["t_s"] <= t <= b["t_s"]:
+            w = (t - a["t_s"]) / max(b["t_s"] - a["t_s"], 1e-9)
+            return a["accuracy"] + w * (b["accuracy"] - a["accuracy"])
+    return evals[-1]["accuracy"]
+
+
+def compare(x: list[dict], y: list[dict]) -> dict:
+    """x − y over the time both cover, every STEP_S seconds."""
+    end = min(x[-1]["t_s"], y[-1]["t_s"])
+    grid = [i * STEP_S for i in range(int(end // STEP_S) + 1)]
+    diffs = [accuracy_at(x, t) - accuracy_at(y, t) for t in grid]
+    worst = max(diffs, key=abs)
+    return {"over_s": end, "mean_diff": round(statistics.fmean(diffs), 4), "max_abs_diff": round(abs(worst), 4),
+            "max_diff_signed": round(worst, 4)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("folder", type=Path)
+    args = ap.parse_args()
+    runs: dict[str, dict[int, dict]] = {}
+    for d in sorted(args.folder.iterdir()):
+        m = re.fullmatch(rf"({'|'.join(KINDS)})_seed(\d+)", d.name)
+        if m and (d / "metrics.jsonl").is_file():
+            runs.setdefault(m[1], {})[int(m[2])] = read_run(d)
+    if not runs:
+        print(f"no <kind>_seed<N> runs in {args.folder}", file=sys.stderr)
+        return 2
+    kinds = [k for k in KINDS if k in runs]
+    print("run                 seed  updates  s/update  token lag  multi-version  accuracy (s since first eval)")
+    for k in kinds:
+        for seed, r in sorted(runs[k].items()):
+            curve = "  ".join(f"{e['accuracy']:.3f} ({e['t_s']:.0f})" for e in r["evals"])
+            print(f"{k:<18} {seed:>5} {r['updates']:>8} {r['s_per_update'] or 0:>9.2f} {r['token_lag_mean']:>10.2f} "
+                  f"{r['multi_version_samples']:>14.3f}  {curve}")
+    pairs = {}
+    for i, a in enumerate(kinds):
+        for b in kinds[i + 1:]:
+            seeds = sorted(set(runs[a]) & set(runs[b]))
+            per_seed = {s: compare(runs[a][s]["evals"], runs[b][s]["evals"]) for s in seeds}
+            if not per_seed:
+                continue
+            means = [c["mean_diff"] for c in per_seed.values()]
+            pairs[f"{a}-{b}"] = {"per_seed": per_seed, "mean_of_means": round(statistics.fmean(means), 4),
+                                 "max_abs_diff": max(c["max_abs_diff"] for c in per_seed.values())}
+    print("\naccuracy difference at equal wall-clock (every 10 s over the time both runs cover), paired by seed:")
+    for name, p in pairs.items():
+        seeds = "  ".join(f"seed {s}: mean {c['mean_diff']:+.3f}, largest {c['max_diff_signed']:+.3f} over "
+                          f"{c['over_s']:.0f} s" for s, c in p["per_seed"].items())
+        print(f"  {name:<22} mean {p['mean_of_means']:+.3f}  |  {seeds}")
+    if "keep-wait" in pairs:
+        kw = pairs["keep-wait"]
+        print(f"\nkeep within 0.03 of wait at equal wall-clock (every seed, every 10 s): "
+              f"{'yes' if kw['max_abs_diff'] <= 0.03 else 'no'} (largest |difference| {kw['max_abs_diff']:.3f})")
+    write_result(args.folder / "summary.json", {"runs": runs, "pairs": pairs, "step_s": STEP_S})
+    plot(runs, kinds, args.folder / "accuracy_vs_time.png")
+    return 0
+
+
+def plot(runs: dict, kinds: list[str], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {"one_process": "tab:gray", "keep": "tab:blue", "wait": "tab:orange", "abort": "tab:red",
+               "lockstep": "tab:green"}
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for k in kinds:
+        for i, (_, r) in enumerate(sorted(runs[k].items())):
+            ax.plot([e["t_s"] for e in r["evals"]], [e["accuracy"] for e in r["evals"]], marker="o", ms=3,
+                    color=colours[k], alpha=0.8, lw=1.2, label=k if i == 0 else None)
+    ax.set_xlabel("seconds since the first evaluation (start-up left out)")
+    ax.set_ylabel("held-out accuracy")
+    ax.set_title("Held-out accuracy against wall-clock, one line per seed")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
