@@ -47,17 +47,18 @@ learner version ≥ L, so it is usable only if ``s ≥ floor(L)``:
     when the learner says it starves: its heartbeats carry how long it has waited for its batch, and a wait of
     ``starved_s``, reported that long after the engine last shipped groups (so not groups still on their way), tops
     the budget up at once.
-  * groups made in time and never trained on give their share back: those the engine aborted
-    (:meth:`Admission.unmade`), and those that reached the replay already stale (a group that finished after the
-    learner had moved past it, e.g. a long response of an engine that updates weights in flight), which the replay
-    counts per engine and the learner repeats in its heartbeats (:meth:`Admission.dropped_late`). Without that an
-    engine's lead shrinks by every such group for the rest of the run. A refill's share is the exception: the learner
-    may never need it (it was only slow), and then it goes stale; late drops up to the refilled groups are taken as
-    that surplus and not made again. Groups that went stale *waiting* in the replay are not given back: the learner
-    takes the oldest first, so such a group was one more than the learner could use within the bound, and the
-    engine cannot tell one made too late for its window (weights loaded late: more groups of the old version) from
-    what the budget's maxima leave over when the learner takes fewer (value pretraining stopped on its plateau,
-    DAPO's unused resampling rounds), which, made again, would go stale again at every version.
+  * groups made and never trained on give their share back, so that an engine's lead does not shrink by every lost
+    group for the rest of the run: those the engine aborted (:meth:`Admission.unmade`), and those the replay dropped
+    as stale, which it counts per engine and the learner repeats in its heartbeats (:meth:`Admission.dropped`).
+    A group that reached the replay already stale (it finished after the learner had moved past it, e.g. a long
+    response of an engine that updates weights in flight) is given back at once. A group that went stale *waiting*
+    in the replay was one more than the learner could use within the bound (it takes the oldest first): either made
+    too late for its window (weights loaded late, so more groups of the old version), a loss, or what the budget's
+    maxima leave over when the learner takes fewer (value pretraining stopped on its plateau, DAPO's unused
+    resampling rounds), a surplus that, made again, would go stale again at every version. So it is given back only
+    when the learner shows it needs it: it reports a wait of ``short_wait_s`` while this engine's budget is spent,
+    with ``max_staleness`` ≥ 1 (with 0 the learner waits for every batch, and a group left over is always surplus).
+    Drops up to the refilled shares' groups are taken as those shares' surplus first (the learner was only slow).
   * an announce below the learner's last version (a learner restarted from an older checkpoint) starts the count
     again from that version: the groups made since were made for weights that no longer exist, and the learner's
     next versions are new weights that need their groups.
@@ -155,12 +156,19 @@ class Admission:
     """The learner reported a wait of ``starved_s`` at least ``starved_s`` after ``last_shipped``."""
     version_interval_s: float = 0.0
     """The longest interval seen between two consecutive learner versions, from version 1 on."""
-    late_seen: int | None = None
-    """The learner's last count of this engine's groups that reached the replay already stale (None: none heard)."""
-    late_given_back: int = 0
-    """Groups given back to the budget for late drops (since this engine started)."""
+    short_wait_s: float = 0.5
+    """A learner wait that shows it is short of groups (for giving back those that went stale waiting)."""
+    dropped_seen: tuple[int, int] | None = None
+    """The learner's last counts of this engine's groups dropped as stale, and of those that arrived stale (None:
+    none heard yet)."""
+    given_back: dict[str, int] = field(default_factory=lambda: {"late": 0, "waited": 0})
+    """Groups given back to the budget for stale drops, by kind (since this engine started)."""
+    waited_pending: int = 0
+    """Groups that went stale waiting, to give back when the learner is short of groups."""
+    learner_short: bool = False
+    """The learner reported a wait of ``short_wait_s`` since the last new version."""
     refill_absorbed: int = 0
-    """Groups of the refilled shares matched by late drops since ``base`` (those drops are not given back)."""
+    """Groups of the refilled shares matched by stale drops since ``base`` (those drops are not given back)."""
     _version_at: float | None = None
 
     @property
@@ -203,7 +211,7 @@ class Admission:
 
     def versions_changed(self, now: float | None = None) -> None:
         self.last_change = time.monotonic() if now is None else now
-        self.starving = False
+        self.starving = self.learner_short = False
 
     def shipped(self, now: float | None = None) -> None:
         self.last_shipped = time.monotonic() if now is None else now
@@ -213,6 +221,8 @@ class Admission:
         now = time.monotonic() if now is None else now
         if waiting_s >= self.starved_s and now - self.last_shipped >= self.starved_s:
             self.starving = True
+        if waiting_s >= self.short_wait_s:
+            self.learner_short = True
 
     def check(self, served: int, learner: int, now: float | None = None) -> str | None:
         """None when a group may start; else the reason it may not."""
@@ -222,6 +232,12 @@ class Admission:
             self.base = learner
         if not self.policy.may_generate(served, learner):
             return "stale_weights"
+        if self.made >= self.budget(served) and self.waited_pending and self.learner_short and self.max_staleness:
+            give = min(self.waited_pending, self.share())  # groups that went stale waiting, now that they are missed
+            self.waited_pending -= give
+            self.given_back["waited"] += give
+            self.unmade(give)
+            self.learner_short = False
         if self.made >= self.budget(served):
             now = time.monotonic() if now is None else now
             if now - self.last_change < self.refill_after_s and not self.starving:
@@ -238,30 +254,35 @@ class Admission:
         """Groups recorded but never shipped (aborted in the engine): their share of the budget is given back."""
         self.made = max(0, self.made - groups)
 
-    def dropped_late(self, total: int) -> int:
-        """The learner's heartbeat: ``total`` of this engine's groups reached the replay already stale since that
-        learner started. Each new one was made and will never be trained on: its share of the budget is given back,
-        unless it matches a refilled share's group (the module docstring). The first count heard (an engine that
-        just started: drops of an earlier process's groups) only sets where counting starts; a count below the last
-        one (a restarted learner counts from 0) is all new. Returns the groups given back."""
-        if self.late_seen is None:
-            self.late_seen = total
+    def dropped(self, stale: int, late: int) -> int:
+        """The learner's heartbeat: ``stale`` of this engine's groups were dropped as stale by the replay since that
+        learner started, ``late`` of them on arrival (the module docstring): the new late ones are given back now,
+        the new ones that went stale waiting when the learner is short (:meth:`check`); drops up to a refilled
+        share's groups are that share's surplus (those that went stale waiting first). The first counts heard (an
+        engine that just started: drops of an earlier process's groups) only set where counting starts; counts below
+        the last ones (a restarted learner counts from 0) are all new. Returns the groups given back now."""
+        if self.dropped_seen is None:
+            self.dropped_seen = (stale, late)
             return 0
-        new = total - self.late_seen if total >= self.late_seen else total
-        self.late_seen = total
-        if new <= 0:
-            return 0
-        surplus = min(new, self.refills * self.share() - self.refill_absorbed)
-        self.refill_absorbed += max(0, surplus)
-        back = new - max(0, surplus)
+        seen_stale, seen_late = self.dropped_seen
+        if stale < seen_stale or late < seen_late:
+            seen_stale = seen_late = 0
+        self.dropped_seen = (stale, late)
+        new_late = late - seen_late
+        new_waited = max(0, (stale - seen_stale) - new_late)
+        surplus = max(0, min(new_late + new_waited, self.refills * self.share() - self.refill_absorbed))
+        self.refill_absorbed += surplus
+        waited_surplus = min(surplus, new_waited)
+        self.waited_pending += new_waited - waited_surplus
+        back = new_late - (surplus - waited_surplus)
         self.unmade(back)
-        self.late_given_back += back
+        self.given_back["late"] += back
         return back
 
     def rolled_back(self, version: int) -> None:
         """The learner went back to ``version`` (restarted from a checkpoint): what was made since is for weights
         that no longer exist (or already in the replay, for ``version`` itself), so the count starts again there."""
-        self.base, self.made, self.refills, self.refill_absorbed = version, 0, 0, 0
+        self.base, self.made, self.refills, self.refill_absorbed, self.waited_pending = version, 0, 0, 0, 0
 
 
 LAG_BUCKETS = ("0", "1", "2", "3+")

@@ -104,7 +104,8 @@ class Group(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defau
     samples: list[Trajectory]
     engine: str = ""
     """The rollout engine that generated it (its service name; empty: generated in-process, or a log written before
-    protocol 9): groups the replay drops as stale go back to that engine's admission budget."""
+    protocol 9): a group the replay drops as stale gives its share back to that engine's admission budget
+    (``async_vapo.staleness``)."""
 
     def __post_init__(self) -> None:
         ids = self.prompt_ids

@@ -61,13 +61,17 @@ def accuracy_at(evals: list[dict], t: float) -> float:
 
 
 def compare(x: list[dict], y: list[dict]) -> dict:
-    """x − y over the time both cover, every STEP_S seconds."""
+    """x − y over the time both cover, every STEP_S seconds; and at every update both evaluated (the first left out:
+    the same untrained model)."""
     end = min(x[-1]["t_s"], y[-1]["t_s"])
     grid = [i * STEP_S for i in range(int(end // STEP_S) + 1)]
     diffs = [accuracy_at(x, t) - accuracy_at(y, t) for t in grid]
     worst = max(diffs, key=abs)
+    ya = {e["step"]: e["accuracy"] for e in y}
+    by_step = {e["step"]: round(e["accuracy"] - ya[e["step"]], 4) for e in x[1:] if e["step"] in ya}
     return {"over_s": end, "mean_diff": round(statistics.fmean(diffs), 4), "max_abs_diff": round(abs(worst), 4),
-            "max_diff_signed": round(worst, 4)}
+            "max_diff_signed": round(worst, 4), "by_update": by_step,
+            "mean_diff_by_update": round(statistics.fmean(by_step.values()), 4) if by_step else None}
 
 
 def main() -> int:
@@ -104,6 +108,18 @@ def main() -> int:
         seeds = "  ".join(f"seed {s}: mean {c['mean_diff']:+.3f}, largest {c['max_diff_signed']:+.3f} over "
                           f"{c['over_s']:.0f} s" for s, c in p["per_seed"].items())
         print(f"  {name:<22} mean {p['mean_of_means']:+.3f}  |  {seeds}")
+    print("\naccuracy difference at equal updates (every evaluation after the first), paired by seed:")
+    for name, p in pairs.items():
+        seeds = "  ".join(f"seed {s}: " + " ".join(f"{d:+.3f}" for d in c["by_update"].values())
+                          for s, c in p["per_seed"].items())
+        means = [c["mean_diff_by_update"] for c in p["per_seed"].values() if c["mean_diff_by_update"] is not None]
+        p["mean_diff_by_update"] = round(statistics.fmean(means), 4) if means else None
+        print(f"  {name:<22} mean {p['mean_diff_by_update'] or 0:+.3f}  |  {seeds}")
+    print("\nseconds per update by kind (each seed):")
+    for k in kinds:
+        per = [r["s_per_update"] for _, r in sorted(runs[k].items()) if r["s_per_update"]]
+        mean = f"   mean {statistics.fmean(per):.2f}" if per else ""
+        print(f"  {k:<18} " + "  ".join(f"{x:.2f}" for x in per) + mean)
     if "keep-wait" in pairs:
         kw = pairs["keep-wait"]
         print(f"\nkeep within 0.03 of wait at equal wall-clock (every seed, every 10 s): "

@@ -37,7 +37,7 @@ MISMATCH_LAGS = ("all", "0", "1", "2+")
 MISMATCH_STATS = ("mean", "max")
 MASKED_UNITS = ("token", "sequence")
 # The value functions scored on held-out responses: the critic and its reference levels (learner.critic_quality).
-CRITIC_VALUE_FUNCTIONS = ("critic", "length_only", "slip_aware")
+CRITIC_VALUE_FUNCTIONS = ("critic", "length_only", "slip_aware", "slip_aware_by_step")
 
 
 @dataclass(frozen=True)
@@ -97,9 +97,10 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "stale_weights, version_budget).", ("reason",)),
     MetricSpec("rollout", "admission_refills_total", C, "Budgets topped up: the learner reported a wait of "
                "cluster.rollout.admission_starved_s, or no new version came for cluster.rollout.admission_refill_s."),
-    MetricSpec("rollout", "admission_given_back_total", C, "Groups of this engine that reached the replay already "
-               "stale (the learner's count, in its heartbeats), given back to the engine's admission budget; those "
-               "matched by a refilled share are not."),
+    MetricSpec("rollout", "admission_given_back_total", C, "Groups of this engine the replay dropped as stale (the "
+               "learner's count, in its heartbeats) given back to the engine's admission budget, by kind: late "
+               "(arrived stale; at once) or waited (went stale waiting; when the learner is short of groups). Those "
+               "matched by a refilled share are not.", ("kind",)),
     # continuous generation (rollout.generation = "continuous")
     MetricSpec("rollout", "sequences_in_flight", G, "Sequences in the engine now (submitted, not finished)."),
     MetricSpec("rollout", "engine_occupancy_ratio", G, "Sequences in flight over rollout.max_in_flight, averaged over "
@@ -170,7 +171,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "sample age in versions (NaN: undefined).", ("age",)),
     MetricSpec("learner", "critic_heldout_explained_variance", G, "Explained variance of the Monte-Carlo returns of "
                "held-out responses by the critic and, on the same responses, by reference value functions that know "
-               "only the problem's length or also the first slip (learner.critic_quality; NaN: undefined).",
+               "only the problem's length or also the first slip, with one slip rate or one per step position "
+               "(learner.critic_quality; NaN: undefined).",
                ("value_function",), series=_one(CRITIC_VALUE_FUNCTIONS)),
     MetricSpec("learner", "critic_fresh_explained_variance", G, "Critic explained variance of the returns of the last "
                "batch, taken before the critic trained on it (fresh responses to problems it has not seen; NaN: "

@@ -138,10 +138,12 @@ class ReplayStats(msgspec.Struct, frozen=True, kw_only=True):
     """Served groups per age in versions, over every batch ever served."""
     max_age_served: int | None
     torn_tail_truncations: int
+    stale_dropped_by_engine: dict[str, int] = {}
+    """Groups dropped as stale since this process started (on arrival or waiting), by the engine that generated them
+    (``Group.engine``; groups that name none are left out)."""
     late_dropped_by_engine: dict[str, int] = {}
-    """Groups dropped as stale on arrival (already below the learner's floor when stored: they finished after the
-    learner had moved past them) since this process started, by the engine that generated them (``Group.engine``;
-    groups that name none are left out)."""
+    """Of those, the groups dropped on arrival (already below the learner's floor when stored: they finished after the
+    learner had moved past them)."""
 
 
 def _ids_in_range(ids, vocab_size: int) -> bool:
@@ -215,6 +217,7 @@ class ReplayBuffer:
         self._lock = threading.RLock()
         self._rejected: dict[str, int] = {}
         self._late_by_engine: dict[str, int] = {}
+        self._stale_by_engine: dict[str, int] = {}
         self._versions: list[int] = []
         self._by_version: dict[int, dict[int, None]] = {}
         self.limits = limits or GroupLimits(group_size=group_size)
@@ -362,6 +365,7 @@ class ReplayBuffer:
                 age_histogram=ages,
                 max_age_served=max(ages) if ages else None,
                 torn_tail_truncations=store.recovery.torn_tail_truncations,
+                stale_dropped_by_engine=dict(self._stale_by_engine),
                 late_dropped_by_engine=dict(self._late_by_engine),
             )
 
@@ -411,7 +415,12 @@ class ReplayBuffer:
     def _drop(self, seqs: list[int], reason: str) -> None:
         if not seqs:
             return
-        versions = [self.store.get(s).version for s in seqs]
+        groups = [self.store.get(s) for s in seqs]
+        versions = [g.version for g in groups]
+        if reason == DROP_STALE:
+            for g in groups:
+                if g.engine:
+                    self._stale_by_engine[g.engine] = self._stale_by_engine.get(g.engine, 0) + 1
         self.store.mark_dropped(seqs, reason)
         for s, ver in zip(seqs, versions, strict=True):
             self._index_remove(s, ver)

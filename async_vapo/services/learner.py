@@ -153,9 +153,11 @@ class ReplaySource:
         self.cursor = 0
         self.cursor_known = False
         """Whether ``cursor`` says what this learner's weights include (from a reply, or a checkpoint)."""
+        self.stale_dropped: dict[str, int] = {}
+        """Groups the replay dropped as stale since this learner started, by the engine that generated them (the
+        heartbeat's ``stale_dropped``: each engine gives them back to its admission budget)."""
         self.late_dropped: dict[str, int] = {}
-        """Groups that reached the replay already stale since this learner started, by the engine that generated them
-        (the heartbeat's ``late_dropped``: each engine gives them back to its admission budget)."""
+        """Of those, the groups that reached the replay already stale (the heartbeat's ``late_dropped``)."""
         m = ctx.metrics
         self.replay_timeouts = m.get("replay_timeouts_total")
         self.stale_rejected = m.get("stale_groups_rejected_total")
@@ -204,8 +206,10 @@ class ReplaySource:
                     self.ctx.log.warning("learner: replay cursor %d is behind the checkpoint's %d (replay store "
                                          "replaced?)", batch.cursor, self.cursor)
                 self.cursor, self.cursor_known = batch.cursor, True
-                for engine, k in batch.late_dropped_by_engine.items():
-                    self.late_dropped[engine] = self.late_dropped.get(engine, 0) + k
+                for counts, new in ((self.stale_dropped, batch.stale_dropped_by_engine),
+                                    (self.late_dropped, batch.late_dropped_by_engine)):
+                    for engine, k in new.items():
+                        counts[engine] = counts.get(engine, 0) + k
                 ok = [g for g in batch.groups if self.policy.usable(g.version, v, floor)]
                 if len(ok) != len(batch.groups):  # the replay enforces the bound; never use what breaks it
                     self.stale_rejected.inc(len(batch.groups) - len(ok))
@@ -322,7 +326,8 @@ class LearnerService:
         """Rank 0's work while it waits for a batch: heartbeats, acks (for up to ``wait_s``), and the weight
         broadcast's one request of every rank: :data:`REPUBLISH` when an engine could not load a version that was
         streamed only (``WeightBroadcast.needs_whole``)."""
-        self.sync.heartbeat(self.learner.version, waiting_s=waited_s, late_dropped=self.replay.late_dropped)
+        self.sync.heartbeat(self.learner.version, waiting_s=waited_s, stale_dropped=self.replay.stale_dropped,
+                            late_dropped=self.replay.late_dropped)
         self.sync.poll(wait_s)
         return REPUBLISH if self.streams and self.sync.needs_whole() else None
 

@@ -86,8 +86,9 @@ class ReplayService:
         self.requeued = ctx.metrics.get("requeued_groups_total")
         self.requeue_lost = ctx.metrics.get("requeue_lost_groups_total")
         self._stats = self.buffer.stats()
-        self._late_told: dict[str, int] = {}
-        """Stale drops by engine already told to the learner (``BatchMsg.late_dropped_by_engine``)."""
+        self._told: tuple[dict[str, int], dict[str, int]] = ({}, {})
+        """Stale and late drops by engine already told to the learner (``BatchMsg.stale_dropped_by_engine``,
+        ``late_dropped_by_engine``)."""
         self._publish_stats()
         ctx.log.info("replay: %d groups restored from %s, cursor %d; in %s, batches %s", len(self.buffer),
                      self.store.path, self._stats.served_groups_total, self.pull.endpoint, self.router.endpoint)
@@ -178,12 +179,13 @@ class ReplayService:
         self._publish_stats()
         dropped = self._stats.stale_dropped_total - stats_before.stale_dropped_total
         # by engine since the last answer (not since the last stats, which adds and held requests refresh too)
-        now, told = self._stats.late_dropped_by_engine, self._late_told
-        by_engine = {e: n - told.get(e, 0) for e, n in now.items() if n > told.get(e, 0)}
-        self._late_told = dict(now)
+        now = (self._stats.stale_dropped_by_engine, self._stats.late_dropped_by_engine)
+        stale, late = ({e: n - told.get(e, 0) for e, n in counts.items() if n > told.get(e, 0)}
+                       for counts, told in zip(now, self._told, strict=True))
+        self._told = (dict(now[0]), dict(now[1]))
         if batch is None:
             body = BatchMsg(groups=[], batch_id="", cursor=self._stats.served_groups_total, stale_dropped=dropped,
-                            late_dropped_by_engine=by_engine)
+                            stale_dropped_by_engine=stale, late_dropped_by_engine=late)
         else:
             self.m.batches_total.inc()
             self.m.batch_assembly_seconds.observe(batch.assembly_seconds)
@@ -191,7 +193,7 @@ class ReplayService:
                 self.m.sample_age_versions.observe(age)
             body = BatchMsg(groups=batch.groups, batch_id=str(batch.batch_id),
                             cursor=self._stats.served_groups_total, stale_dropped=dropped,
-                            late_dropped_by_engine=by_engine)
+                            stale_dropped_by_engine=stale, late_dropped_by_engine=late)
         try:
             self.router.reply(env, make_envelope(body, sender=self.ctx.name),
                               timeout_s=self.ctx.cfg.cluster.wire.send_timeout_s)

@@ -66,7 +66,7 @@ class RolloutService:
                                                 peer="verifier")
         self.weights = EngineWeightClient(ctx, transport, engine, on_announce=self._on_announce,
                                           on_learner_waiting=self.admission.learner_waiting,
-                                          on_late_dropped=self._on_late_dropped,
+                                          on_dropped=self._on_dropped,
                                           on_loaded=self._on_loaded)
         self.continuous = ContinuousDriver(self) if cfg.rollout.generation == "continuous" else None
         self.m = ctx.metrics.rollout
@@ -80,10 +80,10 @@ class RolloutService:
     def _on_announce(self, a: WeightsAnnounce, previous: int) -> None:
         self.admission.announced(a.version, a.min_version)
 
-    def _on_late_dropped(self, total: int) -> None:
-        back = self.admission.dropped_late(total)
+    def _on_dropped(self, stale: int, late: int) -> None:
+        back = self.admission.dropped(stale, late)
         if back:
-            self.ctx.metrics.get("admission_given_back_total").inc(back)
+            self.ctx.metrics.get("admission_given_back_total").labels(kind="late").inc(back)
             self.ctx.log.info("%s: %d of its groups reached the replay already stale: given back to its budget",
                               self.engine_id, back)
 
@@ -95,8 +95,14 @@ class RolloutService:
     def admit(self) -> str | None:
         """None when a generate call may start now, else the reason it may not (counted, and a refill logged)."""
         refills, starving = self.admission.refills, self.admission.starving
+        waited = self.admission.given_back["waited"]
         reason = "no_learner" if self.weights.latest is None else self.admission.check(
             self.engine.version, self.weights.learner_version)
+        if self.admission.given_back["waited"] > waited:
+            back = self.admission.given_back["waited"] - waited
+            self.ctx.metrics.get("admission_given_back_total").labels(kind="waited").inc(back)
+            self.ctx.log.info("%s: the learner is short of groups: %d of its groups that went stale waiting in the "
+                              "replay given back to its budget", self.engine_id, back)
         if self.admission.refills > refills:
             self.ctx.metrics.get("admission_refills_total").inc()
             why = (f"the learner has waited {self.admission.starved_s:.0f} s for groups since this engine last "
@@ -185,7 +191,7 @@ class RolloutService:
         """Send ``groups`` to the verifier (in messages of at most half the frame limit) and count them."""
         samples = [s for g in groups for s in g.samples]
         for g in groups:
-            g.engine = self.engine_id  # a group that reaches the replay already stale comes back to this budget
+            g.engine = self.engine_id  # a group the replay drops as stale comes back to this engine's budget
         self.m.generated_samples_total.inc(len(samples))
         self.m.generated_tokens_total.inc(sum(len(s.response_ids) for s in samples))
         self.samples_generated += len(samples)

@@ -86,9 +86,10 @@ PROTOCOL_VERSION = 9
 8: ``Trajectory.version_spans``: the weight version of every token (``(version, first token index)`` pairs), for
    engines that update weights in flight; ``Group.version`` is the oldest token's. A replay log written before
    (no spans) still opens: its samples are wholly of their group's version.
-9: ``Group.engine`` (the engine that generated it), ``BatchMsg.late_dropped_by_engine`` and
-   ``Heartbeat.late_dropped``: groups that reached the replay already stale go back to their engine's admission
-   budget. A replay log written before still opens (its groups name no engine)."""
+9: ``Group.engine`` (the engine that generated it), ``BatchMsg.stale_dropped_by_engine`` /
+   ``late_dropped_by_engine`` and ``Heartbeat.stale_dropped`` / ``late_dropped``: groups dropped as stale go back to
+   their engine's admission budget (``async_vapo.staleness``). A replay log written before still opens (its groups
+   name no engine)."""
 
 DEFAULT_MAX_BYTES = 256 * 2**20
 """Default size limit of one frame (a socket carrying batches of long responses may need more)."""
@@ -164,9 +165,11 @@ class BatchMsg(_Body, tag="batch"):
     """Replay's count of groups handed out so far (monotonic; lets the learner spot a replay restart)."""
     stale_dropped: int = 0
     """Groups discarded for this batch because they were older than min_version."""
+    stale_dropped_by_engine: dict[str, int] = {}
+    """Groups dropped as stale (on arrival or waiting) since the last answer, by the engine that generated them
+    (``Group.engine``; groups that name none are left out)."""
     late_dropped_by_engine: dict[str, int] = {}
-    """Groups dropped as stale on arrival (already below the floor when they reached the replay) since the last
-    answer, by the engine that generated them (``Group.engine``; groups that name none are left out)."""
+    """Of those, the groups dropped on arrival (already below the floor when they reached the replay)."""
 
 
 # any -> any: generic reply
@@ -271,10 +274,12 @@ class Heartbeat(_Body, tag="heartbeat"):
     weights: WeightsAnnounce | None = None
     waiting_s: float = 0.0
     """The learner's: how long it has been waiting for its next batch (0: not waiting)."""
+    stale_dropped: dict[str, int] = {}
+    """The learner's: groups the replay dropped as stale since this learner started, by the engine that generated
+    them (cumulative, so a lost heartbeat loses nothing): each engine gives them back to its admission budget
+    (``async_vapo.staleness``)."""
     late_dropped: dict[str, int] = {}
-    """The learner's: groups that reached the replay already stale since this learner started, by the engine that
-    generated them (cumulative, so a lost heartbeat loses nothing): each engine gives them back to its admission
-    budget."""
+    """The learner's: of those, the groups that reached the replay already stale."""
 
 
 # requester <-> replier, subscriber handshake: "I am up and speak PROTOCOL_VERSION"

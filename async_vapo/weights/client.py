@@ -68,21 +68,22 @@ class EngineWeightClient:
     ``ctx``: the service's context (config, log, metrics, ``send`` with backpressure, ``stop``); ``engine``: a
     ``rollout.engine.VLLMEngine`` (``version``, ``apply_weights``, the load methods, ``weight_backend``).
     Callbacks, each optional: ``on_announce(announce, previous_learner_version)`` for every announce and heartbeat
-    copy, ``on_learner_waiting(seconds)`` for the learner's heartbeats, ``on_late_dropped(groups)`` with the
-    learner's count of this engine's groups that reached the replay already stale (cumulative, from its heartbeats),
+    copy, ``on_learner_waiting(seconds)`` for the learner's heartbeats, ``on_dropped(stale, late)`` with the
+    learner's counts of this engine's groups the replay dropped as stale, and of those that arrived stale (cumulative,
+    from its heartbeats),
     ``on_loaded(version, way)`` after each load.
     """
 
     def __init__(self, ctx, transport, engine, *,
                  on_announce: Callable[[WeightsAnnounce, int], None] | None = None,
                  on_learner_waiting: Callable[[float], None] | None = None,
-                 on_late_dropped: Callable[[int], None] | None = None,
+                 on_dropped: Callable[[int, int], None] | None = None,
                  on_loaded: Callable[[int, str], None] | None = None):
         c = ctx.cfg.cluster
         self.ctx, self.transport, self.engine = ctx, transport, engine
         self.engine_id = ctx.name
         self.on_announce, self.on_learner_waiting, self.on_loaded = on_announce, on_learner_waiting, on_loaded
-        self.on_late_dropped = on_late_dropped
+        self.on_dropped = on_dropped
         self.acks = transport.sender(ctx.endpoint(c.hosts.learner_host, c.ports.acks_port), peer="learner")
         weights_in = (WeightsAnnounce, WeightsGroupOffer, Heartbeat, Shutdown)
         self.sub = transport.subscriber(ctx.endpoint(c.hosts.learner_host, c.ports.weights_port),
@@ -152,8 +153,8 @@ class EngineWeightClient:
                 self._on_announce(body.weights)
             if body.service == "learner" and self.on_learner_waiting is not None:
                 self.on_learner_waiting(body.waiting_s)
-            if body.service == "learner" and self.on_late_dropped is not None:
-                self.on_late_dropped(body.late_dropped.get(self.engine_id, 0))
+            if body.service == "learner" and self.on_dropped is not None:
+                self.on_dropped(body.stale_dropped.get(self.engine_id, 0), body.late_dropped.get(self.engine_id, 0))
         elif isinstance(body, Shutdown):
             self.ctx.log.info("%s: shutdown announced by %s: %s", self.engine_id, env.sender, body.reason)
             self.ctx.stop.set()

@@ -321,17 +321,19 @@ class WeightBroadcast:
             self.dist_seconds.observe(got)
             self.chooser.sent(engine, version, got)
 
-    def heartbeat(self, version: int, waiting_s: float = 0.0, late_dropped: dict[str, int] | None = None) -> None:
+    def heartbeat(self, version: int, waiting_s: float = 0.0, stale_dropped: dict[str, int] | None = None,
+                  late_dropped: dict[str, int] | None = None) -> None:
         """Publish a Heartbeat (at most every ``cluster.wire.heartbeat_s``) with the latest announce and, while the
-        learner waits for a batch, how long it has waited, and the groups that reached the replay already stale, by
-        engine (the engines' admission makes up lost groups by both)."""
+        learner waits for a batch, how long it has waited, and the groups the replay dropped as stale by engine, all
+        and those that arrived stale (the engines' admission makes up lost groups by them)."""
         now = time.monotonic()
         self.pub.pump()
         if now - self._last_beat >= self.ctx.cfg.cluster.wire.heartbeat_s:
             self._last_beat = now
             self.pub.publish(make_envelope(Heartbeat(service="learner", instance=str(self.ctx.instance),
                                                      served_version=version, weights=self.latest,
-                                                     waiting_s=waiting_s, late_dropped=dict(late_dropped or {})),
+                                                     waiting_s=waiting_s, stale_dropped=dict(stale_dropped or {}),
+                                                     late_dropped=dict(late_dropped or {})),
                                            sender=self.ctx.name, policy_version=version))
 
     def _joined(self, engine: str, counted: list[tuple[int, float]], rejoined: bool, version: int) -> None:

@@ -78,28 +78,59 @@ def test_admission_starts_again_from_a_version_the_learner_rolled_back_to():
 def test_groups_that_reached_the_replay_stale_give_their_share_back():
     # one engine, staleness 1, its budget spent at version 3; the learner's heartbeats then count 3 of its groups
     # that reached the replay already stale (long responses that finished after the learner had moved past them):
-    # they are made again, once, however often the same count is repeated
+    # they are made again, once, however often the same counts are repeated
     adm = Admission(max_staleness=1, prompts_per_step=4, num_engines=1, refill_s=1e9)
     for v in (0, 1, 2, 3):
         while adm.check(served=v, learner=v) is None:
             adm.record(v, 1)
     assert adm.check(served=3, learner=3) == "version_budget"
-    assert adm.dropped_late(0) == 0  # the first count heard sets where counting starts
-    assert adm.dropped_late(3) == 3 and adm.dropped_late(3) == 0
+    assert adm.dropped(0, 0) == 0  # the first counts heard set where counting starts
+    assert adm.dropped(3, 3) == 3 and adm.dropped(3, 3) == 0
     for _ in range(3):
         assert adm.check(served=3, learner=3) is None
         adm.record(3, 1)
     assert adm.check(served=3, learner=3) == "version_budget"
-    # a restarted learner counts from 0: its count is all new
-    assert adm.dropped_late(1) == 1 and adm.late_given_back == 4
+    # a restarted learner counts from 0: its counts are all new
+    assert adm.dropped(1, 1) == 1 and adm.given_back == {"late": 4, "waited": 0}
     assert adm.check(served=3, learner=3) is None
+
+
+def test_groups_that_went_stale_waiting_come_back_when_the_learner_is_short():
+    # staleness 1: 2 groups made for version 4's window went stale waiting (weights loaded late). Nothing is given
+    # back until the learner reports a wait while the budget is spent; then those 2, once.
+    adm = Admission(max_staleness=1, prompts_per_step=4, num_engines=1, refill_s=1e9)
+    for v in range(6):
+        while adm.check(served=v, learner=v) is None:
+            adm.record(v, 1)
+    adm.dropped(0, 0)
+    assert adm.dropped(2, 0) == 0 and adm.waited_pending == 2
+    assert adm.check(served=5, learner=5) == "version_budget"  # the learner has not waited: maybe surplus
+    adm.learner_waiting(0.2)  # a wait shorter than short_wait_s says nothing
+    assert adm.check(served=5, learner=5) == "version_budget"
+    adm.learner_waiting(0.8)
+    assert adm.check(served=5, learner=5) is None and adm.given_back["waited"] == 2
+    adm.record(5, 1)
+    assert adm.check(served=5, learner=5) is None  # the second one
+    adm.record(5, 1)
+    adm.learner_waiting(0.8)
+    assert adm.check(served=5, learner=5) == "version_budget" and adm.waited_pending == 0
+
+
+def test_with_staleness_zero_a_group_left_to_go_stale_is_never_made_again():
+    # synchronous: the learner waits for every batch, and a group it did not take is surplus
+    adm = Admission(max_staleness=0, prompts_per_step=4, num_engines=1, refill_s=1e9)
+    adm.record(0, 4)
+    adm.dropped(0, 0)
+    adm.dropped(2, 0)
+    adm.learner_waiting(3.0)
+    assert adm.check(served=0, learner=0) == "version_budget" and adm.given_back["waited"] == 0
 
 
 def test_late_drops_of_an_earlier_process_are_not_given_back():
     adm = Admission(max_staleness=0, prompts_per_step=4, num_engines=1, refill_s=1e9)
     adm.record(0, 4)
-    assert adm.dropped_late(7) == 0 and adm.made == 4  # an engine that just (re)started hears 7 old drops
-    assert adm.dropped_late(8) == 1 and adm.made == 3
+    assert adm.dropped(7, 7) == 0 and adm.made == 4  # an engine that just (re)started hears 7 old drops
+    assert adm.dropped(8, 8) == 1 and adm.made == 3
 
 
 def test_a_refilled_share_that_goes_stale_is_not_made_again():
@@ -110,13 +141,13 @@ def test_a_refilled_share_that_goes_stale_is_not_made_again():
     adm.record(0, 4)
     assert adm.check(0, 0, now=11.0) is None and adm.refills == 1
     adm.record(0, 4)
-    adm.dropped_late(0)
+    adm.dropped(0, 0)
     adm.versions_changed(now=20.0)
-    assert adm.dropped_late(4) == 0 and adm.refill_absorbed == 4  # the refill's surplus
+    assert adm.dropped(4, 4) == 0 and adm.refill_absorbed == 4  # the refill's surplus, even arriving late
     assert adm.check(1, 1, now=21.0) is None  # version 1: one share, as without the refill
     adm.record(1, 4)
     assert adm.check(1, 1, now=22.0) == "version_budget"
-    assert adm.dropped_late(6) == 2  # beyond the refilled share: lost groups, made again
+    assert adm.dropped(6, 6) == 2  # beyond the refilled share: lost groups, made again
     assert adm.check(1, 1, now=23.0) is None
 
 

@@ -371,9 +371,8 @@ def test_a_complete_last_record_with_a_bad_crc_is_corruption_not_a_torn_tail(tmp
     assert path.read_bytes() == bytes(data)
 
 
-def test_groups_that_arrive_stale_are_counted_by_the_engine_that_made_each():
-    # groups that went stale waiting in the buffer are not counted (one more than the learner could use); those
-    # that arrive below the learner's floor are, by engine
+def test_stale_drops_are_counted_by_the_engine_that_made_each_group():
+    # all of them, and apart those that arrived below the learner's floor
     buf = ReplayBuffer(GroupStore(None), max_staleness=0)
     for version, engine in ((0, "rollout-0"), (0, "rollout-1"), (1, "rollout-1")):
         g = make_group(version)
@@ -386,7 +385,8 @@ def test_groups_that_arrive_stale_are_counted_by_the_engine_that_made_each():
         assert buf.add(late) is not None  # stored, then dropped on arrival: below the last request's floor
     stats = buf.stats()
     assert stats.stale_dropped_total == 6
-    assert stats.late_dropped_by_engine == {"rollout-0": 1, "rollout-1": 2}  # naming no engine: left out
+    assert stats.stale_dropped_by_engine == {"rollout-0": 2, "rollout-1": 3}  # naming no engine: left out
+    assert stats.late_dropped_by_engine == {"rollout-0": 1, "rollout-1": 2}
 
 
 def test_a_group_naming_no_engine_encodes_as_before():

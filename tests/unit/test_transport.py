@@ -85,7 +85,7 @@ BODIES = [
     GroupsMsg(groups=[make_group(0), make_group(1, n_samples=2, n_tokens=3)]),
     BatchRequest(n_groups=16, for_version=6, min_version=5),
     BatchMsg(groups=[make_group(2)], batch_id="b-7", cursor=112, stale_dropped=3,
-             late_dropped_by_engine={"rollout-0": 1, "rollout-1": 2}),
+             stale_dropped_by_engine={"rollout-0": 1, "rollout-1": 2}, late_dropped_by_engine={"rollout-1": 1}),
     Ack(acked_id="ffee", ok=False, error="replay full"),
     ANNOUNCE,
     WeightsFetch(engine_id="rollout-1", version=5),
@@ -96,7 +96,7 @@ BODIES = [
     WeightsGroupOffer(engine_id="rollout-1", master_addr="10.0.0.1", master_port=41000, world_size=5,
                       prefix="rollout-1/0f", timeout_s=60.0, backend="nccl", bucket_bytes=16 << 20),
     Heartbeat(service="learner", instance="0", served_version=5, status="busy", weights=ANNOUNCE,
-              late_dropped={"rollout-0": 4}),
+              stale_dropped={"rollout-0": 6}, late_dropped={"rollout-0": 4}),
     Ready(service="replay", instance="0"),
     Shutdown(reason="total_steps reached"),
 ]
