@@ -12,7 +12,9 @@ character), 1 − Var(G − V) / Var(G), as ``critic/explained_variance`` is in 
   V = 2 (1 − q)^(n + 1) − 1, with q the per-step slip rate fitted on the same samples (n steps and the box);
 - **slip-aware**: also knows whether the prefix has already gone wrong (the first character that differs from the
   correct solution, as ``long_task_errors.py`` finds it): V = −1 once that character is in the prefix, before it
-  2 (1 − q)^m − 1 with m the steps (and box) not yet finished.
+  2 (1 − q)^m − 1 with m the steps (and box) not yet finished;
+- **slip-aware by step**: the same with a slip rate per step position (q_j fitted on the same samples), for chains
+  whose late steps slip more often than their early ones.
 
 As in training, the value at a response token is that of the state before it (the prefix up to the previous token).
 A critic that predicts only the mean scores 0. Both reference value functions are those of
@@ -217,7 +219,13 @@ def main() -> int:
     p.add_argument("--out", default="benchmarks/results/long_task/critic_ceiling.json")
     args = p.parse_args()
 
-    from async_vapo.learner.critic_quality import arith_reference_values, first_error, slip_rate
+    from async_vapo.learner.critic_quality import (
+        arith_reference_values,
+        by_step_reference_values,
+        first_error,
+        slip_rate,
+        slip_rates_by_step,
+    )
     from async_vapo.tasks import arith
 
     cache = Path(args.samples_cache) if args.samples_cache else None
@@ -255,18 +263,24 @@ def main() -> int:
     # one value per character (the state before it holds the characters before it), as learner.critic_quality has it
     chars = [list(range(max(1, len(text)))) for text in texts]
     length_only, slip_aware = arith_reference_values(chars, texts, truths, 1.0, -1.0, q)
+    rates = slip_rates_by_step(texts, truths)
+    by_step = by_step_reference_values(chars, texts, truths, 1.0, -1.0, rates)
     returns = [1.0 if k is None else -1.0 for (_, _, k), c in zip(rows, chars, strict=True) for _ in c]
     v_length = [v for r in length_only for v in r]
     v_slip = [v for r in slip_aware for v in r]
+    v_by_step = [v for r in by_step for v in r]
     accuracy = sum(k is None for _, _, k in rows) / len(rows)
     doc = {"config": args.config, "base_model": str(base), "problems": args.problems, "samples": args.samples,
            "seed": args.seed, "temperature": cfg.rollout.temperature, "responses": len(rows),
-           "whole_solution_accuracy": accuracy, "per_step_slip_rate": q, "tokens": len(returns),
+           "whole_solution_accuracy": accuracy, "per_step_slip_rate": q, "slip_rate_by_step": rates,
+           "tokens": len(returns),
            "explained_variance": {"mean only": 0.0, "length only": explained_variance(v_length, returns),
-                                  "slip-aware": explained_variance(v_slip, returns)}}
+                                  "slip-aware": explained_variance(v_slip, returns),
+                                  "slip-aware by step": explained_variance(v_by_step, returns)}}
+    ev = doc["explained_variance"]
     print(f"{len(rows)} responses, whole-solution accuracy {accuracy:.3f}, per-step slip rate {q:.4f}; explained "
-          f"variance of the Monte-Carlo return over {len(returns):,} tokens: length only "
-          f"{doc['explained_variance']['length only']:.3f}, slip-aware {doc['explained_variance']['slip-aware']:.3f}")
+          f"variance of the Monte-Carlo return over {len(returns):,} tokens: length only {ev['length only']:.3f}, "
+          f"slip-aware {ev['slip-aware']:.3f}, slip-aware by step {ev['slip-aware by step']:.3f}")
     if args.fit_steps:
         from async_vapo.models.rl import CriticDesign
 
@@ -275,7 +289,8 @@ def main() -> int:
         held = {id(x) for x in split_problems(samples, args.seed)[1]}
         # the reference value functions on the same split (one value per character, as above)
         table = []
-        for name, ref in (("length only", length_only), ("slip-aware", slip_aware)):
+        for name, ref in (("length only", length_only), ("slip-aware", slip_aware),
+                          ("slip-aware by step", by_step)):
             row = {"design": f"reference: {name}"}
             for key, keep in (("held_out_ev", True), ("train_ev", False)):
                 v, g = [], []

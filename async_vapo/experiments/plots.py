@@ -151,7 +151,8 @@ def plot_runs(runs: Sequence[PathLike], out: PathLike, labels: Sequence[str] | N
 
 
 _CRITIC_LINES = (("critic/heldout_ev", "o-", "critic"), ("critic/heldout_ev_length_only", "--", "length only"),
-                 ("critic/heldout_ev_slip_aware", ":", "slip-aware"))
+                 ("critic/heldout_ev_slip_aware", ":", "slip-aware"),
+                 ("critic/heldout_ev_slip_aware_by_step", "-.", "slip-aware by step"))
 
 
 def _plot_critic_quality(axes, rows, name: str, color: str, src: PathLike) -> None:

@@ -176,6 +176,7 @@ class PrometheusEvalSink:
 CRITIC_GAUGES = {"critic/heldout_ev": ("critic_heldout_explained_variance", "critic"),
                  "critic/heldout_ev_length_only": ("critic_heldout_explained_variance", "length_only"),
                  "critic/heldout_ev_slip_aware": ("critic_heldout_explained_variance", "slip_aware"),
+                 "critic/heldout_ev_slip_aware_by_step": ("critic_heldout_explained_variance", "slip_aware_by_step"),
                  "critic/fresh_ev": ("critic_fresh_explained_variance", None)}
 """Row key -> learner gauge (and its ``value_function`` label) set by :class:`PrometheusCriticSink`."""
 

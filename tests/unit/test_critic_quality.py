@@ -182,3 +182,24 @@ def test_the_run_plot_gains_the_critic_row_when_rows_have_it(tmp_path):
         __import__("json").dumps({k: v for k, v in r.items() if not k.startswith("critic")}) + "\n" for r in rows))
     assert Image.open(plot_runs([tmp_path / "a"], tmp_path / "a.png")).size[1] == 1200
     assert Image.open(plot_runs([tmp_path / "b"], tmp_path / "b.png")).size[1] == 800
+
+
+def test_by_step_reference_of_a_hand_computed_case():
+    # correct solution "a;b;X" (3 units). Four responses: two right, one slips at step 1 ("a;c;X"), one at the box
+    # ("a;b;Y"). At risk: step 0 all 4 (no slip), step 1 all 4 (1 slip), the box 3 (1 slip):
+    # q = [0, 1/4, 1/3]. The overall rate would be 2 / (3 + 3 + 2 + 3) = 2/11 for every step.
+    from async_vapo.learner.critic_quality import by_step_reference_values, slip_rate, slip_rates_by_step
+
+    truth = "a;b;X"
+    texts = ["a;b;X", "a;b;X", "a;c;X", "a;b;Y"]
+    truths = [truth] * 4
+    assert slip_rates_by_step(texts, truths) == pytest.approx([0.0, 0.25, 1 / 3])
+    assert slip_rate(texts, truths) == pytest.approx(2 / 11)
+    chars = [list(range(6))] * 4
+    values = by_step_reference_values(chars, texts, truths, 1.0, -1.0)
+    # survive: 3 units left (1)(3/4)(2/3) = 0.5 -> V 0; 2 left (3/4)(2/3) = 0.5 -> 0; 1 left 2/3 -> 1/3
+    assert values[0] == pytest.approx([0.0, 0.0, 0.0, 0.0, 1 / 3, 1 / 3])
+    assert values[2] == pytest.approx([0.0, 0.0, 0.0, -1.0, -1.0, -1.0])  # its slip (character 2) once in the prefix
+    assert values[3] == pytest.approx([0.0, 0.0, 0.0, 0.0, 1 / 3, -1.0])  # the box's slip at character 4
+    # steps no response reached take the overall rate; a response longer than the fitted positions takes the last
+    assert slip_rates_by_step(["a;b;X"], [truth]) == [0.0, 0.0, 0.0]
