@@ -15,10 +15,12 @@ solution is known from the prompt; ``benchmarks/critic_ceiling.py`` computes the
 - **slip-aware** also knows whether the prefix has already gone wrong (the first character that differs from the
   correct solution): V = r⁻ once that character is in the prefix, before it r⁻ + (r⁺ − r⁻)(1 − q)^m with m the steps
   (and box) not yet finished;
-- **slip-aware by step** is the same with a slip rate for each step position j (q_j: slips at step j over the
-  responses still right when they reach it, fitted on the same responses), before the slip
-  V = r⁻ + (r⁺ − r⁻) Π (1 − q_j) over the steps not yet finished: fair where slips are likelier late in a chain, as on
-  the long task's base, where one rate for every step predicts high values until the slip and scores far below 0.
+- **slip-aware by step** is the same with a slip rate for each chain length n and step position j (q_nj: slips at
+  step j of n-step chains over the responses still right when they reach it, fitted on the same responses), before
+  the slip V = r⁻ + (r⁺ − r⁻) Π (1 − q_nj) over the steps not yet finished: fair where slips are likelier late in a
+  chain, as on the long task's base, where one rate for every step predicts high values until the slip and scores far
+  below 0. (Rates by position alone, pooled over lengths, are no better there: the end of a short chain is riskier
+  than the same position in a long one.)
 
 A critic no better than *length only* has learned nothing a response's text tells; *slip-aware* is what a critic that
 reads the prefix could reach (0.375 on the long task's base-model samples, length only 0.047).
@@ -54,41 +56,43 @@ def slip_rate(texts: Sequence[str], truths: Sequence[str]) -> float:
     return slips / max(at_risk, 1)
 
 
-def slip_rates_by_step(texts: Sequence[str], truths: Sequence[str]) -> list[float]:
-    """q_j for each step position j (the box is the last position): slips at step j over the responses still right
-    when they reach it. A position no response reached gets the overall rate (:func:`slip_rate`)."""
-    slips: list[int] = []
-    at_risk: list[int] = []
+def slip_rates_by_step(texts: Sequence[str], truths: Sequence[str]) -> dict[int, list[float]]:
+    """q_nj for each chain of n units (steps and the box) and position j (the box is the last): slips at step j over
+    the responses still right when they reach it. A position no response reached gets the overall rate
+    (:func:`slip_rate`)."""
+    slips: dict[int, list[int]] = {}
+    at_risk: dict[int, list[int]] = {}
     for text, truth in zip(texts, truths, strict=True):
         k = first_error(text, truth)
         units = truth.count(";") + 1
         reached = units if k is None else truth[:k].count(";") + 1  # steps at risk, the slipped one included
-        if len(at_risk) < units:
-            slips += [0] * (units - len(slips))
-            at_risk += [0] * (units - len(at_risk))
+        s, n = slips.setdefault(units, [0] * units), at_risk.setdefault(units, [0] * units)
         for j in range(reached):
-            at_risk[j] += 1
+            n[j] += 1
         if k is not None:
-            slips[reached - 1] += 1
+            s[reached - 1] += 1
     overall = slip_rate(texts, truths)
-    return [s / n if n else overall for s, n in zip(slips, at_risk, strict=True)]
+    return {units: [s / n if n else overall for s, n in zip(slips[units], at_risk[units], strict=True)]
+            for units in slips}
 
 
 def by_step_reference_values(prefix_chars: Sequence[Sequence[int]], texts: Sequence[str], truths: Sequence[str],
                              reward_correct: float, reward_incorrect: float,
-                             rates: Sequence[float] | None = None) -> list[list[float]]:
-    """The slip-aware-by-step value of the state before each response token (the module docstring); ``rates``: q_j,
-    None = fitted on these responses (:func:`slip_rates_by_step`)."""
-    rates = slip_rates_by_step(texts, truths) if rates is None else list(rates)
+                             rates: dict[int, Sequence[float]] | None = None) -> list[list[float]]:
+    """The slip-aware-by-step value of the state before each response token (the module docstring); ``rates``: q_nj
+    by chain units n, None = fitted on these responses (:func:`slip_rates_by_step`); a length without rates takes
+    the overall rate."""
+    rates = slip_rates_by_step(texts, truths) if rates is None else rates
+    overall = slip_rate(texts, truths)
     lo, span = reward_incorrect, reward_correct - reward_incorrect
     out = []
     for chars, text, truth in zip(prefix_chars, texts, truths, strict=True):
         k, units = first_error(text, truth), truth.count(";") + 1
         # survive[d]: the chance of finishing right with steps d .. units-1 still to come
         survive = [1.0] * (units + 1)
+        qs = rates.get(units) or [overall] * units
         for j in range(units - 1, -1, -1):
-            q = rates[j] if j < len(rates) else rates[-1]
-            survive[j] = survive[j + 1] * (1 - q)
+            survive[j] = survive[j + 1] * (1 - qs[j])
         out.append([lo if k is not None and c > k else lo + span * survive[min(truth[:c].count(";"), units)]
                     for c in chars])
     return out

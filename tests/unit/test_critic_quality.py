@@ -193,7 +193,7 @@ def test_by_step_reference_of_a_hand_computed_case():
     truth = "a;b;X"
     texts = ["a;b;X", "a;b;X", "a;c;X", "a;b;Y"]
     truths = [truth] * 4
-    assert slip_rates_by_step(texts, truths) == pytest.approx([0.0, 0.25, 1 / 3])
+    assert slip_rates_by_step(texts, truths) == {3: pytest.approx([0.0, 0.25, 1 / 3])}
     assert slip_rate(texts, truths) == pytest.approx(2 / 11)
     chars = [list(range(6))] * 4
     values = by_step_reference_values(chars, texts, truths, 1.0, -1.0)
@@ -201,5 +201,8 @@ def test_by_step_reference_of_a_hand_computed_case():
     assert values[0] == pytest.approx([0.0, 0.0, 0.0, 0.0, 1 / 3, 1 / 3])
     assert values[2] == pytest.approx([0.0, 0.0, 0.0, -1.0, -1.0, -1.0])  # its slip (character 2) once in the prefix
     assert values[3] == pytest.approx([0.0, 0.0, 0.0, 0.0, 1 / 3, -1.0])  # the box's slip at character 4
-    # steps no response reached take the overall rate; a response longer than the fitted positions takes the last
-    assert slip_rates_by_step(["a;b;X"], [truth]) == [0.0, 0.0, 0.0]
+    # rates are per chain length: a 2-unit chain's box is not the 3-unit chain's second step; a position no response
+    # reached takes the overall rate
+    assert slip_rates_by_step(texts + ["c;Y", "c;Z"], truths + ["c;X", "c;X"]) == {
+        3: pytest.approx([0.0, 0.25, 1 / 3]), 2: pytest.approx([0.0, 1.0])}
+    assert slip_rates_by_step(["a;c"], ["a;b;X"]) == {3: pytest.approx([0.0, 1.0, 0.5])}
