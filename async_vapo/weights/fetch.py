@@ -106,7 +106,10 @@ class WeightServer:
         except WeightsUnavailable as exc:
             reply = make_envelope(Ack(acked_id=env.id, ok=False, error=str(exc)), sender=self.sender,
                                   reply_to=env.id)
-            send_until(self._sock, [route, encode(reply)], time.monotonic() + self.send_timeout_s)
+            try:
+                send_until(self._sock, [route, encode(reply)], time.monotonic() + self.send_timeout_s)
+            except (TransportError, zmq.ZMQError) as send_exc:  # the requester is gone: nothing to tell
+                log.warning("weight server: could not refuse %s: %s", req.engine_id, send_exc)
             return
         header = TensorHeader(version=req.version, name="flat", dtype="uint8", shape=[len(data)], nbytes=len(data),
                               checksum=blob_checksum(data), index=req.index,

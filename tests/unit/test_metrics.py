@@ -616,7 +616,7 @@ def test_a_stuck_collector_delays_only_metrics():
         try:
             t0 = time.monotonic()
             assert scrape(f"{server.url}/metrics")[0] == 503
-            assert 0.4 < time.monotonic() - t0 < 1.0
+            assert 0.4 < time.monotonic() - t0 < 2.0  # cut at the 0.5 s timeout, not stuck
             t0 = time.monotonic()
             assert scrape(f"{server.url}/health")[0] == 503 and time.monotonic() - t0 < 0.3  # "starting", at once
             assert scrape(f"{server.url}/metrics")[0] == 503  # still the one stuck render, not a second
@@ -663,7 +663,7 @@ def test_tls_scrape_with_a_self_signed_certificate(self_signed):
             t0 = time.monotonic()
             stalled.settimeout(3)
             assert stalled.recv(1) == b""
-            assert 0.9 < time.monotonic() - t0 < 1.6
+            assert 0.9 < time.monotonic() - t0 < 2.5  # cut at the 1 s timeout, before the client's 3 s
         assert _eventually(lambda: _rejects(m, "tls") == 2 and _rejects(m, "timeout") == 1)  # 2: unknown CA, plain
 
 

@@ -392,7 +392,7 @@ def test_recv_with_no_sender_returns_none_after_the_timeout(transport):
     rx = transport.receiver(EP, decoder=Decoder((GroupsMsg,)))
     t0 = time.monotonic()
     assert rx.recv(timeout_s=0.2) is None
-    assert 0.19 <= time.monotonic() - t0 < 1.0
+    assert 0.19 <= time.monotonic() - t0 < 2.0
 
 
 def test_send_raises_backpressure_full_when_the_reader_stalls(transport):
@@ -450,7 +450,7 @@ def test_request_to_a_dead_peer_raises_peer_timeout(transport):
     t0 = time.monotonic()
     with pytest.raises(PeerTimeout):
         req.request(env(BatchRequest(n_groups=1, for_version=1, min_version=0)), timeout_s=0.3)
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 2.0  # a hang would never return; margin for a loaded machine
 
 
 def test_late_reply_is_discarded_and_the_requester_is_not_wedged(transport):
@@ -460,7 +460,7 @@ def test_late_reply_is_discarded_and_the_requester_is_not_wedged(transport):
     t0 = time.monotonic()
     with pytest.raises(PeerTimeout):  # the replier is alive but does not answer in time
         req.request(first, timeout_s=0.3)
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 2.0  # a hang would never return; margin for a loaded machine
     got_first = rep.recv(timeout_s=1.0)
     assert got_first == first
 
@@ -510,7 +510,7 @@ def test_handshake_with_nobody_times_out(transport):
     with pytest.raises(PeerTimeout):
         connect_with_handshake(transport, unbound_endpoint(transport), decoder=Decoder((Ack,)), name="learner",
                                timeout_s=0.3)
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 2.0  # a hang would never return; margin for a loaded machine
 
 
 # ---- heartbeats ----------------------------------------------------------------------------------
@@ -575,7 +575,7 @@ def test_wait_for_subscribers_times_out(transport):
     t0 = time.monotonic()
     with pytest.raises(PeerTimeout):
         pub.wait_for_subscribers(1, timeout_s=0.2)
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 2.0  # a hang would never return; margin for a loaded machine
 
 
 def test_publisher_never_blocks_on_a_stalled_subscriber(transport):

@@ -293,7 +293,8 @@ def test_hard_hang_is_killed_and_replaced(hook_pool):
     pids = set(hook_pool.worker_pids)
     t0 = time.monotonic()
     [result] = hook_pool.verify([("__hang_hard__", "1")])
-    assert time.monotonic() - t0 < HOOK_TIMEOUT_S + 1.0
+    # an unkilled hang never returns; the margin above the timeout is for a loaded machine (CI ran 2.8 s)
+    assert time.monotonic() - t0 < HOOK_TIMEOUT_S + 6.0
     assert result.reason == "timeout" and result.reward == -1.0
     assert result.seconds >= HOOK_TIMEOUT_S
     assert hook_pool.stats["workers_replaced"] == replaced + 1
@@ -392,7 +393,7 @@ def test_megabyte_response_with_raised_limit(hook_pool):
     results = hook_pool.verify(
         [("x" * 1_000_000 + "\\boxed{42}", "42"), ("\\boxed{" * 150_000, "1"), ("z" * 1_500_000, "1")]
     )
-    assert time.monotonic() - t0 < HOOK_TIMEOUT_S + 1.0
+    assert time.monotonic() - t0 < HOOK_TIMEOUT_S + 6.0  # not timed out: bounded by the timeout, with margin
     assert reasons(results) == ["correct", "no_answer", "no_answer"]
 
 
