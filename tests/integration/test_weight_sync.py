@@ -142,6 +142,15 @@ def test_fetch_over_zeromq_returns_the_exact_bytes_and_names_every_failure(tmp_p
         with pytest.raises(WeightsUnavailable):
             fetch_weights(server.endpoint, 5, w.nbytes, dst, chunk_bytes=4096, timeout_s=5, engine_id="e0",
                           max_bytes=2**20)
+        # a refusal to a requester that has gone (ROUTER_MANDATORY: host unreachable) leaves the server serving
+        from async_vapo.transport.messages import WeightsFetch, encode
+
+        gone = [zmq.Frame(b"\x00gone"), zmq.Frame(encode(make_envelope(WeightsFetch(engine_id="e9", version=5,
+                                                                                    index=0), sender="e9")))]
+        server._serve(gone)
+        r = fetch_weights(server.endpoint, 7, w.nbytes, dst, chunk_bytes=4096, timeout_s=5, engine_id="e0",
+                          max_bytes=2**20)
+        assert r["chunks"] == 3 and server._thread.is_alive()
         raw.close(linger=0)
     finally:
         server.close()
