@@ -528,6 +528,14 @@ class LearnerConfig(_Section):
     their block ranges, O((tokens / 128)²); the kernel skips the blocks across sequences): for long sequences on
     GPUs; refused off CUDA (FlexAttention has no backward on the CPU). ``auto``: ``flex`` on CUDA, ``mask``
     elsewhere."""
+    share_prompts: bool = False
+    """With ``packing``: each distinct prompt of a micro-batch goes through the model once and its responses attend
+    to it (an explicit tree mask, ``mask`` attention; ``flex`` is refused), and micro-batches are cut from rows
+    ordered by group, so that a group's responses share their prompt. The log-probs, values and gradients are the
+    unshared ones up to float rounding; a group of G responses of T tokens to a P-token prompt costs P + G·T tokens
+    instead of G·(P + T): the lever where prompts are long beside responses (a few-shot chat prompt). With
+    ``algo.max_tokens_per_micro_batch`` rows are planned by length as without sharing (rows of one prompt share
+    where they meet). Not with a critic design that reads log-probs."""
     logprob_chunk_tokens: int = Field(0, ge=0)
     """Compute log-probs and entropy from the backbone's hidden states this many response tokens at a time, so
     that the float32 [tokens, vocab] logits never exist whole (0 = one pass over the whole micro-batch)."""

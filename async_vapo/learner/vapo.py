@@ -83,6 +83,7 @@ from async_vapo.learner.process_group import (
     single_process_checkpoint,
 )
 from async_vapo.models.rl import (
+    SHARED,
     CriticDesign,
     TokenBatch,
     attn_implementation,
@@ -212,7 +213,8 @@ class Learner:
             self._mesh = init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("dp",))
         # learner.packing: None, "mask" or "flex" (FlexAttention: the models load with attn_implementation
         # "flex_attention"; see models.rl.resolve_packing)
-        self.packing = resolve_packing(cfg.learner.packing, cfg.learner.packed_attention, self.device.type)
+        self.packing = resolve_packing(cfg.learner.packing, cfg.learner.packed_attention, self.device.type,
+                                       cfg.learner.share_prompts)
         attn = attn_implementation(self.packing)
         self.policy = self._load(lambda: build_policy(policy_path, attn_implementation=attn),
                                  lambda: load_policy(policy_path, attn_implementation=attn))
@@ -233,6 +235,9 @@ class Learner:
                                                 weight_decay=cfg.optim.weight_decay)
             self.critic_scaler = self.precision.grad_scaler()
         self._critic_reads_logprobs = self.critic is not None and reads_logprobs(self.critic)
+        if self._critic_reads_logprobs and self.packing == SHARED:
+            raise ValueError("learner.share_prompts cannot serve a critic design that reads log-probs (a group's "
+                             "first response tokens are scored at one shared position); turn one of them off")
         self.version = 0  # policy updates published so far
         self.optimizer_steps = 0  # policy optimiser steps
         self.critic_steps = 0  # critic optimiser steps, value pretraining included
@@ -295,15 +300,21 @@ class Learner:
         mb = self.algo.mini_batch_size
         return [order[i: i + mb] for i in range(0, n, mb)]
 
-    def _plan(self, idx: list[int], seq_tokens: list[int]) -> list[list[list[int]]]:
+    def _plan(self, idx: list[int], seq_tokens: list[int], groups: Sequence[int] = ()) -> list[list[list[int]]]:
         """Per rank, its micro-batches of the rows ``idx``: ``micro_batch_size`` rows each, dealt round-robin; or,
         with ``algo.max_tokens_per_micro_batch``, rows balanced across ranks by tokens (longest first, each to the
         rank with the fewest so far) and packed into micro-batches of at most that many padded tokens (rows ×
-        longest row; a row above the budget alone). ``seq_tokens[i]``: row i's prompt + response tokens."""
+        longest row; a row above the budget alone). ``seq_tokens[i]``: row i's prompt + response tokens; ``groups[i]``:
+        its group, by which rows are ordered with ``learner.share_prompts`` (without a token budget)."""
         world = self.world
         budget = self.algo.max_tokens_per_micro_batch
         if not budget:
             k = self.algo.micro_batch_size
+            if self.packing == SHARED and groups:  # a group's rows side by side: they share their prompt
+                first: dict[int, int] = {}
+                for i in idx:
+                    first.setdefault(groups[i], len(first))
+                idx = sorted(idx, key=lambda i: first[groups[i]])
             micro = [idx[i: i + k] for i in range(0, len(idx), k)]
             return [micro[r::world] for r in range(world)]
         order = sorted(idx, key=lambda i: (-seq_tokens[i], i))
@@ -324,12 +335,13 @@ class Learner:
             plans.append(micro)
         return plans
 
-    def _my_micro(self, idx: list[int], seq_tokens: list[int]) -> list[tuple[list[int], bool]]:
+    def _my_micro(self, idx: list[int], seq_tokens: list[int], groups: Sequence[int] = ()
+                  ) -> list[tuple[list[int], bool]]:
         """This rank's micro-batches of ``idx`` as (rows, real). Every rank holds the whole batch and the loss
         normaliser of the whole mini-batch, so the gradients summed over ranks are exactly the one-process
         gradient (token-level or sequence-level). Sharded ranks run the same number of forward/backward passes
         (FSDP2's collectives are per pass): a rank with fewer real micro-batches runs a zero-weight one."""
-        plans = self._plan(idx, seq_tokens)
+        plans = self._plan(idx, seq_tokens, groups)
         mine = [(m, True) for m in plans[self.rank]]
         if self.sharded:
             mine += [([idx[0]], False)] * (max(len(p) for p in plans) - len(mine))
@@ -349,15 +361,15 @@ class Learner:
         dev = batch.tokens.response_mask.device
         old_lp = torch.zeros(n, t, device=dev)
         values = torch.zeros(n, t, device=dev) if self.critic is not None else None
-        seq_tokens = self._seq_tokens(batch)
+        seq_tokens, groups = self._seq_tokens(batch), batch.group_ids.tolist()
         skipped = set(skip)
         rows = [i for i in range(n) if i not in skipped]
-        for idx, real in self._my_micro(rows, seq_tokens) if rows else ():
+        for idx, real in self._my_micro(rows, seq_tokens, groups) if rows else ():
             tb = batch.tokens.select(idx)
             lp, _ = self._logprobs(tb)
             if real:
                 old_lp[idx, : tb.response_ids.shape[1]] = lp
-        for idx, real in self._my_micro(list(range(n)), seq_tokens) if values is not None else ():
+        for idx, real in self._my_micro(list(range(n)), seq_tokens, groups) if values is not None else ():
             tb = batch.tokens.select(idx)
             v = self._values(tb, batch, idx)
             if real:
@@ -426,7 +438,7 @@ class Learner:
         mask = batch.tokens.response_mask
         total = loss_normalizer(mask[idx], True)
         rows = []
-        for mi, real in self._my_micro(idx, seq_tokens):
+        for mi, real in self._my_micro(idx, seq_tokens, batch.group_ids.tolist()):
             tb = batch.tokens.select(mi)
             w = tb.response_ids.shape[1]
             v = self._values(tb, batch, mi)
@@ -472,7 +484,7 @@ class Learner:
         """One rollout step's worth of policy (and critic) optimisation; publishes version + 1."""
         batch = batch.to(self.device)
         mask = batch.tokens.response_mask
-        seq_tokens = self._seq_tokens(batch)
+        seq_tokens, groups = self._seq_tokens(batch), batch.group_ids.tolist()
         plan = [self._minibatches(len(mask)) for _ in range(self.algo.ppo_epochs)]
         # The first mini-batch's old log-probs are its first gradient step's own log-probs (same weights, same
         # tokens): they are taken, detached, from that forward instead of a separate pass (ratio exactly 1 there).
@@ -504,7 +516,7 @@ class Learner:
                 pos_mask_all = mask[idx].bool() & batch.correct[idx, None]
                 pos_total = loss_normalizer(pos_mask_all, True)
                 mrows = []
-                for mi, real in self._my_micro(idx, seq_tokens):
+                for mi, real in self._my_micro(idx, seq_tokens, groups):
                     tb = batch.tokens.select(mi)
                     w = tb.response_ids.shape[1]
                     keep_mi = keep[mi, :w]

@@ -345,11 +345,21 @@ def attn_implementation(packed: bool | str) -> str | None:
     return "flex_attention" if _packing(packed) == "flex" else None
 
 
-def resolve_packing(packing: bool, packed_attention: str, device_type: str) -> str | None:
-    """How the learner packs on a ``device_type`` device: None (``packing`` off), ``"mask"`` or ``"flex"``;
-    ``packed_attention = "auto"`` is ``"flex"`` on CUDA and ``"mask"`` elsewhere. ``"flex"`` off CUDA is refused:
-    torch's FlexAttention has no backward on the CPU (torch 2.13: ``NotImplementedError: FlexAttention does not
-    support backward on CPU``), and a learner needs one."""
+def resolve_packing(packing: bool, packed_attention: str, device_type: str, share_prompts: bool = False
+                    ) -> str | None:
+    """How the learner packs on a ``device_type`` device: None (``packing`` off), ``"mask"``, ``"flex"`` or, with
+    ``share_prompts``, ``"shared"`` (an explicit mask; see :func:`model_inputs`); ``packed_attention = "auto"`` is
+    ``"flex"`` on CUDA and ``"mask"`` elsewhere. ``"flex"`` off CUDA is refused: torch's FlexAttention has no
+    backward on the CPU (torch 2.13: ``NotImplementedError: FlexAttention does not support backward on CPU``), and
+    a learner needs one."""
+    if share_prompts:
+        if not packing:
+            raise ValueError("learner.share_prompts needs learner.packing = true (a prompt is shared inside a packed "
+                             "forward)")
+        if packed_attention == "flex":
+            raise ValueError("learner.share_prompts needs learner.packed_attention = mask or auto (its tree mask is "
+                             "an explicit one; flex's BlockMask holds documents only)")
+        return SHARED
     if not packing:
         return None
     if packed_attention == "auto":
@@ -362,14 +372,19 @@ def resolve_packing(packing: bool, packed_attention: str, device_type: str) -> s
     return packed_attention
 
 
+SHARED = "shared"
+"""The packed mode of ``learner.share_prompts``: an explicit mask, each distinct prompt of a forward once."""
+
+
 def _packing(packed: bool | str) -> str | None:
-    """``packed`` of :func:`model_inputs` as None (padded), ``"mask"`` or ``"flex"``; True means ``"mask"``."""
+    """``packed`` of :func:`model_inputs` as None (padded), ``"mask"``, ``"flex"`` or ``"shared"``; True means
+    ``"mask"``."""
     if packed is False or packed is None:
         return None
     if packed is True:
         return "mask"
-    if packed not in PACKED_ATTENTION:
-        raise ValueError(f"packed must be a bool or one of {PACKED_ATTENTION}, got {packed!r}")
+    if packed not in (*PACKED_ATTENTION, SHARED):
+        raise ValueError(f"packed must be a bool or one of {(*PACKED_ATTENTION, SHARED)}, got {packed!r}")
     return packed
 
 
@@ -462,6 +477,8 @@ def model_inputs(batch: TokenBatch, packed: bool | str = False, mask_dtype: torc
         kwargs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
                   "position_ids": batch.position_ids}
         return ModelInputs(kwargs, batch.prompt_len, t)
+    if mode == SHARED:
+        return _shared_inputs(batch, mask_dtype)
     valid = batch.attention_mask.bool()
     lengths = valid.sum(-1)
     starts = lengths.cumsum(0) - lengths
@@ -482,6 +499,72 @@ def model_inputs(batch: TokenBatch, packed: bool | str = False, mask_dtype: torc
     kwargs = {"input_ids": batch.input_ids[valid][None], "position_ids": batch.position_ids[valid][None],
               "attention_mask": mask}
     return ModelInputs(kwargs, batch.prompt_len, t, index)
+
+
+def _shared_inputs(batch: TokenBatch, mask_dtype: torch.dtype) -> ModelInputs:
+    """Packed inputs with each distinct prompt once (``learner.share_prompts``): the row holds, per distinct prompt in
+    order of first appearance, its tokens and then the response of every row with that prompt, each response at the
+    positions it has in its own sequence (prompt length onwards). A token attends to the earlier tokens of its own
+    prompt or response and, if in a response, to its prompt's tokens: every response sees exactly the context it
+    has alone, so log-probs, values and gradients equal the unshared forward's up to float rounding, while a group
+    of G responses of T tokens to a P-token prompt costs P + G·T tokens instead of G·(P + T). A response's first
+    token is scored at its prompt's last token, shared by the group (:meth:`ModelInputs.scatter` cannot place a
+    different input per row there: a critic that reads log-probs is refused with sharing)."""
+    valid = batch.attention_mask.bool()
+    p = batch.prompt_len
+    ids, pos = batch.input_ids, batch.position_ids
+    dev = ids.device
+    first: dict[tuple[int, ...], int] = {}
+    members: list[list[int]] = []
+    for i in range(len(ids)):
+        key = tuple(ids[i, :p][valid[i, :p]].tolist())
+        if key not in first:
+            first[key] = len(members)
+            members.append([])
+        members[first[key]].append(i)
+    tokens, positions, owner, is_prompt = [], [], [], []  # owner: the row (response) or -1 - prompt index
+    t = batch.response_ids.shape[1]
+    index = torch.zeros(len(ids), t, dtype=torch.long, device=dev)
+    cols = torch.arange(t, device=dev)
+    at = 0
+    for k, rows in enumerate(members):
+        r0 = rows[0]
+        pv = valid[r0, :p]
+        n_p = int(pv.sum())
+        tokens.append(ids[r0, :p][pv])
+        positions.append(pos[r0, :p][pv])
+        owner += [-1 - k] * n_p
+        is_prompt += [True] * n_p
+        last_prompt = at + n_p - 1
+        at += n_p
+        for r in rows:
+            rv = valid[r, p:]
+            n_r = int(rv.sum())
+            tokens.append(ids[r, p:][rv])
+            positions.append(pos[r, p:][rv])
+            owner += [r] * n_r
+            is_prompt += [False] * n_r
+            scored = torch.where(cols == 0, torch.full_like(cols, last_prompt), at + cols - 1)
+            index[r] = torch.where(batch.response_mask[r].bool(), scored, torch.zeros_like(cols))
+            at += n_r
+    owner_t = torch.tensor(owner, device=dev)
+    prompt_t = torch.tensor(is_prompt, device=dev)
+    group = torch.tensor(_groups_of(owner, members), device=dev)
+    total = len(owner)
+    causal = torch.ones(total, total, dtype=torch.bool, device=dev).tril()
+    same_prompt = prompt_t[None, :] & (group[:, None] == group[None, :])
+    allowed = causal & ((owner_t[:, None] == owner_t[None, :]) | same_prompt)
+    mask = torch.zeros(total, total, dtype=mask_dtype, device=dev)
+    mask.masked_fill_(~allowed, torch.finfo(mask_dtype).min)
+    kwargs = {"input_ids": torch.cat(tokens)[None], "position_ids": torch.cat(positions)[None],
+              "attention_mask": mask[None, None]}
+    return ModelInputs(kwargs, p, t, index)
+
+
+def _groups_of(owner: list[int], members: list[list[int]]) -> list[int]:
+    """Each packed token's prompt index, from its owner (a row, or -1 - prompt index)."""
+    row_group = {r: k for k, rows in enumerate(members) for r in rows}
+    return [-1 - o if o < 0 else row_group[o] for o in owner]
 
 
 def response_logits(model: torch.nn.Module, batch: TokenBatch, temperature: float = 1.0, packed: bool | str = False,

@@ -282,3 +282,64 @@ def test_the_grpo_update_follows_the_policy_gradient_of_a_plain_reference(setup,
     loss.backward()
     for n, p in ref.named_parameters():
         torch.testing.assert_close(got[n], p.grad, rtol=1e-4, atol=1e-7)
+
+
+def test_shared_prompts_equal_the_padded_forward_in_fewer_tokens(setup):
+    """``learner.share_prompts``: the rows in an interleaved order (two prompts of 4 responses each), each distinct
+    prompt once in the packed row: log-probs (full and chunked), values and every gradient equal the padded forward's,
+    and the row holds the distinct prompts' tokens plus the responses', not every row's prompt."""
+    _, base, batch = setup
+    tb = batch.tokens.select([0, 4, 1, 5, 2, 6, 3, 7])
+    mask = tb.response_mask.bool()
+    inputs = model_inputs(tb, packed="shared")
+    prompts = {tuple(tb.input_ids[i, : tb.prompt_len][tb.attention_mask[i, : tb.prompt_len].bool()].tolist())
+               for i in range(len(tb))}
+    assert len(prompts) == 2
+    assert inputs.kwargs["input_ids"].shape[1] == sum(map(len, prompts)) + int(tb.response_mask.sum())
+    assert inputs.kwargs["input_ids"].shape[1] < int(tb.attention_mask.sum())
+    model = _policy(base)
+    ref = {}
+    for packed in (False, "shared"):
+        model.zero_grad()
+        logits = response_logits(model, tb, 0.7, packed=packed)
+        lp = logprobs_from_logits(logits, tb.response_ids)
+        clp, cent = chunked_response_logprobs(model, tb, 0.7, 5, packed=packed)
+        (lp[mask].sum() + clp[mask].sum() + cent[mask].sum()).backward()
+        got = (lp[mask].detach(), clp[mask].detach(), cent[mask].detach(),
+               {n: q.grad.clone() for n, q in model.named_parameters()})
+        if not ref:
+            ref = got
+            continue
+        for a, b in zip(got[:3], ref[:3], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        for n, g in got[3].items():
+            torch.testing.assert_close(g, ref[3][n], rtol=1e-4, atol=1e-6, msg=n)
+    critic = load_critic(base).eval()
+    with torch.no_grad():
+        torch.nn.init.normal_(critic.score.weight)
+        torch.testing.assert_close(response_values(critic, tb, packed="shared")[mask],
+                                   response_values(critic, tb)[mask], rtol=0, atol=1e-5)
+
+
+def test_shared_prompts_config_and_the_update(setup):
+    """share_prompts is refused without packing, with flex attention and with a critic that reads log-probs; with it
+    the learner cuts micro-batches of whole groups and makes the update of the unshared packed learner."""
+    cfg, base, batch = setup
+    assert resolve_packing(True, "auto", "cuda", share_prompts=True) == "shared"
+    assert resolve_packing(True, "mask", "cpu", share_prompts=True) == "shared"
+    with pytest.raises(ValueError, match="needs learner.packing"):
+        resolve_packing(False, "auto", "cpu", share_prompts=True)
+    with pytest.raises(ValueError, match="mask or auto"):
+        resolve_packing(True, "flex", "cuda", share_prompts=True)
+    with pytest.raises(ValueError, match="reads log-probs"):
+        _update(cfg, base, batch, "learner.packing=true", "learner.share_prompts=true", "model.critic_logprobs=true")
+    plain, m_plain = _update(cfg, base, batch, "learner.packing=true", "algo.micro_batch_size=4")
+    shared, m_shared = _update(cfg, base, batch, "learner.packing=true", "learner.share_prompts=true",
+                               "algo.micro_batch_size=4")
+    groups = batch.group_ids.tolist()
+    plan = shared._plan([0, 4, 1, 5, 2, 6, 3, 7], [1] * 8, groups)[0]
+    assert [{groups[i] for i in micro} for micro in plan] == [{0}, {1}]  # whole groups, in order of appearance
+    for key in ("actor/grad_norm", "critic/grad_norm"):
+        assert abs(m_shared[key] - m_plain[key]) <= 1e-4 * m_plain[key], (key, m_shared[key], m_plain[key])
+    for k, v in plain.policy.state_dict().items():
+        torch.testing.assert_close(shared.policy.state_dict()[k], v, rtol=0, atol=1e-5)
