@@ -1,0 +1,150 @@
+"""Does RL make a real pretrained model better here? Summary of SmolLM2-135M-Instruct learning runs on this CPU.
+
+    .venv/bin/python benchmarks/smollm2_learning.py RUN_DIR [RUN_DIR ...] [--base DIR] \
+        [--out benchmarks/results/smollm2_learning]
+
+Each RUN_DIR is the ``--out`` of one ``benchmarks/smollm2.py`` run (its ``metrics.jsonl``, ``results.json`` and
+``config.resolved.json``), optionally with ``final/``: ``async-vapo eval`` of the run's last checkpoint, compared
+with ``--base DIR``, the same of the untrained model, on the same held-out problems, seeds and n samples per
+problem (``benchmarks/smollm2_learning.sh`` makes them).
+
+For every run it reports the held-out accuracy curve against the trainer's wall-clock (evaluations and value
+pretraining included; the engine's start is not) with one standard error, and, where the paired evaluations exist,
+the gain measured per problem: d_i = (fraction correct of problem i after) - (before), its mean and its standard
+error sd(d) / sqrt(problems), so that a problem's difficulty, shared by both measurements, does not count as noise.
+Writes ``summary.md``, ``summary.json`` and ``curves.png`` (accuracy against minutes, one line per run) to
+``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def per_problem(samples: Path) -> dict[str, float]:
+    """Fraction correct per problem uid of an ``async-vapo eval`` samples.jsonl."""
+    hits: dict[str, list[bool]] = defaultdict(list)
+    for line in samples.read_text().splitlines():
+        r = json.loads(line)
+        hits[r["uid"]].append(bool(r["correct"]))
+    return {uid: sum(v) / len(v) for uid, v in hits.items()}
+
+
+def answer_rates(samples: Path) -> dict[str, float]:
+    """Share of an ``async-vapo eval`` samples.jsonl's responses cut by the token cap, and with an answer read."""
+    rows = [json.loads(x) for x in samples.read_text().splitlines()]
+    return {"truncated": sum(r["finish_reason"] == "length" for r in rows) / len(rows),
+            "parsed": sum(r["verdict"] in ("correct", "incorrect") for r in rows) / len(rows), "samples": len(rows)}
+
+
+def paired_gain(before: dict[str, float], after: dict[str, float]) -> dict:
+    """Mean and standard error of the per-problem gain, over the problems both evaluations hold."""
+    uids = sorted(set(before) & set(after))
+    if len(uids) < 2:
+        raise ValueError(f"paired evaluations share {len(uids)} problems")
+    d = [after[u] - before[u] for u in uids]
+    se = statistics.stdev(d) / math.sqrt(len(d))
+    mean = statistics.fmean(d)
+    return {"problems": len(uids), "before": statistics.fmean(before[u] for u in uids),
+            "after": statistics.fmean(after[u] for u in uids), "gain": mean, "se": se,
+            "gain_in_se": mean / se if se > 0 else float("inf"),
+            "improved": sum(x > 0 for x in d), "worsened": sum(x < 0 for x in d)}
+
+
+def load_run(path: Path, base: Path | None = None) -> dict:
+    rows = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
+    cfg = json.loads((path / "config.resolved.json").read_text())
+    n = cfg["task"]["num_eval"] * cfg["rollout"]["eval_samples"]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    steps = [r for r in rows if r["kind"] == "train"]
+    curve = [{"step": r["step"], "minutes": r["wall_s"] / 60, "accuracy": r["eval/accuracy"],
+              "se": math.sqrt(r["eval/accuracy"] * (1 - r["eval/accuracy"]) / n),
+              "truncated": r.get("eval/truncated_frac")} for r in evals]
+    out = {"dir": str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path),
+           "algo": cfg["algo"]["name"], "seed": cfg["train"]["seed"], "eval_samples_total": n, "curve": curve,
+           "updates": len(steps), "s_per_update": statistics.fmean(r["time/step_s"] for r in steps) if steps else None,
+           "learn_s": statistics.fmean(r["time/learn_s"] for r in steps) if steps else None,
+           "generate_s": statistics.fmean(r["time/generate_s"] for r in steps) if steps else None}
+    if curve:
+        first, last = curve[0], curve[-1]
+        out["gain_unpaired"] = {"before": first["accuracy"], "after": last["accuracy"],
+                                "gain": last["accuracy"] - first["accuracy"],
+                                "se": math.hypot(first["se"], last["se"]), "minutes": last["minutes"]}
+    final = path / "final"
+    if base is not None and (final / "samples.jsonl").is_file():
+        out["gain_paired"] = paired_gain(per_problem(base / "samples.jsonl"), per_problem(final / "samples.jsonl"))
+        m, b = (json.loads((d / "metrics.json").read_text()) for d in (final, base))
+        if (m["samples_per_problem"], m["seed"], m["temperature"]) != (b["samples_per_problem"], b["seed"],
+                                                                        b["temperature"]):
+            raise ValueError(f"{final} and {base} were not evaluated alike")
+        out["gain_paired"]["samples_per_problem"] = m["samples_per_problem"]
+        out["gain_paired"]["rates_before"] = answer_rates(base / "samples.jsonl")
+        out["gain_paired"]["rates_after"] = answer_rates(final / "samples.jsonl")
+    return out
+
+
+def plot(runs: list[dict], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in runs:
+        xs = [c["minutes"] for c in r["curve"]]
+        ys = [c["accuracy"] for c in r["curve"]]
+        se = [c["se"] for c in r["curve"]]
+        line, = ax.plot(xs, ys, "o-", label=f"{r['algo']}, seed {r['seed']}")
+        ax.fill_between(xs, [y - s for y, s in zip(ys, se, strict=True)], [y + s for y, s in zip(ys, se, strict=True)],
+                        color=line.get_color(), alpha=0.15)
+    ax.axvline(60, color="grey", ls=":", lw=1)
+    ax.set(xlabel="trainer wall-clock (minutes; evaluations included)", ylabel="held-out accuracy (± 1 s.e.)",
+           title="SmolLM2-135M-Instruct, word problems, 2-core CPU")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+")
+    ap.add_argument("--base", help="async-vapo eval's output for the untrained model (samples.jsonl, metrics.json)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "smollm2_learning"))
+    args = ap.parse_args(argv)
+    base = Path(args.base) if args.base else None
+    runs = [load_run(Path(p).resolve(), base) for p in args.runs]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = ["| run | updates | s / update (learner) | held-out before → after | minutes | gain ± s.e. (unpaired) "
+             "| gain ± s.e. (paired, per problem) |", "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        u = r.get("gain_unpaired", {})
+        p = r.get("gain_paired")
+        if p:
+            rb, ra = p["rates_before"], p["rates_after"]
+            paired = (f"{p['before']:.3f} → {p['after']:.3f}: {p['gain']:+.3f} ± {p['se']:.3f} ({p['gain_in_se']:.1f} "
+                      f"s.e.; {p['problems']} problems × {p['samples_per_problem']}; cut {rb['truncated']:.3f} → "
+                      f"{ra['truncated']:.3f}, answer read {rb['parsed']:.3f} → {ra['parsed']:.3f})")
+        else:
+            paired = "—"
+        lines.append(f"| {r['algo']} seed {r['seed']} | {r['updates']} | {r['s_per_update']:.1f} ({r['learn_s']:.1f}) "
+                     f"| {u.get('before', float('nan')):.3f} → {u.get('after', float('nan')):.3f} "
+                     f"| {u.get('minutes', float('nan')):.1f} | {u.get('gain', float('nan')):+.3f} ± "
+                     f"{u.get('se', float('nan')):.3f} | {paired} |")
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    (out / "summary.json").write_text(json.dumps(runs, indent=1) + "\n")
+    plot(runs, out / "curves.png")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# RL on a real pretrained model on this CPU within an hour: SmolLM2-135M-Instruct (configs/smollm2_cpu.toml) on
+# level-1 word problems, GRPO and VAPO, paired seeds. Each run is benchmarks/smollm2.py (held-out accuracy on 200
+# problems every EVAL_EVERY updates, the trainer stopped after MINUTES of wall-clock, its last evaluation after
+# that); then `async-vapo eval` of the untrained model and of the run's last checkpoint, SAMPLES per problem, for the
+# gain measured per problem; then benchmarks/smollm2_learning.py writes the table and the curves.
+#   bash benchmarks/smollm2_learning.sh [key.sub=value ...]
+#   (ALGOS="grpo vapo" SEEDS="0 1" MINUTES=55 EVAL_EVERY=10 SAMPLES=4 OUT=benchmarks/results/smollm2_learning)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash deploy/setup.sh
+out=${OUT:-benchmarks/results/smollm2_learning}
+ALGOS=${ALGOS:-"grpo vapo"}
+SEEDS=${SEEDS:-"0 1"}
+MINUTES=${MINUTES:-55}
+EVAL_EVERY=${EVAL_EVERY:-10}
+SAMPLES=${SAMPLES:-4}
+model=models/smollm2-135m-instruct
+mkdir -p "$out"
+rm -rf "$out/base"
+echo "ALGOS=\"$ALGOS\" SEEDS=\"$SEEDS\" MINUTES=$MINUTES EVAL_EVERY=$EVAL_EVERY SAMPLES=$SAMPLES OUT=$out" \
+  "bash benchmarks/smollm2_learning.sh $*" > "$out/command.txt"
+# the settings every run shares: level-1 problems, 8 prompts x 8 samples, one optimiser step per update (its
+# old log-probs are its own forward's), packed forwards with shared prompts, log-probs of response positions only
+common=(task.max_ops=1 algo.prompts_per_step=8 algo.group_size=8 algo.mini_batch_size=64 algo.micro_batch_size=8
+        optim.actor_lr=3e-5 train.threads=0 learner.packing=true learner.share_prompts=true
+        learner.logprob_chunk_tokens=4096 "train.max_minutes=$MINUTES")
+grpo=(algo.name=grpo algo.value_pretrain_steps=0 algo.clip_higher=false algo.token_level_loss=false
+      algo.pos_lm_coef=0.0)
+vapo=(algo.name=vapo)
+runs=()
+for algo in $ALGOS; do
+  for seed in $SEEDS; do
+    run="$out/${algo}_seed$seed"
+    runs+=("$run")
+    rm -rf "$run" "runs/smollm2_learning/${algo}_seed$seed"
+    echo "[smollm2_learning] $algo, train.seed=$seed -> $run" >&2
+    declare -n extra="$algo"
+    .venv/bin/python benchmarks/smollm2.py --steps 1000 --eval-every "$EVAL_EVERY" --out "$run" --skip-base \
+      --keep-checkpoint --run-dir "runs/smollm2_learning/${algo}_seed$seed" "${common[@]}" "${extra[@]}" train.seed="$seed" "$@"
+    ckpt=$(ls -d "runs/smollm2_learning/${algo}_seed$seed"/checkpoints/step_* | sort -t_ -k2 -n | tail -1)
+    if [ ! -f "$out/base/samples.jsonl" ]; then  # the untrained model, once: every run evaluates the same problems
+      .venv/bin/async-vapo eval "$model" --config "$run/config.resolved.json" --samples "$SAMPLES" --out "$out/base"
+    fi
+    .venv/bin/async-vapo eval "$ckpt" --samples "$SAMPLES" --out "$run/final"
+    rm -rf "runs/smollm2_learning/${algo}_seed$seed/checkpoints"
+  done
+done
+.venv/bin/python benchmarks/smollm2_learning.py "${runs[@]}" --base "$out/base" --out "$out"
