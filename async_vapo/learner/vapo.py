@@ -310,7 +310,7 @@ class Learner:
         budget = self.algo.max_tokens_per_micro_batch
         if not budget:
             k = self.algo.micro_batch_size
-            if self.packing == SHARED and groups:  # a group's rows side by side: they share their prompt
+            if groups and self.packing == SHARED:  # a group's rows side by side: they share their prompt
                 first: dict[int, int] = {}
                 for i in idx:
                     first.setdefault(groups[i], len(first))
