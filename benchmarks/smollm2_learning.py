@@ -12,6 +12,8 @@ For every run it reports the held-out accuracy curve against the trainer's wall-
 pretraining included; the engine's start is not) with one standard error, and, where the paired evaluations exist,
 the gain measured per problem: d_i = (fraction correct of problem i after) - (before), its mean and its standard
 error sd(d) / sqrt(problems), so that a problem's difficulty, shared by both measurements, does not count as noise.
+Side by side: each algorithm's paired gain over its seeds, and for each seed two algorithms both ran, their last
+checkpoints compared per problem the same way (the same problems and sample seeds).
 Writes ``summary.md``, ``summary.json`` and ``curves.png`` (accuracy against minutes, one line per run) to
 ``--out``.
 """
@@ -75,6 +77,8 @@ def load_run(path: Path, base: Path | None = None) -> dict:
            "generate_s": statistics.fmean(r["time/generate_s"] for r in steps) if steps else None}
     if curve:
         first, last = curve[0], curve[-1]
+        peak = max(curve, key=lambda c: c["accuracy"])
+        out["peak"] = {"step": peak["step"], "minutes": peak["minutes"], "accuracy": peak["accuracy"]}
         out["gain_unpaired"] = {"before": first["accuracy"], "after": last["accuracy"],
                                 "gain": last["accuracy"] - first["accuracy"],
                                 "se": math.hypot(first["se"], last["se"]), "minutes": last["minutes"]}
@@ -91,6 +95,30 @@ def load_run(path: Path, base: Path | None = None) -> dict:
     return out
 
 
+def side_by_side(runs: list[dict], final_of: dict[tuple[str, int], Path]) -> list[dict]:
+    """Per algorithm: the paired gains' mean over seeds; per seed that both algorithms ran: their last checkpoints
+    compared per problem (each run's ``final/`` evaluation, same problems and sample seeds)."""
+    rows = []
+    by_algo: dict[str, list[dict]] = defaultdict(list)
+    for r in runs:
+        if "gain_paired" in r:
+            by_algo[r["algo"]].append(r)
+    for algo, rs in sorted(by_algo.items()):
+        gains = [r["gain_paired"]["gain"] for r in rs]
+        rows.append({"kind": "algo", "algo": algo, "seeds": [r["seed"] for r in rs], "gains": gains,
+                     "mean_gain": statistics.fmean(gains),
+                     "peaks": [r["peak"]["accuracy"] for r in rs if "peak" in r],
+                     "last": [r["gain_paired"]["after"] for r in rs]})
+    algos = sorted(by_algo)
+    for i, a in enumerate(algos):
+        for b in algos[i + 1:]:
+            for seed in sorted({r["seed"] for r in by_algo[a]} & {r["seed"] for r in by_algo[b]}):
+                g = paired_gain(per_problem(final_of[(a, seed)] / "samples.jsonl"),
+                                per_problem(final_of[(b, seed)] / "samples.jsonl"))
+                rows.append({"kind": "pair", "a": a, "b": b, "seed": seed, **g})
+    return rows
+
+
 def plot(runs: list[dict], png: Path) -> None:
     import matplotlib
 
@@ -98,11 +126,14 @@ def plot(runs: list[dict], png: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for r in runs:
+    algos = sorted({r["algo"] for r in runs})
+    seeds = sorted({r["seed"] for r in runs})
+    for r in runs:  # a colour per algorithm, a line style per seed
         xs = [c["minutes"] for c in r["curve"]]
         ys = [c["accuracy"] for c in r["curve"]]
         se = [c["se"] for c in r["curve"]]
-        line, = ax.plot(xs, ys, "o-", label=f"{r['algo']}, seed {r['seed']}")
+        line, = ax.plot(xs, ys, ["o-", "s--", "^:", "d-."][seeds.index(r["seed"]) % 4],
+                        color=f"C{algos.index(r['algo'])}", label=f"{r['algo']}, seed {r['seed']}")
         ax.fill_between(xs, [y - s for y, s in zip(ys, se, strict=True)], [y + s for y, s in zip(ys, se, strict=True)],
                         color=line.get_color(), alpha=0.15)
     ax.axvline(60, color="grey", ls=":", lw=1)
@@ -124,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lines = ["| run | updates | s / update (learner) | held-out before → after | minutes | gain ± s.e. (unpaired) "
-             "| gain ± s.e. (paired, per problem) |", "|---|---|---|---|---|---|---|"]
+             "| gain ± s.e. (paired, per problem) | best held-out |", "|---|---|---|---|---|---|---|---|"]
     for r in runs:
         u = r.get("gain_unpaired", {})
         p = r.get("gain_paired")
@@ -135,12 +166,26 @@ def main(argv: list[str] | None = None) -> int:
                       f"{ra['truncated']:.3f}, answer read {rb['parsed']:.3f} → {ra['parsed']:.3f})")
         else:
             paired = "—"
+        pk = r.get("peak")
+        best = f"{pk['accuracy']:.3f} at update {pk['step']} ({pk['minutes']:.1f} min)" if pk else "—"
         lines.append(f"| {r['algo']} seed {r['seed']} | {r['updates']} | {r['s_per_update']:.1f} ({r['learn_s']:.1f}) "
                      f"| {u.get('before', float('nan')):.3f} → {u.get('after', float('nan')):.3f} "
                      f"| {u.get('minutes', float('nan')):.1f} | {u.get('gain', float('nan')):+.3f} ± "
-                     f"{u.get('se', float('nan')):.3f} | {paired} |")
+                     f"{u.get('se', float('nan')):.3f} | {paired} | {best} |")
+    final_of = {(r["algo"], r["seed"]): ROOT / r["dir"] / "final" for r in runs if "gain_paired" in r}
+    side = side_by_side(runs, final_of)
+    if side:
+        lines += ["", "| side by side | per seed | mean |", "|---|---|---|"]
+        for x in side:
+            if x["kind"] == "algo":
+                per = ", ".join(f"seed {s}: {g:+.3f}" for s, g in zip(x["seeds"], x["gains"], strict=True))
+                lines.append(f"| {x['algo']}: paired gain of the last checkpoint | {per} | {x['mean_gain']:+.3f} |")
+            else:
+                lines.append(f"| {x['b']} − {x['a']}, last checkpoints per problem | seed {x['seed']}: "
+                             f"{x['after'] - x['before']:+.3f} ± {x['se']:.3f} ({x['gain_in_se']:.1f} s.e.; "
+                             f"{x['improved']} problems better, {x['worsened']} worse) | |")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
-    (out / "summary.json").write_text(json.dumps(runs, indent=1) + "\n")
+    (out / "summary.json").write_text(json.dumps({"runs": runs, "side_by_side": side}, indent=1) + "\n")
     plot(runs, out / "curves.png")
     print("\n".join(lines))
     return 0

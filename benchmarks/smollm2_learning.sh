@@ -6,6 +6,8 @@
 # gain measured per problem; then benchmarks/smollm2_learning.py writes the table and the curves.
 #   bash benchmarks/smollm2_learning.sh [key.sub=value ...]
 #   (ALGOS="grpo vapo" SEEDS="0 1" MINUTES=55 EVAL_EVERY=10 SAMPLES=4 OUT=benchmarks/results/smollm2_learning)
+# Runs add to OUT: a run of the same algorithm and seed is replaced, the untrained model's evaluation is kept when it
+# was made with the same SAMPLES (every run is paired against it), and the summary covers every run in OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/setup.sh
@@ -17,9 +19,12 @@ EVAL_EVERY=${EVAL_EVERY:-10}
 SAMPLES=${SAMPLES:-4}
 model=models/smollm2-135m-instruct
 mkdir -p "$out"
-rm -rf "$out/base"
+if [ -f "$out/base/metrics.json" ] && \
+   ! grep -q "\"samples_per_problem\": $SAMPLES," "$out/base/metrics.json"; then
+  rm -rf "$out/base"  # made with another SAMPLES: evaluated again, and runs paired against the old one are stale
+fi
 echo "ALGOS=\"$ALGOS\" SEEDS=\"$SEEDS\" MINUTES=$MINUTES EVAL_EVERY=$EVAL_EVERY SAMPLES=$SAMPLES OUT=$out" \
-  "bash benchmarks/smollm2_learning.sh $*" > "$out/command.txt"
+  "bash benchmarks/smollm2_learning.sh $*" >> "$out/command.txt"
 # the settings every run shares: level-1 problems, 8 prompts x 8 samples, one optimiser step per update (its
 # old log-probs are its own forward's), packed forwards with shared prompts, log-probs of response positions only
 common=(task.max_ops=1 algo.prompts_per_step=8 algo.group_size=8 algo.mini_batch_size=64 algo.micro_batch_size=8
@@ -28,11 +33,9 @@ common=(task.max_ops=1 algo.prompts_per_step=8 algo.group_size=8 algo.mini_batch
 grpo=(algo.name=grpo algo.value_pretrain_steps=0 algo.clip_higher=false algo.token_level_loss=false
       algo.pos_lm_coef=0.0)
 vapo=(algo.name=vapo)
-runs=()
 for algo in $ALGOS; do
   for seed in $SEEDS; do
     run="$out/${algo}_seed$seed"
-    runs+=("$run")
     rm -rf "$run" "runs/smollm2_learning/${algo}_seed$seed"
     echo "[smollm2_learning] $algo, train.seed=$seed -> $run" >&2
     declare -n extra="$algo"
@@ -46,4 +49,6 @@ for algo in $ALGOS; do
     rm -rf "runs/smollm2_learning/${algo}_seed$seed/checkpoints"
   done
 done
+# the summary covers every run in OUT, those of earlier invocations too
+mapfile -t runs < <(ls -d "$out"/*_seed*/ 2>/dev/null | sed 's:/$::' | sort)
 .venv/bin/python benchmarks/smollm2_learning.py "${runs[@]}" --base "$out/base" --out "$out"
