@@ -95,7 +95,7 @@ def load_run(path: Path, base: Path | None = None) -> dict:
     return out
 
 
-def side_by_side(runs: list[dict], final_of: dict[tuple[str, int], Path]) -> list[dict]:
+def side_by_side(runs: list[dict]) -> list[dict]:
     """Per algorithm: the paired gains' mean over seeds; per seed that both algorithms ran: their last checkpoints
     compared per problem (each run's ``final/`` evaluation, same problems and sample seeds)."""
     rows = []
@@ -113,8 +113,8 @@ def side_by_side(runs: list[dict], final_of: dict[tuple[str, int], Path]) -> lis
     for i, a in enumerate(algos):
         for b in algos[i + 1:]:
             for seed in sorted({r["seed"] for r in by_algo[a]} & {r["seed"] for r in by_algo[b]}):
-                g = paired_gain(per_problem(final_of[(a, seed)] / "samples.jsonl"),
-                                per_problem(final_of[(b, seed)] / "samples.jsonl"))
+                final = {r["algo"]: ROOT / r["dir"] / "final" / "samples.jsonl" for r in runs if r["seed"] == seed}
+                g = paired_gain(per_problem(final[a]), per_problem(final[b]))
                 rows.append({"kind": "pair", "a": a, "b": b, "seed": seed, **g})
     return rows
 
@@ -172,8 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"| {u.get('before', float('nan')):.3f} → {u.get('after', float('nan')):.3f} "
                      f"| {u.get('minutes', float('nan')):.1f} | {u.get('gain', float('nan')):+.3f} ± "
                      f"{u.get('se', float('nan')):.3f} | {paired} | {best} |")
-    final_of = {(r["algo"], r["seed"]): ROOT / r["dir"] / "final" for r in runs if "gain_paired" in r}
-    side = side_by_side(runs, final_of)
+    side = side_by_side(runs)
     if side:
         lines += ["", "| side by side | per seed | mean |", "|---|---|---|"]
         for x in side:
@@ -182,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                 lines.append(f"| {x['algo']}: paired gain of the last checkpoint | {per} | {x['mean_gain']:+.3f} |")
             else:
                 lines.append(f"| {x['b']} − {x['a']}, last checkpoints per problem | seed {x['seed']}: "
-                             f"{x['after'] - x['before']:+.3f} ± {x['se']:.3f} ({x['gain_in_se']:.1f} s.e.; "
+                             f"{x['gain']:+.3f} ± {x['se']:.3f} ({x['gain_in_se']:.1f} s.e.; "
                              f"{x['improved']} problems better, {x['worsened']} worse) | |")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     (out / "summary.json").write_text(json.dumps({"runs": runs, "side_by_side": side}, indent=1) + "\n")
