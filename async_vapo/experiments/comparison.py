@@ -72,15 +72,20 @@ class Run:
 
 
 def plan(which: str, seeds: list[int], ablation_seeds: list[int], arms: Arms = Arms(),
-         ablations: list[str] | None = None) -> list[Run]:
-    """The runs of ``which`` (all, comparison, ablation); ``ablations`` picks rows of :data:`ABLATIONS` (all)."""
+         ablations: list[str] | None = None, baselines: list[str] | None = None) -> list[Run]:
+    """The runs of ``which`` (all, comparison, ablation); ``ablations`` picks rows of :data:`ABLATIONS` (all),
+    ``baselines`` the baselines beside VAPO (all of ppo, grpo, dapo)."""
     rows = list(ABLATIONS) if ablations is None else ablations
     unknown = [a for a in rows if a not in ABLATIONS]
     if unknown:
         raise ValueError(f"unknown ablation rows {unknown}; known: {', '.join(ABLATIONS)}")
+    arms_compared = list(COMPARISON) if baselines is None else ["vapo", *baselines]
+    unknown = [b for b in arms_compared if b not in COMPARISON]
+    if unknown:
+        raise ValueError(f"unknown baselines {unknown}; known: {', '.join(n for n in COMPARISON if n != 'vapo')}")
     runs: list[Run] = []
     if which in ("all", "comparison"):
-        runs += [Run(n, s, arms.config(n)) for s in seeds for n in COMPARISON]
+        runs += [Run(n, s, arms.config(n)) for s in seeds for n in COMPARISON if n in arms_compared]
     if which in ("all", "ablation"):
         if which == "ablation":
             runs += [Run("vapo", s, arms.config("vapo")) for s in ablation_seeds]
@@ -266,6 +271,22 @@ def _comparison_report(out: Path, comp: dict[str, list[Path]]) -> dict:
         rows.append(f"| {k} | {len(runs)} | {init:.3f} | {m:.3f} ± {sd:.3f} | {best:.3f} | {generated:,.0f} | "
                     f"{at_common:.3f} ± {at_sd:.3f} | {gain:+.3f} ± {gain_sd:.3f} | "
                     f"{at_wall:.3f} ± {at_wall_sd:.3f} | {reach_s} | {mins:.1f} | {cpu_s} | {PAPER.get(k, '–')} |")
+    paired_rows = []
+    for k in comp:
+        if k == "vapo" or "vapo" not in comp:
+            continue
+        table[k]["vapo_gain_paired"] = g = paired_gain(comp["vapo"], comp[k])
+        if g["seeds"]:
+            verdict = "yes" if g["beyond_spread"] else "no" if g["seeds"] >= 2 else "one seed: cannot tell"
+            paired_rows.append(f"| VAPO − {k} | {', '.join(map(str, g['by_seed']))} | "
+                               + ", ".join(f"{x:+.3f}" for x in g["by_seed"].values())
+                               + f" | {g['mean']:+.3f} ± {_num(g['sd'], '.3f')} | {_num(g['lower_95'], '+.3f')} | "
+                               f"{verdict} |")
+    paired_md = "" if not paired_rows else (
+        "\n\nVAPO's gain over each baseline, paired by seed (final minus final, same seed): beyond the pairs' spread "
+        "when the one-sided 95 % t lower bound of the mean, mean − t·sd/√n, is above 0.\n\n"
+        "| pair | seeds | per seed | mean ± sd | 95 % lower bound | beyond the spread |\n|---|---|---|---|---|---|\n"
+        + "\n".join(paired_rows))
     updates = max(json.loads((d / "config.resolved.json").read_text())["train"]["total_steps"]
                   for runs in comp.values() for d in runs)
     (out / "comparison.md").write_text(
@@ -274,8 +295,30 @@ def _comparison_report(out: Path, comp: dict[str, list[Path]]) -> dict:
         "include value pretraining (VAPO) and dynamic-sampling resamples (DAPO); 'at N responses' compares every "
         "method at the smallest budget any of them used, 'at M minutes' at the shortest run's wall-clock (its last "
         "evaluation). Minutes: wall-clock of a run; CPU minutes: user + system time of the run's processes (its "
-        "engine core and verifier workers included).\n\n" + "\n".join(rows) + "\n")
+        "engine core and verifier workers included).\n\n" + "\n".join(rows) + paired_md + "\n")
     return table
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "–" if x is None else format(x, fmt)
+
+
+T_95_ONE_SIDED = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833}
+"""Student's t, one-sided 95 %, by degrees of freedom (n − 1 pairs)."""
+
+
+def paired_gain(vapo_runs: list[Path], other_runs: list[Path]) -> dict:
+    """VAPO's final minus another arm's, seed by seed over the seeds both ran: the mean, its spread, the one-sided
+    95 % t lower bound of the mean, and whether that bound is above 0 (the gain beyond the pairs' spread)."""
+    vapo = {d.name.rsplit("_s", 1)[1]: _final(d) for d in vapo_runs}
+    other = {d.name.rsplit("_s", 1)[1]: _final(d) for d in other_runs}
+    by_seed = {int(s): vapo[s] - other[s] for s in sorted(set(vapo) & set(other), key=int)}
+    n = len(by_seed)
+    m = statistics.fmean(by_seed.values()) if n else None
+    sd = statistics.stdev(by_seed.values()) if n > 1 else None
+    lower = m - T_95_ONE_SIDED.get(n - 1, 1.645) * sd / n ** 0.5 if n > 1 else None
+    return {"seeds": n, "by_seed": by_seed, "mean": m, "sd": sd, "lower_95": lower,
+            "beyond_spread": lower is not None and lower > 0}
 
 
 def _ablation_report(out: Path, done: dict[str, list[Path]]) -> dict:
@@ -350,6 +393,7 @@ def add_arguments(p) -> None:
     pr.add_argument("--arms-dir", default=Arms.root,
                     help="folder with baselines/{ppo,grpo,dapo}.toml and ablations/no_*.toml (configs/long: long task)")
     pr.add_argument("--ablations", default=None, help="comma-separated ablation rows (default: all seven)")
+    pr.add_argument("--baselines", default=None, help="comma-separated baselines beside VAPO (default: ppo,grpo,dapo)")
     pr.add_argument("--out", default="benchmarks/results/algorithms")
     pr.add_argument("overrides", nargs="*", help="key.sub=value overrides for every run")
     rp = sub.add_parser("report", help="tables and plots from finished runs")
@@ -367,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "run":
         seeds = [int(s) for s in args.seeds.split(",")]
         runs = plan(args.plan, seeds, [int(s) for s in args.ablation_seeds.split(",")],
-                    Arms(args.vapo_config, args.arms_dir), args.ablations.split(",") if args.ablations else None)
+                    Arms(args.vapo_config, args.arms_dir), args.ablations.split(",") if args.ablations else None,
+                    args.baselines.split(",") if args.baselines else None)
         failed = run_plan(runs, out, steps=args.steps, parallel=args.parallel, eval_every=args.eval_every,
                           extra=args.overrides)
         if failed:

@@ -31,6 +31,16 @@ def test_unknown_ablation_row_is_an_error():
         plan("ablation", [0], [0], Arms(), ["no_such_row"])
 
 
+def test_baselines_pick_the_arms_beside_vapo():
+    arms = Arms("configs/tiny_long_cpu.toml", "configs/long")
+    runs = plan("all", [0, 1, 2], [0, 1, 2], arms, ["no_value_pretrain", "no_pos_lm_loss"], ["grpo", "dapo"])
+    assert [r.dirname for r in runs[:3]] == ["vapo_s0", "dapo_s0", "grpo_s0"]  # seed 0 of every arm first
+    assert {r.name for r in runs} == {"vapo", "grpo", "dapo", "no_value_pretrain", "no_pos_lm_loss"}
+    assert len(runs) == 3 * 3 + 3 * 2
+    with pytest.raises(ValueError, match="reinforce"):
+        plan("all", [0], [0], arms, [], ["reinforce"])
+
+
 def _fake_run(out: Path, name: str, accs: list[float], *, wall_s: float, cpu_s: float | None,
               pretrain: int = 0, per_step: int = 4, s_per_update: float = 10.0) -> None:
     """A finished run's files as the trainer writes them: an evaluation every 2 updates."""
@@ -76,6 +86,30 @@ def test_report_gives_accuracy_at_equal_responses_and_wall_clock_and_cpu_minutes
     table = (tmp_path / "comparison.md").read_text()
     assert "at 0.3 minutes" in table and "| 10.0 | 20.0 (1 of 2 runs) |" in table and "| 5.0 | 7.0 |" in table
     assert (tmp_path / "accuracy_vs_samples.png").stat().st_size > 0
+    # paired by seed: VAPO's finals 0.5 and 0.3, GRPO's 0.4 and 0.5
+    g = result["grpo"]["vapo_gain_paired"]
+    assert g["by_seed"] == {0: pytest.approx(0.1), 1: pytest.approx(-0.2)} and g["mean"] == pytest.approx(-0.05)
+    assert g["lower_95"] == pytest.approx(-0.05 - 6.314 * 0.3 / 2 ** 0.5 / 2 ** 0.5) and not g["beyond_spread"]
+    assert "| VAPO − grpo | 0, 1 | +0.100, -0.200 | -0.050 ± 0.212 |" in table
+
+
+def test_paired_gain_beyond_the_spread_of_three_seeds(tmp_path):
+    from async_vapo.experiments.comparison import paired_gain
+
+    for seed, (v, g) in enumerate([(0.50, 0.40), (0.52, 0.40), (0.48, 0.40)]):
+        _fake_run(tmp_path, f"vapo_s{seed}", [0.2, v, v], wall_s=60, cpu_s=None)
+        _fake_run(tmp_path, f"grpo_s{seed}", [0.2, g, g], wall_s=60, cpu_s=None)
+    _fake_run(tmp_path, "grpo_s3", [0.2, 0.9, 0.9], wall_s=60, cpu_s=None)  # no VAPO seed 3: not paired
+    vapo, grpo = sorted(tmp_path.glob("vapo_s*")), sorted(tmp_path.glob("grpo_s*"))
+    g = paired_gain(vapo, grpo)
+    assert g["seeds"] == 3 and g["mean"] == pytest.approx(0.10) and g["sd"] == pytest.approx(0.02)
+    assert g["lower_95"] == pytest.approx(0.10 - 2.920 * 0.02 / 3 ** 0.5) and g["beyond_spread"]
+    # the same mean with pairs spread wider than it (+0.30, -0.08, +0.08) is not beyond the spread
+    wide = tmp_path / "wide"
+    for seed, g in enumerate([0.20, 0.60, 0.40]):
+        _fake_run(wide, f"grpo_s{seed}", [0.2, g, g], wall_s=60, cpu_s=None)
+    g = paired_gain(vapo, sorted(wide.glob("grpo_s*")))
+    assert g["mean"] == pytest.approx(0.10) and g["sd"] > g["mean"] and g["lower_95"] < 0 and not g["beyond_spread"]
 
 
 def test_ablation_table_compares_rows_at_equal_responses_and_pairs_seeds(tmp_path):
