@@ -10,8 +10,8 @@
 #   * criterion: a run's final accuracy is the mean of its last two held-out evaluations. VAPO's gain over GRPO
 #     (and over DAPO) is paired by seed, d_s = final(VAPO, s) - final(GRPO, s); it is beyond the pairs' spread
 #     when the one-sided 95 % t lower bound of the mean, mean(d) - 2.920 sd(d) / sqrt(3), is above 0
-#     (comparison.md, "beyond the spread"). Each ablation row is read the same way against VAPO (ablation.md,
-#     "same seeds (paired)").
+#     (comparison.md, "beyond the spread"). Each ablation row is read the same way against VAPO (ablation.md, last
+#     column).
 # Everything reruns: the long task's base model has changed since the first round (base_model.sft_min_ops = 4),
 # so no earlier run starts where these do. The first round (old base model, PPO included, three ablation rows at
 # seeds 0 and 1) is in benchmarks/results/long_comparison/.

@@ -327,7 +327,6 @@ def _ablation_report(out: Path, done: dict[str, list[Path]]) -> dict:
 
     vapo_m, vapo_sd = _mean_sd([_final(d) for d in done["vapo"]])
     labels, vals, errs, ref = ["VAPO"], [vapo_m], [vapo_sd], [60.4]
-    vapo_by_seed = {d.name.rsplit("_s", 1)[1]: _final(d) for d in done["vapo"]}
     rows_budget = {k: [budget_metrics(d) for d in done[k]] for k in ["vapo", *ABLATIONS] if k in done}
     abl_common = min(json.loads(f.read_text().splitlines()[-1])["samples_generated"]
                      for fs in rows_budget.values() for f in fs)
@@ -346,10 +345,8 @@ def _ablation_report(out: Path, done: dict[str, list[Path]]) -> dict:
         if k not in done:
             continue
         m, sd = _mean_sd([_final(d) for d in done[k]])
-        paired = [_final(d) - vapo_by_seed[d.name.rsplit("_s", 1)[1]] for d in done[k]
-                  if d.name.rsplit("_s", 1)[1] in vapo_by_seed]
-        paired_d = statistics.fmean(paired) if paired else float("nan")
-        g = paired_gain(done["vapo"], done[k])
+        g = paired_gain(done["vapo"], done[k])  # VAPO minus the row, seed by seed
+        paired_d = -g["mean"] if g["seeds"] else float("nan")
         abl[k] = {"final_mean": m, "final_sd": sd, "seeds": len(done[k]), "paper": paper,
                   "paired_delta": paired_d, "accuracy_at_common_budget": at_common(k)[0],
                   "common_budget": abl_common, "vapo_gain_paired": g}
