@@ -6,7 +6,7 @@
 #     21 runs. PPO is not rerun (the first round has it).
 #   * budget: 30 updates x 256 responses per run (VAPO also generates its value-pretraining responses, DAPO up to 4
 #     more rounds per update for its dynamic sampling), held-out accuracy every 5 updates, two runs at a time, each
-#     on one thread. Seed 0 of every arm runs first.
+#     on one thread. VAPO, GRPO and DAPO run first (seed by seed), then the ablation rows.
 #   * criterion: a run's final accuracy is the mean of its last two held-out evaluations. VAPO's gain over GRPO
 #     (and over DAPO) is paired by seed, d_s = final(VAPO, s) - final(GRPO, s); it is beyond the pairs' spread
 #     when the one-sided 95 % t lower bound of the mean, mean(d) - 2.920 sd(d) / sqrt(3), is above 0
