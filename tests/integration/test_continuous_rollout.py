@@ -129,6 +129,7 @@ def test_keep_trains_within_the_bound_of_every_token(continuous_engine, tiny_cfg
                 evaluating.set()
                 t0, deadline = time.monotonic(), time.monotonic() + 150
                 while learner.learner.version <= v and time.monotonic() < deadline:
+                    # the driver's step() without its poll for weights (it polls when idle): version 2 stays served
                     driver._drop_unusable()
                     driver._fill()
                     for fg in continuous_engine.finished(0.05):
