@@ -285,9 +285,10 @@ def supervisor_restarts(run_dir: Path) -> list[dict]:
 
 def run_cluster(config_files: list[str], overrides: list[str], run_dir: Path, plan: list[Fault], *,
                 timeout_s: float, wait_eval: bool = True, env: dict | None = None, log=print,
-                start_args: list[str] = ()) -> dict:
+                start_args: list[str] = (), settled=None, settle_s: float = 30.0) -> dict:
     """Start the cluster (``start_args``: more start_cluster.sh options), inject ``plan``, wait for DONE (and rollout
-    0's last evaluation), stop it, audit it."""
+    0's last evaluation), then for ``settled()`` to be true (up to ``settle_s``: e.g. until a scraper has seen the
+    final state), stop it, audit it."""
     from async_vapo.config import load_config
 
     cfg = load_config(config_files, overrides)
@@ -323,6 +324,10 @@ def run_cluster(config_files: list[str], overrides: list[str], run_dir: Path, pl
             if done_at is not None and (not wait_eval or _evaluated(run_dir, total) or time.time() - done_at > 180):
                 break
             time.sleep(0.002 if injector.aiming() else 0.05)
+        if done_at is not None and settled is not None:
+            until = time.monotonic() + settle_s
+            while not settled() and time.monotonic() < until:
+                time.sleep(0.5)
     finally:
         injector.release()
         stop = subprocess.run(["bash", str(REPO / "deploy" / "stop_cluster.sh"), str(run_dir)], capture_output=True,
