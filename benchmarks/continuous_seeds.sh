@@ -6,6 +6,9 @@
 #   bash benchmarks/continuous_seeds.sh [key.sub=value ...]
 #   (CONFIG=configs/tiny_cpu.toml SEEDS="1 2 3" STEPS=40 EVAL_EVERY=10 RUNS="one_process keep wait lockstep"
 #    OUT=benchmarks/results/continuous_seeds by default)
+# Resumable: a run that finished (its summary.json) is kept and skipped, an unfinished one starts over, so a study too
+# long for one sitting is run seed by seed into the same OUT (FRESH=1 reruns finished runs too); command.txt logs
+# every invocation.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/setup.sh
@@ -17,12 +20,16 @@ EVAL_EVERY=${EVAL_EVERY:-10}
 RUNS=${RUNS:-"one_process keep wait lockstep"}
 mkdir -p "$out"
 echo "CONFIG=$CONFIG SEEDS=\"$SEEDS\" STEPS=$STEPS EVAL_EVERY=$EVAL_EVERY RUNS=\"$RUNS\" OUT=$out" \
-  "bash benchmarks/continuous_seeds.sh $*" > "$out/command.txt"
+  "bash benchmarks/continuous_seeds.sh $*    # $(date -u +%FT%TZ)" >> "$out/command.txt"
 .venv/bin/async-vapo make-base --config "$CONFIG" "$@" > /dev/null
 common=(train.total_steps="$STEPS" train.eval_every="$EVAL_EVERY" train.checkpoint_every=0 train.max_minutes=null)
 for seed in $SEEDS; do
   for what in $RUNS; do
     run="$out/${what}_seed$seed"
+    if [ -f "$run/summary.json" ] && [ -z "${FRESH:-}" ]; then
+      echo "[continuous_seeds] $what, train.seed=$seed: finished before, kept ($run)" >&2
+      continue
+    fi
     rm -rf "$run"
     echo "[continuous_seeds] $what, train.seed=$seed -> $run" >&2
     if [ "$what" = one_process ]; then
