@@ -166,7 +166,8 @@ class Injector:
         f = self.records[self.next].fault
         return f.when in ("mid_update", "busy") and bool(self.versions) and self.versions[-1][1] >= f.at_version
 
-    def poll(self) -> None:
+    def poll(self, fire: bool = True) -> None:
+        """Read the learner's version, fire the next fault when it is due (``fire``), follow the fired ones."""
         now = time.time()
         learner = _health(self.url("learner", "/health"))
         if learner is not None and "policy_version" in learner:
@@ -174,8 +175,13 @@ class Injector:
             if not self.versions or self.versions[-1][1] != v:
                 self.versions.append((now, v))
             self.highest = max(self.highest, v)
-        self._fire(now, learner)
+        if fire:
+            self._fire(now, learner)
         self._follow(now)
+
+    def settled(self) -> bool:
+        """Whether every fired fault has its outcome (recovered, and the learner published a newer version)."""
+        return all(_settled(r) for r in self.records if r.fired_at is not None)
 
     def _fire(self, now: float, learner: dict | None) -> None:
         if self.next >= len(self.records):
@@ -287,8 +293,9 @@ def run_cluster(config_files: list[str], overrides: list[str], run_dir: Path, pl
                 timeout_s: float, wait_eval: bool = True, env: dict | None = None, log=print,
                 start_args: list[str] = (), settled=None, settle_s: float = 30.0) -> dict:
     """Start the cluster (``start_args``: more start_cluster.sh options), inject ``plan``, wait for DONE (and rollout
-    0's last evaluation), then for ``settled()`` to be true (up to ``settle_s``: e.g. until a scraper has seen the
-    final state), stop it, audit it."""
+    0's last evaluation), then (up to ``settle_s``) for every fired fault's outcome and ``settled()`` to be true (e.g.
+    until a scraper has seen the final state), stop it, audit it. The learner keeps serving /health after DONE, so a
+    version published in the last moments is read then, if the run's polls missed it."""
     from async_vapo.config import load_config
 
     cfg = load_config(config_files, overrides)
@@ -324,9 +331,12 @@ def run_cluster(config_files: list[str], overrides: list[str], run_dir: Path, pl
             if done_at is not None and (not wait_eval or _evaluated(run_dir, total) or time.time() - done_at > 180):
                 break
             time.sleep(0.002 if injector.aiming() else 0.05)
-        if done_at is not None and settled is not None:
+        if done_at is not None:
             until = time.monotonic() + settle_s
-            while not settled() and time.monotonic() < until:
+            while time.monotonic() < until:
+                injector.poll(fire=False)  # no fault after the end
+                if injector.settled() and (settled is None or settled()):
+                    break
                 time.sleep(0.5)
     finally:
         injector.release()

@@ -51,6 +51,20 @@ def _wait(what: str, cond, timeout_s: float) -> None:
         time.sleep(0.1)
 
 
+def _ints(path: Path) -> list[int]:
+    """The pids in a file another process writes (``echo $! > f``): [] while it is missing or not yet written (the
+    shell creates the file before it writes the number, and supervisord its pidfile likewise)."""
+    try:
+        return [int(x) for x in path.read_text().split()]
+    except (FileNotFoundError, ValueError):
+        return []
+
+
+def _pid(what: str, path: Path, timeout_s: float = 10) -> int:
+    _wait(what, lambda: _ints(path), timeout_s)
+    return _ints(path)[0]
+
+
 def test_restarts_backoff_crash_loop_limit_and_shutdown(tmp_path):
     run = tmp_path / "run"
     for d in ("supervisor", "pids", "logs"):
@@ -68,23 +82,21 @@ def test_restarts_backoff_crash_loop_limit_and_shutdown(tmp_path):
     subprocess.run([sys.executable, "-m", "supervisor.supervisord", "-c", str(conf)], check=True, env=env)
     sup_pid = None
     try:
-        _wait("supervisord's pidfile", lambda: (run / "supervisor" / "local.pid").exists(), 10)
-        sup_pid = int((run / "supervisor" / "local.pid").read_text())
+        sup_pid = _pid("supervisord's pidfile", run / "supervisor" / "local.pid")
 
         # worker: SIGKILL its main process while its child runs in the same process group
-        _wait("the worker's child", lambda: (run / "worker.child").exists(), 10)
-        first, child = int((run / "pids" / "worker.pid").read_text()), int((run / "worker.child").read_text())
+        child = _pid("the worker's child", run / "worker.child")
+        first = _pid("the worker's pid", run / "pids" / "worker.pid")
         assert os.getpgid(first) == first and os.getpgid(child) == first  # a process group of its own
         _wait("the worker running", lambda: any(e["name"] == "worker" and e["event"] == "running"
                                                  for e in _events(run)), 15)  # past startsecs: an EXITED death
         os.kill(first, signal.SIGKILL)
-        _wait("the worker restarted", lambda: int((run / "pids" / "worker.pid").read_text()) != first, 10)
+        _wait("the worker restarted", lambda: _ints(run / "pids" / "worker.pid") not in ([], [first]), 10)
         assert not _runs_sleep(child)
         assert not group_alive(first)
 
         # early: each attempt's child is killed with its dead attempt, though supervisord restarts it on its own
-        _wait("early's first child", lambda: (run / "early.children").exists(), 10)
-        early_first = int((run / "early.children").read_text().split()[0])
+        early_first = _pid("the early child", run / "early.children")
         _wait("early's first child killed", lambda: not _runs_sleep(early_first), 10)
 
         # crashy: restarted after 0.5 s, then 1 s; the third crash within 60 s exceeds the limit of 2
@@ -108,7 +120,7 @@ def test_restarts_backoff_crash_loop_limit_and_shutdown(tmp_path):
         assert "services:crashy" in text and "GAVE UP: crash loop" in text and "services:worker" in text
 
         # shutdown: the worker is stopped as a group and not restarted; supervisord exits
-        worker = int((run / "pids" / "worker.pid").read_text())
+        worker = _pid("the worker's pid", run / "pids" / "worker.pid")
         os.kill(sup_pid, signal.SIGTERM)
         _wait("supervisord gone", lambda: not Path(f"/proc/{sup_pid}").exists(), 15)
         assert not group_alive(worker)
