@@ -4,9 +4,9 @@
 # async.learner_devices = 1), run once per staleness bound; with ONE_PROCESS=1 (the default) first the one-process
 # trainer on every core (train.threads = 0), the best synchronous configuration. Each run keeps metrics.jsonl
 # (learner rows, held-out evals) and the services' stats/ (busy intervals per stage, peak memory per service);
-# `async-vapo report` turns them into figures. CONTINUOUS_BOUNDS (none by default) runs those bounds again with
-# continuous generation (rollout.generation=continuous, its weight_update as configured), as staleness_<s>_continuous,
-# side by side with the config's own generation.
+# `async-vapo report` turns them into figures. The BOUNDS runs generate lock-step (rollout.generation=lockstep,
+# whatever the config says); CONTINUOUS_BOUNDS (none by default) runs those bounds again with continuous generation
+# (rollout.generation=continuous, its weight_update as configured), as staleness_<s>_continuous, side by side.
 #   bash benchmarks/async_vs_sync.sh [key.sub=value ...]
 #   (CONFIG=configs/tiny_cpu.toml BOUNDS="0 1 2 4" CONTINUOUS_BOUNDS="" STEPS=30 EVAL_EVERY=10 ONE_PROCESS=1
 #    OUT=benchmarks/results/async_vs_sync by default)
@@ -43,7 +43,7 @@ cluster_run() {  # run-dir max_staleness [key.sub=value ...]
   rm -rf "$run/checkpoints" "$run/replay" "$run/pids" "$run/weights" "$run/keys" "$run/supervisor"
 }
 for s in $BOUNDS; do
-  cluster_run "$out/staleness_$s" "$s" "$@"
+  cluster_run "$out/staleness_$s" "$s" "$@" rollout.generation=lockstep
 done
 for s in $CONTINUOUS_BOUNDS; do
   cluster_run "$out/staleness_${s}_continuous" "$s" "$@" rollout.generation=continuous

@@ -8,8 +8,12 @@ engines, the trainer's one engine) is left out of the comparison; value pretrain
 evaluation are in it. Between two evaluations a run's accuracy is interpolated linearly. For every seed and every pair
 of kinds it reports the mean and the largest accuracy difference over the time both runs cover, every 10 s;
 ``keep`` against ``wait`` is the issue's criterion (within 0.03 at equal wall-clock). Per run also: accuracy and time
-at every evaluation, seconds per update, the trained tokens' mean version lag and the share of samples generated under
-more than one version. Writes ``summary.json`` and ``accuracy_vs_time.png`` beside the runs.
+at every evaluation, seconds per update, the trained tokens' version lag (mean, share at each lag, largest) and the
+share of samples generated under more than one version; and where an update's time goes: the learner's update and its
+wait for a batch (train rows), and for the services the engine's seconds generating and loading weights per update and
+how much of its generating ran while the learner was updating (the services' ``stats/*.busy.jsonl``: on a machine
+whose cores the two share, that overlap slows both). Writes ``summary.json`` and ``accuracy_vs_time.png`` beside the
+runs.
 """
 
 from __future__ import annotations
@@ -42,13 +46,48 @@ def read_run(path: Path) -> dict:
     lags = [r["replay/token_lag_mean"] for r in train if "replay/token_lag_mean" in r]
     multi = [r["replay/multi_version_samples"] for r in train if "replay/multi_version_samples" in r]
     walls = sorted(r["wall_s"] for r in train if "wall_s" in r)
+    lag_frac: dict[int, float] = {}
+    for key in sorted({k for r in train for k in r}):
+        m = re.fullmatch(r"mismatch/lag(\d+)/token_frac", key)
+        if m:  # an update without tokens at this lag has no key: it counts as 0
+            lag_frac[int(m[1])] = round(sum(r.get(key, 0.0) for r in train) / len(train), 4)
+    lag_max = max((r["replay/token_lag_max"] for r in train if "replay/token_lag_max" in r), default=0)
     return {
         "evals": [{"step": s, "t_s": round(w - t0, 1), "accuracy": round(a, 4)} for s, w, a in evals],
         "updates": len(train),
         "s_per_update": round((walls[-1] - walls[0]) / (len(walls) - 1), 3) if len(walls) > 1 else None,
         "token_lag_mean": round(statistics.fmean(lags), 3) if lags else 0.0,
         "multi_version_samples": round(statistics.fmean(multi), 4) if multi else 0.0,
+        "token_lag_frac": lag_frac,
+        "token_lag_max": lag_max,
+        "time": time_breakdown(path, train),
     }
+
+
+def _spans(path: Path, stage: str) -> list[tuple[float, float]]:
+    if not path.is_file():
+        return []
+    return [(a, b) for s, a, b in (json.loads(line) for line in path.read_text().splitlines()) if s == stage]
+
+
+def time_breakdown(path: Path, train: list[dict]) -> dict:
+    """Mean seconds per update (the first update, which waits for the first batch, left out) of the learner's update
+    and its wait for a batch; for the services also the engine's generating and weight loading and the part of its
+    generating that ran while the learner was updating."""
+    rows = train[1:] or train
+    out = {k.removeprefix("time/"): round(statistics.fmean(r[k] for r in rows), 3)
+           for k in ("time/learn_s", "time/wait_batch_s", "time/generate_s") if rows and all(k in r for r in rows)}
+    stats = path / "stats"
+    learn = _spans(stats / "learner-0.busy.jsonl", "learn")
+    gen = _spans(stats / "rollout-0.busy.jsonl", "generate")
+    if learn and gen and train:
+        n = len(train)
+        overlap = sum(max(0.0, min(a1, b1) - max(a0, b0)) for a0, a1 in gen for b0, b1 in learn)
+        out["engine_generate_s"] = round(sum(b - a for a, b in gen) / n, 3)
+        out["engine_generate_during_learn_s"] = round(overlap / n, 3)
+        out["engine_load_weights_s"] = round(
+            sum(b - a for a, b in _spans(stats / "rollout-0.busy.jsonl", "load_weights")) / n, 3)
+    return out
 
 
 def accuracy_at(evals: list[dict], t: float) -> float:
@@ -115,6 +154,20 @@ def main() -> int:
         means = [c["mean_diff_by_update"] for c in p["per_seed"].values() if c["mean_diff_by_update"] is not None]
         p["mean_diff_by_update"] = round(statistics.fmean(means), 4) if means else None
         print(f"  {name:<22} mean {p['mean_diff_by_update'] or 0:+.3f}  |  {seeds}")
+    print("\ntrained tokens by version lag (share of an update's tokens, mean over updates; largest lag of any token):")
+    for k in kinds:
+        for seed, r in sorted(runs[k].items()):
+            fr = "  ".join(f"lag {lag}: {f:.1%}" for lag, f in sorted(r["token_lag_frac"].items())) or "on-policy"
+            print(f"  {k:<18} seed {seed}  {fr}  (largest {r['token_lag_max']})")
+    print("\nwhere an update's time goes, mean seconds per update (learn: the learner's update; wait: its wait for a "
+          "batch;\n  engine: generating, of that during the learner's update, loading weights):")
+    for k in kinds:
+        for seed, r in sorted(runs[k].items()):
+            t = r["time"]
+            eng = (f"  engine {t['engine_generate_s']:.2f}, {t['engine_generate_during_learn_s']:.2f} during learn, "
+                   f"load {t['engine_load_weights_s']:.2f}" if "engine_generate_s" in t else
+                   f"  generate {t['generate_s']:.2f}" if "generate_s" in t else "")
+            print(f"  {k:<18} seed {seed}  learn {t.get('learn_s', 0):.2f}  wait {t.get('wait_batch_s', 0):.2f}{eng}")
     print("\nseconds per update by kind (each seed):")
     for k in kinds:
         per = [r["s_per_update"] for _, r in sorted(runs[k].items()) if r["s_per_update"]]
