@@ -101,6 +101,41 @@ def assert_engine_serves(engine, policy, tok, prompt="5+5-3=", temperature=1.0):
         torch.testing.assert_close(lp, torch.tensor(sample.logprobs), atol=1e-3, rtol=0)
 
 
+def push_over_group(group, engine, named, version, bucket_bytes):
+    """Send ``named`` (name, tensor) as ``version`` over the engine's torch.distributed weight group (the learner's
+    side, ``EngineGroup.send``, from a thread) while the engine receives it; returns the number of buckets sent."""
+    import threading
+
+    from async_vapo.weights.collective import plan_buckets, update_info, version_meta
+
+    buckets = plan_buckets(version_meta(named), bucket_bytes)
+    sent: dict = {}
+
+    def send():
+        try:
+            sent["s"] = group.send(buckets, named)
+        except BaseException as e:  # noqa: BLE001 - reported to the test thread
+            sent["error"] = e
+
+    th = threading.Thread(target=send)
+    th.start()
+    engine.receive_weights_dist(update_info(buckets, version), version)
+    th.join()
+    assert "error" not in sent, sent
+    return len(buckets)
+
+
+def join_group(engine, group):
+    """The engine joins the learner's side's group (``EngineGroup.connect`` from a thread)."""
+    import threading
+
+    th = threading.Thread(target=group.connect)
+    th.start()
+    engine.join_weight_group(group.init_info)
+    th.join()
+    assert group.group is not None
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """``n`` distinct ports free on ``host`` right now (the services bind 0.0.0.0 under --hostfile)."""
     import socket

@@ -58,9 +58,10 @@ def _learner_logprobs(policy, prompt_ids, response_ids, temperature=1.0) -> torc
         return logprobs_from_logits(response_logits(policy, batch, temperature), batch.response_ids)[0]
 
 
-def _switch(engine, tok, versions, base, version: int, *, long_n=4, seed=11):
-    """Submit a long and a short group, wait for the short one, switch to ``version`` from this thread; returns the
-    prompt ids, the long group (its samples) and the short one."""
+def _switch(engine, tok, versions, base, version: int, *, long_n=4, seed=11, load=None):
+    """Submit a long and a short group, wait for the short one, switch to ``version`` from this thread (``load(state)``
+    loads it; by default ``engine.load_weights``); returns the prompt ids, the long group (its samples) and the short
+    one."""
     ids = tok(PROMPT).input_ids
     key = f"long-v{version}"
     engine.submit(key, ids, n=long_n, temperature=1.0, top_p=1.0, max_tokens=LONG, stop_token_ids=[], seed=seed,
@@ -71,7 +72,7 @@ def _switch(engine, tok, versions, base, version: int, *, long_n=4, seed=11):
     assert [g.key for g in first] == [f"short-v{version}"], "the short group ships alone, before the long one"
     assert engine.in_flight() == long_n
     state = {k: v.clone() for k, v in _policy(versions, base, version).state_dict().items()}
-    engine.apply_weights(version, lambda: engine.load_weights(state, version))
+    engine.apply_weights(version, (lambda: load(state)) if load else (lambda: engine.load_weights(state, version)))
     assert engine.version == version
     done = []
     while not done:
@@ -207,3 +208,38 @@ def test_a_torn_load_serves_nothing_until_a_whole_version_loads(setup):
         assert s.version_spans == [(5, 0)]
         _assert_close(torch.tensor(s.logprobs), _learner_logprobs(_policy(versions, base, 5), ids, s.token_ids),
                       "after the torn load")
+
+
+def test_keep_over_a_weight_group_mid_generation(setup):
+    """``keep`` with the version received over a torch.distributed (gloo) group while the learner's side sends it, as
+    an engine on another host than the learner takes its weights (``cluster.weights.transfer = "dist"``, what the
+    multi-host GPU configs use): the receive runs as an RPC of vLLM's async engine between pause and resume, and the
+    tokens after the switch carry the received version's log-probs."""
+    from conftest import join_group, push_over_group
+
+    from async_vapo.weights.collective import EngineGroup
+
+    engine, tok, versions, base = setup
+    engine.weight_update, engine.recompute_kv_after_update = "keep", True
+    group = EngineGroup("rollout-continuous", timeout_s=30)
+    join_group(engine, group)
+    sent: dict = {}
+
+    def receive(state):
+        sent["buckets"] = push_over_group(group, engine, list(state.items()), 6, bucket_bytes=32 << 10)
+
+    old = engine.version
+    try:
+        ids, long, _ = _switch(engine, tok, versions, base, 6, load=receive)
+    finally:
+        group.close()
+    assert sent["buckets"] > 3, sent  # several bounded buckets, not one
+    for s in long.samples:
+        assert [v for v, _ in s.version_spans] == [old, 6], s.version_spans
+        k = s.version_spans[1][1]
+        got = torch.tensor(s.logprobs)
+        lp_old = _learner_logprobs(_policy(versions, base, old), ids, s.token_ids)
+        lp_new = _learner_logprobs(_policy(versions, base, 6), ids, s.token_ids)
+        _assert_close(got[:k], lp_old[:k], "before the switch")
+        _assert_close(got[k:], lp_new[k:], "after the switch: the version received over the group")
+        assert (lp_old[k:] - lp_new[k:]).abs().max() > 0.05

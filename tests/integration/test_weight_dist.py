@@ -18,14 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_engine_serves
+from conftest import assert_engine_serves, join_group, push_over_group
 
 from async_vapo.weights.collective import (
     EngineGroup,
     EngineSyncFailed,
     EngineSyncTimeout,
     plan_buckets,
-    update_info,
     version_meta,
 )
 
@@ -43,32 +42,6 @@ def test_buckets_are_bounded_and_keep_order():
     assert bs[0].dtype_names == ["float32", "bfloat16"] and bs[0].shapes == [[10], [3, 4]]
 
 
-def _push(group, engine, named, version, bucket_bytes):
-    buckets = plan_buckets(version_meta(named), bucket_bytes)
-    sent: dict = {}
-
-    def send():
-        try:
-            sent["s"] = group.send(buckets, named)
-        except BaseException as e:  # noqa: BLE001 - reported to the test thread
-            sent["error"] = e
-
-    th = threading.Thread(target=send)
-    th.start()
-    engine.receive_weights_dist(update_info(buckets, version), version)
-    th.join()
-    assert "error" not in sent, sent
-    return len(buckets)
-
-
-def _join(engine, group):
-    th = threading.Thread(target=group.connect)
-    th.start()
-    engine.join_weight_group(group.init_info)
-    th.join()
-    assert group.group is not None
-
-
 def test_engine_serves_each_version_received_over_its_group(vllm_engine, tiny_base):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -76,30 +49,30 @@ def test_engine_serves_each_version_received_over_its_group(vllm_engine, tiny_ba
     policy = AutoModelForCausalLM.from_pretrained(tiny_base, dtype=torch.float32)
     base = {k: v.clone() for k, v in policy.state_dict().items()}
     group = EngineGroup("rollout-0", timeout_s=30)
-    _join(vllm_engine, group)
+    join_group(vllm_engine, group)
     try:
         torch.manual_seed(0)
         for version in (1, 2, 3):
             with torch.no_grad():
                 for p in policy.parameters():
                     p.add_(torch.randn_like(p) * 0.05)
-            n = _push(group, vllm_engine, list(policy.state_dict().items()), version, bucket_bytes=32 << 10)
+            n = push_over_group(group, vllm_engine, list(policy.state_dict().items()), version, bucket_bytes=32 << 10)
             assert n > 3  # several bounded buckets, not one
             assert vllm_engine.version == version
             assert_engine_serves(vllm_engine, policy, tok)
         # the engine leaves (its group torn down) and rejoins: a new group, a new store, and the next version
         group.close()
         group = EngineGroup("rollout-0", timeout_s=30)
-        _join(vllm_engine, group)
+        join_group(vllm_engine, group)
         with torch.no_grad():
             for p in policy.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
-        _push(group, vllm_engine, list(policy.state_dict().items()), 4, bucket_bytes=1 << 20)
+        push_over_group(group, vllm_engine, list(policy.state_dict().items()), 4, bucket_bytes=1 << 20)
         assert_engine_serves(vllm_engine, policy, tok)
     finally:
         # the session's engine goes back to the base weights for the tests after this one
         policy.load_state_dict(base)
-        _push(group, vllm_engine, list(policy.state_dict().items()), 0, bucket_bytes=1 << 20)
+        push_over_group(group, vllm_engine, list(policy.state_dict().items()), 0, bucket_bytes=1 << 20)
         group.close()
         assert_engine_serves(vllm_engine, policy, tok)
 
