@@ -79,7 +79,15 @@ def continuous_engine(tiny_base):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     engine = ContinuousEngine(EngineSpec(model_path=str(tiny_base), max_model_len=256, kv_cache_gib=1))
     yield engine
+    import gc
+    import weakref
+
+    llm = weakref.ref(engine.llm)
     engine.close()
+    gc.collect()
+    # nothing keeps vLLM's engine after close: else it shuts down again at the interpreter's exit, after the modules
+    # it needs are gone ("Exception ignored in AsyncLLM.__del__" in every rollout service's log)
+    assert llm() is None, "the closed engine's AsyncLLM is still referenced"
 
 
 def assert_engine_serves(engine, policy, tok, prompt="5+5-3=", temperature=1.0):

@@ -8,8 +8,9 @@ deploy/start_cluster.sh writes, in ``RUN_DIR/supervisor/`` of each host that run
   to ``RUN_DIR/logs/NAME.log`` with a ``[supervise] NAME: start N`` line, and runs the service. A restarted learner
   resumes from the newest checkpoint this cluster run wrote.
 * ``TAG.conf`` (tag ``local`` for this machine, else the host's name), written here (:func:`write_conf`): the
-  services in one group ``services`` (so a shutdown stops them all at once: SIGTERM to each process group, SIGKILL
-  after ``cluster.deploy.stop_grace_s``), ``autorestart=false`` with restarts, backoff and the crash-loop limit left
+  services in one group ``services`` (so a shutdown stops them all at once: SIGTERM to each process group — to a
+  continuous rollout service alone, which shuts its engine down itself — SIGKILL to the group after
+  ``cluster.deploy.stop_grace_s``), ``autorestart=false`` with restarts, backoff and the crash-loop limit left
   to the event listener :mod:`async_vapo.deploy.crashloop`; supervisord's log ``RUN_DIR/logs/supervisord-TAG.log``,
   the listener's ``RUN_DIR/logs/supervisor-TAG.log``; its pidfile ``TAG.pid`` and control socket ``TAG.sock`` here
   (a socket path longer than a UNIX socket allows moves to ``/tmp/async-vapo-supervisor-<hash>.sock``).
@@ -57,10 +58,16 @@ def _ini(value: str | Path) -> str:
 
 
 def write_conf(run_dir: Path, tag: str, programs: Sequence[str], deploy: DeployConfig, python: str,
-               repo: Path, extra: Sequence[str] = (), weights_dir: str | None = None) -> Path:
+               repo: Path, extra: Sequence[str] = (), weights_dir: str | None = None,
+               rollout_stops_engine: bool = False) -> Path:
     """``RUN_DIR/supervisor/TAG.conf`` running ``programs`` (each ``RUN_DIR/supervisor/NAME.sh``) and the crash-loop
     listener. ``extra``: programs outside the services group (prometheus), restarted by supervisord itself.
-    ``weights_dir``: where a learner's weight slots live (the listener removes a dead learner's)."""
+    ``weights_dir``: where a learner's weight slots live (the listener removes a dead learner's).
+    ``rollout_stops_engine`` (``rollout.generation = "continuous"``, whose service sees its stop flag between engine
+    steps): a rollout service gets the stop's SIGTERM alone and shuts its engine down itself (requests aborted, the
+    engine core idle), instead of its engine's processes being signalled mid-step with it; its group is SIGKILLed if
+    it is not gone after ``stop_grace_s``. A lock-step service may be inside a long ``generate`` call: its group is
+    signalled at once, as every other service's."""
     sup = run_dir / "supervisor"
     sock = socket_path(sup, tag)
     stop_wait = max(1, int(round(deploy.stop_grace_s)))
@@ -101,7 +108,8 @@ def write_conf(run_dir: Path, tag: str, programs: Sequence[str], deploy: DeployC
             "exitcodes=0",
             "stopsignal=TERM",
             f"stopwaitsecs={stop_wait}",
-            "stopasgroup=true",
+            # SIGTERM to the whole group ends an engine's worker mid-step (vLLM's "RuntimeError: cancelled")
+            f"stopasgroup={'false' if rollout_stops_engine and name.startswith('rollout') else 'true'}",
             "killasgroup=true",
             "stdout_logfile=NONE",  # the launcher writes RUN_DIR/logs/NAME.log itself: no pipe through supervisord
             "stderr_logfile=NONE",
@@ -153,7 +161,7 @@ def _conf(argv: Sequence[str]) -> int:
     weights = cfg.cluster.weights.dir
     weights = str(Path(weights).expanduser()) if weights else "/dev/shm"  # as weights.sync.default_weights_dir
     path = write_conf(Path(args.run_dir).resolve(), args.tag, args.programs, cfg.cluster.deploy, args.python, repo,
-                      args.extra, weights)
+                      args.extra, weights, rollout_stops_engine=cfg.rollout.generation == "continuous")
     print(path)
     return 0
 

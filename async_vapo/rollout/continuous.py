@@ -170,7 +170,7 @@ class ContinuousEngine(EngineWeights):
         t0 = time.perf_counter()
         kwargs = engine_kwargs(spec, self.weight_backend, on_cpu=on_cpu)
         try:
-            self.llm = self._call(self._build(kwargs), start_timeout_s, "engine start")
+            self._call(self._build(kwargs), start_timeout_s, "engine start")
         except BaseException:
             self._stop_loop()
             raise
@@ -190,13 +190,15 @@ class ContinuousEngine(EngineWeights):
         if llm is not None and version >= 0 and threading.current_thread() is not self._thread:
             self._call(llm.update_weight_version(str(version)), 60.0, "weight version label")
 
-    async def _build(self, kwargs: dict):
+    async def _build(self, kwargs: dict) -> None:
+        """Starts the engine as ``self.llm``. Not a local returned: an import made while the engine starts keeps this
+        coroutine's frame alive to the interpreter's exit, and an engine held by that frame would outlive ``close``
+        and shut down again at exit, after the modules it needs are gone ("Exception ignored in AsyncLLM.__del__")."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs, disable_log_stats=True))
-        await llm.update_weight_version(str(self.version))
-        return llm
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs, disable_log_stats=True))
+        await self.llm.update_weight_version(str(self.version))
 
     # ---------------------------------------------------------------- plumbing
     def _call(self, coro: Coroutine[Any, Any, T], timeout_s: float, what: str) -> T:
@@ -461,8 +463,15 @@ class ContinuousEngine(EngineWeights):
         await asyncio.gather(*tasks, return_exceptions=True)
         self._groups.clear()
         llm.shutdown()
+        # let the engine's output handler, which shutdown cancelled, end here: a task left pending on the stopped loop
+        # would keep the engine alive until the interpreter's exit, whose own shutdown then fails noisily
+        handler = getattr(llm, "output_handler", None)
+        if handler is not None:
+            await asyncio.gather(handler, return_exceptions=True)
 
     def _stop_loop(self) -> None:
         if self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            self._loop.close()

@@ -56,6 +56,13 @@ def test_supervisor_config(tmp_path):
     listener = ini["eventlistener:crashloop"]["command"]
     assert "--max-restarts 3" in listener and "--backoff-s 2" in listener and "--no-restart" not in listener
     assert ini["supervisord"]["pidfile"] == f"{run}/supervisor/local.pid".replace("%", "%%")
+    # a continuous rollout service shuts its engine down itself: SIGTERM to it alone, SIGKILL to its group
+    conf = write_conf(run, "local", ["replay", "rollout-0"], cfg.cluster.deploy, "/venv/bin/python", tmp_path,
+                      rollout_stops_engine=True)
+    ini = configparser.RawConfigParser()
+    ini.read(conf)
+    assert ini["program:rollout-0"]["stopasgroup"] == "false" and ini["program:rollout-0"]["killasgroup"] == "true"
+    assert ini["program:replay"]["stopasgroup"] == "true"
     off = load_config([], ["cluster.deploy.restart=false"]).cluster.deploy
     conf = write_conf(run, "local", ["replay"], off, "/venv/bin/python", tmp_path)
     ini = configparser.RawConfigParser()
