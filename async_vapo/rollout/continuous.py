@@ -463,8 +463,8 @@ class ContinuousEngine(EngineWeights):
         await asyncio.gather(*tasks, return_exceptions=True)
         self._groups.clear()
         llm.shutdown()
-        # let the engine's output handler, which shutdown cancelled, end here: a task left pending on the stopped loop
-        # would keep the engine alive until the interpreter's exit, whose own shutdown then fails noisily
+        # let the engine's output handler, which shutdown cancelled, end before the loop stops and is closed (a task
+        # still pending then is reported at collection as "destroyed but it is pending")
         handler = getattr(llm, "output_handler", None)
         if handler is not None:
             await asyncio.gather(handler, return_exceptions=True)
