@@ -27,6 +27,8 @@ from pathlib import Path
 
 from bench_io import write_result
 
+from async_vapo.experiments.report import busy_intervals
+
 KINDS = ("one_process", "keep", "wait", "abort", "lockstep")
 STEP_S = 10.0
 
@@ -64,12 +66,6 @@ def read_run(path: Path) -> dict:
     }
 
 
-def _spans(path: Path, stage: str) -> list[tuple[float, float]]:
-    if not path.is_file():
-        return []
-    return [(a, b) for s, a, b in (json.loads(line) for line in path.read_text().splitlines()) if s == stage]
-
-
 def time_breakdown(path: Path, train: list[dict]) -> dict:
     """Mean seconds per update (the first update, which waits for the first batch, left out) of the learner's update
     and its wait for a batch; for the services also the engine's generating and weight loading and the part of its
@@ -77,16 +73,14 @@ def time_breakdown(path: Path, train: list[dict]) -> dict:
     rows = train[1:] or train
     out = {k.removeprefix("time/"): round(statistics.fmean(r[k] for r in rows), 3)
            for k in ("time/learn_s", "time/wait_batch_s", "time/generate_s") if rows and all(k in r for r in rows)}
-    stats = path / "stats"
-    learn = _spans(stats / "learner-0.busy.jsonl", "learn")
-    gen = _spans(stats / "rollout-0.busy.jsonl", "generate")
+    busy = busy_intervals(path) if (path / "stats").is_dir() else {}
+    learn, gen = busy.get("learn", []), busy.get("generate", [])
     if learn and gen and train:
         n = len(train)
         overlap = sum(max(0.0, min(a1, b1) - max(a0, b0)) for a0, a1 in gen for b0, b1 in learn)
         out["engine_generate_s"] = round(sum(b - a for a, b in gen) / n, 3)
         out["engine_generate_during_learn_s"] = round(overlap / n, 3)
-        out["engine_load_weights_s"] = round(
-            sum(b - a for a, b in _spans(stats / "rollout-0.busy.jsonl", "load_weights")) / n, 3)
+        out["engine_load_weights_s"] = round(sum(b - a for a, b in busy.get("load_weights", [])) / n, 3)
     return out
 
 
