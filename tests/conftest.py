@@ -145,18 +145,29 @@ def join_group(engine, group):
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct ports free on ``host`` right now (the services bind 0.0.0.0 under --hostfile)."""
+    """``n`` distinct ports free on ``host`` right now (the services bind 0.0.0.0 under --hostfile), drawn from
+    below the kernel's ephemeral range: a port the kernel hands out (``bind`` to port 0) can be taken by another
+    test's outgoing connection before a service binds it (seen: "Address already in use" at a replay's start)."""
     import socket
+    from pathlib import Path
 
-    socks = []
-    for _ in range(n):
-        sock = socket.socket()
-        sock.bind((host, 0))
-        socks.append(sock)
-    ports = [sock.getsockname()[1] for sock in socks]
-    for sock in socks:
-        sock.close()
-    return ports
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    pool = list(range(max(1024, low - 12000), low))
+    random.shuffle(pool)
+    ports: list[int] = []
+    for port in pool:
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise RuntimeError(f"fewer than {n} free ports below {low} on {host}")
 
 
 def torchrun_two_ranks(worker: str, *args: str, timeout: float = 600):
