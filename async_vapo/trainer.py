@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -30,6 +30,7 @@ from async_vapo.models.reward import resolve_critic_path
 from async_vapo.rollout.engine import EngineSpec, VLLMEngine, engine_cpu_env
 from async_vapo.rollout.generate import PromptEncoder, Rollout, run_evaluation
 from async_vapo.tasks import PromptSampler, load_task
+from async_vapo.types import Group
 from async_vapo.verify.sandbox import VerifierPool
 
 
@@ -49,6 +50,54 @@ def process_tree_cpu_s() -> float:
     return total
 
 
+class InProcessSource:
+    """The one-process trainer's batch source (``learner.loop.BatchSource``): generate with this process's engine, grade
+    with its verifier pool (``rollout.Rollout``), from the weights the learner holds (staleness 0)."""
+
+    def __init__(self, cfg: Config, rollout: Rollout, sampler: PromptSampler):
+        self.cfg, self.rollout, self.sampler = cfg, rollout, sampler
+
+    def next_groups(self, n: int) -> tuple[list[Group], dict[str, float]]:
+        r = self.cfg.rollout
+        return self.rollout.groups(self.sampler.take(n), n=self.cfg.algo.group_size, temperature=r.temperature,
+                                   top_p=r.top_p)
+
+    def row_metrics(self, kept: Sequence[Group], version: int) -> dict[str, float]:
+        return {}
+
+    def state(self) -> dict:
+        return {"prompt_cursor": self.sampler.cursor}
+
+    def restore(self, state: dict) -> None:
+        self.sampler.cursor = state.get("prompt_cursor", 0)
+
+    def close(self) -> None:
+        pass
+
+
+def _model_paths(cfg: Config, resume: str | None, progress: bool) -> tuple[Path, Path, Path]:
+    """The base model's directory, and the policy's and the critic's to start from (a resumed checkpoint's where it
+    has them: a sharded learner's checkpoint has only dcp/, and the learner's own resume reads that)."""
+    base_path = ensure_base_model(cfg, progress=progress)
+    policy_path = base_path
+    if resume and (Path(resume) / "critic").exists():
+        critic_path = Path(resume) / "critic"
+    else:
+        critic_path = resolve_critic_path(cfg, base_path, progress=progress)
+    if resume and (Path(resume) / "policy").exists():
+        policy_path = Path(resume) / "policy"
+    return base_path, policy_path, critic_path
+
+
+def _start_engine(cfg: Config, spec: EngineSpec, version: int) -> VLLMEngine:
+    """This run's own engine. Generation and learning alternate here, so with train.threads = 0 each uses every core
+    of this process while the other waits: the learner's torch threads, and the engine's OpenMP threads (unless
+    VLLM_CPU_OMP_THREADS_BIND says otherwise). vLLM by itself binds its worker to one core and reserves the rest."""
+    if cfg.train.threads == 0 and not torch.cuda.is_available() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        os.environ.update(engine_cpu_env(sorted(os.sched_getaffinity(0))))
+    return VLLMEngine(spec, version=version)
+
+
 def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
           engine: VLLMEngine | None = None,
           engine_weights: Callable[[dict, int], dict] | None = None) -> dict:
@@ -64,28 +113,16 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from async_vapo.learner.loop import InProcessSource, StepLoop
+    from async_vapo.learner.loop import StepLoop
     from async_vapo.learner.vapo import Learner
 
     t_start = time.perf_counter()
     cpu_start = process_tree_cpu_s()
-    # Generation and learning alternate here, so with train.threads = 0 each uses every core of this process while
-    # the other waits: the learner's torch threads, and the engine's OpenMP threads (unless
-    # VLLM_CPU_OMP_THREADS_BIND says otherwise). vLLM by itself binds its worker to one core and reserves the rest.
-    cpus = sorted(os.sched_getaffinity(0))
-    every_core = cfg.train.threads == 0
-    torch.set_num_threads(cfg.train.threads or len(cpus))
+    torch.set_num_threads(cfg.train.threads or len(os.sched_getaffinity(0)))
     run_dir = cfg.run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     save_resolved(cfg, run_dir)
-    base_path = ensure_base_model(cfg, progress=progress)
-    policy_path = base_path
-    if resume and (Path(resume) / "critic").exists():
-        critic_path = Path(resume) / "critic"
-    else:
-        critic_path = resolve_critic_path(cfg, base_path, progress=progress)
-    if resume and (Path(resume) / "policy").exists():  # a sharded learner's checkpoint has only dcp/
-        policy_path = Path(resume) / "policy"
+    base_path, policy_path, critic_path = _model_paths(cfg, resume, progress)
     tokenizer = AutoTokenizer.from_pretrained(str(base_path))
     train_set, eval_set = load_task(cfg)
     log = open_row_writer(cfg, run_dir / "metrics.jsonl", truncate=not resume)
@@ -100,9 +137,7 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
         return engine.load_weights(state if engine_weights is None else engine_weights(state, version), version)
 
     if engine is None:
-        if every_core and not torch.cuda.is_available() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-            os.environ.update(engine_cpu_env(cpus))
-        engine = VLLMEngine(spec, version=learner.version)
+        engine = _start_engine(cfg, spec, learner.version)
     if not own_engine or engine_weights is not None:
         publish(learner.version, learner.policy_state())
     verifier = VerifierPool.from_config(cfg.verifier)
@@ -148,10 +183,7 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
             tqdm.write(f"[eval] step {loop.start_step}: held-out accuracy {first_eval['eval/accuracy']:.3f} "
                        f"({elapsed():.0f}s since start, engine start {engine.start_seconds:.0f}s)")
         loop.run()
-        final = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        evals = [x for x in final if x["kind"] == "eval"]
-        summary.update({"final_eval_accuracy": evals[-1]["eval/accuracy"], "steps": learner.version,
-                        "wall_s": elapsed(), "cpu_s": process_tree_cpu_s() - cpu_start})
+        summary.update(_final_summary(run_dir, learner.version, elapsed(), process_tree_cpu_s() - cpu_start))
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
     finally:
@@ -160,3 +192,10 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
             engine.close()
         log.close()
         samples_log.close()
+
+
+def _final_summary(run_dir: Path, steps: int, wall_s: float, cpu_s: float) -> dict:
+    """The end of a run's summary: the last evaluation's held-out accuracy, the updates made, wall and CPU seconds."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [x for x in rows if x["kind"] == "eval"]
+    return {"final_eval_accuracy": evals[-1]["eval/accuracy"], "steps": steps, "wall_s": wall_s, "cpu_s": cpu_s}

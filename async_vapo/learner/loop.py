@@ -7,8 +7,8 @@
 
 Where a step's scored groups come from is a :class:`BatchSource`:
 
-* :class:`InProcessSource` generates them with this process's engine and grades them with its verifier
-  pool (the one-process trainer: staleness 0, each batch from the weights the learner holds);
+* ``InProcessSource`` (``async_vapo.trainer``) generates them with this process's engine and grades them with its
+  verifier pool (the one-process trainer: staleness 0, each batch from the weights the learner holds);
 * ``ReplaySource`` (``async_vapo.services.learner``) fetches them from the replay service;
 * :class:`BroadcastSource` wraps either for data-parallel ranks: rank 0 broadcasts what its source returned,
   the other ranks receive it, and every rank runs this same loop on the same groups. Only rank 0 (the
@@ -44,8 +44,7 @@ import torch
 from async_vapo.algo.dapo import dynamic_sampling_keep
 from async_vapo.config import Config
 from async_vapo.learner.process_group import broadcast_object
-from async_vapo.rollout.generate import Rollout, group_stats
-from async_vapo.tasks import PromptSampler
+from async_vapo.metrics.rows import group_stats
 from async_vapo.types import Group
 
 log = logging.getLogger(__name__)
@@ -69,30 +68,6 @@ class BatchSource(Protocol):
         """Continue from a checkpoint's :meth:`state`."""
 
     def close(self) -> None: ...
-
-
-class InProcessSource:
-    """Generate with this process's engine, grade with its verifier pool (``rollout.Rollout``)."""
-
-    def __init__(self, cfg: Config, rollout: Rollout, sampler: PromptSampler):
-        self.cfg, self.rollout, self.sampler = cfg, rollout, sampler
-
-    def next_groups(self, n: int) -> tuple[list[Group], Timing]:
-        r = self.cfg.rollout
-        return self.rollout.groups(self.sampler.take(n), n=self.cfg.algo.group_size, temperature=r.temperature,
-                                   top_p=r.top_p)
-
-    def row_metrics(self, kept: Sequence[Group], version: int) -> dict[str, float]:
-        return {}
-
-    def state(self) -> dict:
-        return {"prompt_cursor": self.sampler.cursor}
-
-    def restore(self, state: dict) -> None:
-        self.sampler.cursor = state.get("prompt_cursor", 0)
-
-    def close(self) -> None:
-        pass
 
 
 class Control(str):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -31,9 +32,10 @@ from async_vapo.metrics.jsonl import JsonlWriter
 if TYPE_CHECKING:
     from async_vapo.config.schema import Config
     from async_vapo.metrics.prom import ServiceMetrics
+    from async_vapo.types import Group
 
 __all__ = ["PrometheusCriticSink", "PrometheusEvalSink", "RowSink", "RowWriter", "TensorBoardSink", "WandbSink",
-           "open_row_writer", "scalars", "tag"]
+           "group_stats", "open_row_writer", "scalars", "tag"]
 
 EVAL_GAUGES = {"eval/accuracy": "eval_accuracy", "eval/response_length": "eval_response_length_tokens"}
 """Eval row key -> rollout gauge (``async_vapo_rollout_<name>``) set by :class:`PrometheusEvalSink`."""
@@ -224,3 +226,18 @@ def open_row_writer(cfg: Config, path: Path, service_metrics: ServiceMetrics | N
         RowWriter(sinks).close()
         raise
     return RowWriter(sinks, path)
+
+
+def group_stats(groups: Sequence[Group], prefix: str) -> dict[str, float]:
+    """Mean reward, accuracy, response length, truncated fraction and each non-plain verdict's fraction."""
+    samples = [s for g in groups for s in g.samples]
+    n = max(len(samples), 1)
+    out = {f"{prefix}/reward": sum(s.reward for s in samples) / n,
+           f"{prefix}/accuracy": sum(s.correct for s in samples) / n,
+           f"{prefix}/response_length": sum(len(s.response_ids) for s in samples) / n,
+           f"{prefix}/truncated_frac": sum(s.finish_reason == "length" for s in samples) / n}
+    verdicts: dict[str, int] = defaultdict(int)
+    for s in samples:
+        verdicts[s.verdict] += 1
+    out.update({f"{prefix}/verdict_{k}": v / n for k, v in verdicts.items() if k not in ("correct", "incorrect")})
+    return out

@@ -7,12 +7,12 @@ rollout service (generate; the verifier service scores) and evaluation (both, on
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from async_vapo.config import Config
 from async_vapo.metrics.passk import default_ks, difficulty, summarize
+from async_vapo.metrics.rows import group_stats  # noqa: F401  (re-exported: the rollout's own row metrics)
 from async_vapo.tasks.task import Problem
 from async_vapo.types import Group, Trajectory
 
@@ -161,21 +161,6 @@ class Rollout:
         tokens = sum(len(s.response_ids) for g in groups for s in g.samples)
         return groups, {"time/generate_s": t1 - t0, "time/verify_s": t2 - t1, "rollout/tokens": tokens,
                         "rollout/tokens_per_s": tokens / max(t1 - t0, 1e-9)}
-
-
-def group_stats(groups: Sequence[Group], prefix: str) -> dict[str, float]:
-    """Mean reward, accuracy, response length, truncated fraction and each non-plain verdict's fraction."""
-    samples = [s for g in groups for s in g.samples]
-    n = max(len(samples), 1)
-    out = {f"{prefix}/reward": sum(s.reward for s in samples) / n,
-           f"{prefix}/accuracy": sum(s.correct for s in samples) / n,
-           f"{prefix}/response_length": sum(len(s.response_ids) for s in samples) / n,
-           f"{prefix}/truncated_frac": sum(s.finish_reason == "length" for s in samples) / n}
-    verdicts: dict[str, int] = defaultdict(int)
-    for s in samples:
-        verdicts[s.verdict] += 1
-    out.update({f"{prefix}/verdict_{k}": v / n for k, v in verdicts.items() if k not in ("correct", "incorrect")})
-    return out
 
 
 @dataclass
