@@ -38,10 +38,16 @@ The named corrections of the literature as compositions (weights × mask):
 
 Departures and choices:
 - log ρ_t is clamped to [−20, 20] (verl's safety bound) before anything else, so no exp() overflows: a ratio of
-  e^±20 is reported and corrected as e^±20. A sequence's log ρ_b is a sum of clamped terms, hence finite for any
-  length; weights are computed as exp(min(log w, log C)), never exp() of an unbounded sum.
-- Tokens whose behaviour log-prob is NaN (the engine did not report one) count as on-policy: log ρ = 0, weight 1,
-  never rejected, and they are left out of the mismatch measures (they carry no information about it).
+  e^±20 is reported and corrected as e^±20 (a −inf log-prob on one side alone included). Equal log-probs give
+  log ρ_t = 0 even when both are −inf (neither policy can emit the token: they agree; −inf − (−inf) would be NaN).
+  A sequence's log ρ_b is a sum of clamped terms, hence finite for any length; weights are computed as
+  exp(min(log w, log C)), never exp() of an unbounded sum.
+- Tokens whose behaviour log-prob is NaN (the engine did not report one) count as on-policy: log ρ_t = 0, and
+  they are left out of the mismatch measures (they carry no information about it). At token level that makes
+  their weight 1 and they are never rejected. At sequence and geometric level they add 0 to Σ_t log ρ_t (and
+  count in L_b) and, like every token of the sequence, take its weight and its rejection: those corrections
+  weight or drop the whole sampled response, not single tokens of it. A response with no behaviour log-prob at
+  all has log ρ_b = 0: weight 1, kept.
 - Weights are 1 on padding (the loss ignores padding anyway). Sequence and geometric weights and masks are
   computed from the sequence's valid tokens only; a sequence with no valid token gets log ρ_b = 0.
 - Reductions over an empty selection are 0 (the ``algo.utils`` convention), maxima too; each lag bucket also
@@ -83,10 +89,11 @@ def behavior_log_ratio(proximal_logprobs: torch.Tensor, behavior_logprobs: torch
                        mask: torch.Tensor) -> torch.Tensor:
     """log ρ_t = log π_proximal − log π_behaviour, clamped to [−20, 20]: [B, T] x3 -> [B, T].
 
-    0 on padding and where the behaviour log-prob is NaN (not reported by the engine). ±inf log-probs clamp."""
+    0 on padding, where the behaviour log-prob is NaN (not reported by the engine) and where the two are equal, −inf
+    included (−inf − (−inf) is NaN, which no clamp bounds). A −inf on one side alone clamps to ±20."""
     prox = proximal_logprobs.detach()
     behav = behavior_logprobs.to(prox.dtype)
-    use = mask.bool() & ~torch.isnan(behav)
+    use = mask.bool() & ~torch.isnan(behav) & (prox != behav)
     return torch.where(use, (prox - behav).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO), _zero(prox))
 
 

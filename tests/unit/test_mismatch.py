@@ -397,3 +397,51 @@ def test_learner_measures_the_mismatch_and_the_switches_reach_the_loss(tmp_path)
     assert samples[("async_vapo_learner_correction_masked_ratio", (("unit", "sequence"),))] == pytest.approx(0.5)
     assert samples[("async_vapo_learner_correction_weight", (("stat", "mean"),))] == pytest.approx(
         m_half["correction/weight_mean"])
+
+
+def test_equal_infinite_logprobs_give_log_ratio_zero_not_nan():
+    # Both policies give the token probability 0 (−inf − (−inf) is NaN before the clamp): they agree, log ρ = 0,
+    # ρ = 1. One side −inf alone still clamps to ±20; a NaN behaviour log-prob stays unmeasured (0).
+    prox = t([[-math.inf, -math.inf, -1.0, -math.inf, -0.5]])
+    behav = t([[-math.inf, -1.0, -math.inf, NAN, -0.5]])
+    m = torch.ones(1, 5, dtype=torch.bool)
+    lr = behavior_log_ratio(prox, behav, m)
+    assert lr.tolist() == [[0.0, -20.0, 20.0, 0.0, 0.0]]
+    # the agreeing token alone: weight 1 and kept at every level, every measure 0 and finite
+    one = torch.tensor([[True, False, False, False, True]])
+    lr1 = behavior_log_ratio(prox, behav, one)
+    for level in ("token", "sequence", "geometric"):
+        w, wm = is_weights(lr1, one, level, 2.0)
+        assert w.tolist() == [[1.0] * 5] and all(math.isfinite(float(v)) for v in wm.values())
+        keep, _ = rejection_mask(lr1, one, level, 0.5, 2.0)
+        assert torch.equal(keep, one)
+    metrics = floats(mismatch_metrics(prox, behav, one, torch.tensor([1])))
+    assert metrics["k3"] == metrics["abs_log_ratio_max"] == metrics["seq_abs_log_ratio_max"] == 0.0
+    assert metrics["measured_frac"] == 1.0 and all(math.isfinite(v) for v in metrics.values())
+
+
+def test_a_token_without_a_behaviour_logprob_weighs_in_as_log_ratio_zero_and_shares_its_sequences_fate():
+    # Row 0: log ρ = [0.5, −1.0, NaN behaviour → 0]; row 1: no behaviour log-prob at all; row 2: [0.3, NaN → 0].
+    # token level: the NaN token has weight 1 and is never rejected.
+    # sequence level: a correction of the whole sample (schema: "on the whole response"; "the whole sequence kept or
+    #   dropped"), so the NaN token takes its sequence's weight and rejection: row 0 Π ρ = e^−0.5 on all 3 tokens and,
+    #   outside [0.9, 1.2], all 3 dropped; row 2 Π ρ = e^0.3 = 1.35 on both tokens, dropped with [0.9, 1.2].
+    # geometric: row 0 exp(−0.5 / 3) (the NaN token counts in L_b with log ρ = 0), row 2 exp(0.3 / 2).
+    # A sequence without any behaviour log-prob is on-policy as a whole: weight 1, kept at every level.
+    prox = t([[-1.0, -2.0, -0.5], [-0.3, -0.3, -0.3], [-0.7, -0.1, -0.2]])
+    behav = t([[-1.5, -1.0, NAN], [NAN, NAN, NAN], [-1.0, NAN, -9.0]])
+    m = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    lr = behavior_log_ratio(prox, behav, m)
+    assert_close(lr, t([[0.5, -1.0, 0.0], [0.0, 0.0, 0.0], [0.3, 0.0, 0.0]]), **TOL)
+    w, _ = is_weights(lr, m, "token", 5.0)
+    assert_close(w, t([[e(0.5), e(-1.0), 1.0], [1.0] * 3, [e(0.3), 1.0, 1.0]]), **TOL)
+    keep, _ = rejection_mask(lr, m, "token", 0.5, 2.0)
+    assert keep.tolist() == [[True, False, True], [True, True, True], [True, True, False]]
+    w, _ = is_weights(lr, m, "sequence", 5.0)
+    assert_close(w, t([[e(-0.5)] * 3, [1.0] * 3, [e(0.3), e(0.3), 1.0]]), **TOL)
+    keep, _ = rejection_mask(lr, m, "sequence", 0.9, 1.2)
+    assert keep.tolist() == [[False] * 3, [True] * 3, [False] * 3]
+    w, _ = is_weights(lr, m, "geometric", 5.0)
+    assert_close(w, t([[e(-0.5 / 3)] * 3, [1.0] * 3, [e(0.15), e(0.15), 1.0]]), **TOL)
+    keep, _ = rejection_mask(lr, m, "geometric", 0.9, 1.1)
+    assert keep.tolist() == [[False] * 3, [True] * 3, [False] * 3]
