@@ -1,4 +1,4 @@
-"""VAPO losses: clip-higher PPO policy loss, critic loss, positive-example LM loss.
+"""VAPO losses: clip-higher PPO policy loss, critic loss, positive-example LM loss, entropy bonus.
 
 All inputs are [B, T] with a validity ``mask`` (bool or 0/1). Each loss returns ``(loss, metrics)``;
 ``metrics`` maps names to detached 0-dim tensors.
@@ -7,6 +7,7 @@ All inputs are [B, T] with a validity ``mask`` (bool or 0/1). Each loss returns 
     L_PPO    = −mean( min(ratio·A, clip(ratio, 1 − ε_low, 1 + ε_high)·A) )   PPO eq. 7, VAPO Clip-Higher
     L_NLL    = −token_mean over correct responses( logp )                    VAPO Positive Example LM Loss
     L_critic = ½·token_mean( (V − G)² ), optionally clipped around V_old
+    L_ent    = −mean( H )                                                    entropy bonus (off in VAPO / DAPO)
 
 "mean" is one mean over every valid token (VAPO token-level loss), or with ``token_level=False``
 the mean of per-sequence token means (sample-level loss of vanilla PPO / GRPO).
@@ -37,6 +38,11 @@ Departures and choices:
   constant targets whose computed variance is rounding noise (that would divide into a huge negative number).
   Reducers of metrics must skip NaN explained variances rather than average them in as 0.
 - ``correct`` in :func:`positive_lm_loss` is read as ``correct > 0``, so bool, 0/1 and ±1 rewards work.
+- A batch without a valid token (no rows, or every token masked) gives each loss 0 with a zero gradient and every
+  metric 0 (the ``algo.utils`` empty-reduction convention, maxima too), except the explained variance: NaN.
+- A rejection mask (masked IS, IcePop: ``algo.mismatch.rejection_mask``) narrows the policy surrogate's tokens
+  only. The entropy bonus and the positive-example LM loss are no importance-sampled estimates of the behaviour
+  policy's samples: they keep every valid response token, in their sums and in their normalisers.
 """
 
 from __future__ import annotations
@@ -45,8 +51,8 @@ import torch
 
 from async_vapo.algo.utils import masked_mean, masked_sum, masked_var
 
-__all__ = ["explained_variance", "loss_normalizer", "microbatch_weight", "policy_loss", "positive_lm_loss",
-           "value_loss"]
+__all__ = ["entropy_loss", "explained_variance", "loss_normalizer", "microbatch_weight", "policy_loss",
+           "positive_lm_loss", "value_loss"]
 
 _MAX_LOG_RATIO = 20.0
 _EV_REL_EPS = 1e-8
@@ -62,6 +68,12 @@ def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, token_level: bool) -
     if token_level:
         return masked_mean(per_token, mask)
     return masked_mean(masked_mean(per_token, mask, dim=-1), _seq_valid(mask))
+
+
+def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Max of non-negative ``x`` over valid positions; 0 when none is valid (a batch of no rows included)."""
+    flat = torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device)).flatten()
+    return torch.cat((flat, flat.new_zeros(1))).max()
 
 
 def loss_normalizer(mask: torch.Tensor, token_level: bool = True) -> torch.Tensor:
@@ -134,7 +146,7 @@ def policy_loss(
             "clipfrac": masked_mean(clipped.to(ratio.dtype), valid),
             "approx_kl": masked_mean((ratio - 1.0) - log_ratio, valid),  # k3
             "ratio_mean": masked_mean(ratio, valid),
-            "ratio_max": torch.where(valid, ratio, zero).max(),
+            "ratio_max": _masked_max(ratio, valid),
         }
         if entropy is not None:
             metrics["entropy"] = masked_mean(entropy.to(ratio.dtype), valid)
@@ -214,6 +226,25 @@ def positive_lm_loss(
     loss = -masked_sum(logprobs, used) / n_tokens.clamp(min=1)
     metrics = {
         "pos_lm_nll": loss.detach(),
-        "pos_lm_frac": used.any(-1).to(logprobs.dtype).mean(),
+        "pos_lm_frac": masked_mean(used.any(-1).to(logprobs.dtype), torch.ones_like(used[:, 0])),
     }
     return loss, metrics
+
+
+def entropy_loss(
+    entropy: torch.Tensor, mask: torch.Tensor, token_level: bool = True
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Entropy bonus as a loss: −mean(H) over ``mask``, the mean taken as :func:`policy_loss` takes it (one mean
+    over every valid token, or with ``token_level=False`` the mean of per-sequence token means).
+
+    The actor loss adds ``entropy_coef`` times it. ``mask`` is every valid response token, not the tokens that a
+    rejection mask keeps for the surrogate (module docstring); micro-batches weight it with
+    :func:`microbatch_weight` of the same mask over the mini-batch's :func:`loss_normalizer` of it.
+
+    Args:
+        entropy: [B, T] per-token entropy of the policy, with grad.
+        mask: [B, T] valid response tokens.
+    """
+    valid = mask.bool()
+    mean = _aggregate(entropy, valid, token_level)
+    return -mean, {"entropy": mean.detach()}

@@ -7,6 +7,7 @@ import torch
 from torch.testing import assert_close
 
 from async_vapo.algo.losses import (
+    entropy_loss,
     explained_variance,
     loss_normalizer,
     microbatch_weight,
@@ -480,3 +481,45 @@ def test_decoupled_correction_leaves_on_policy_updates_alone_and_moves_stale_one
     stale_b, _ = run(False, -0.3)
     assert abs(m_stale["actor/behavior_weight_mean"] - math.exp(0.3)) < 1e-4
     assert any(not torch.allclose(stale_a[k], stale_b[k], atol=1e-6) for k in stale_a)
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+@pytest.mark.parametrize("rows", [0, 2])
+def test_every_loss_takes_a_batch_without_a_valid_token(token_level, rows):
+    # rows = 0: a batch of no responses at all ([0, T]); rows = 2: responses whose every token is masked.
+    # Each loss is 0 with a zero gradient, every metric finite (0 by the empty-reduction convention) except the
+    # explained variance, which is undefined (NaN) without a token.
+    lp = torch.zeros(rows, 5, dtype=F64).requires_grad_()
+    none = torch.zeros(rows, 5, dtype=torch.bool)
+    other = torch.full((rows, 5), -0.5, dtype=F64)
+    pl, pm = policy_loss(lp, other, other, none, EPS_LOW, EPS_HIGH, token_level=token_level, entropy=other,
+                         behavior_weights=other)
+    vl, vm = value_loss(lp, other, none, old_values=other, clip=0.2)
+    nl, nm = positive_lm_loss(lp, none, torch.ones(rows))
+    for loss in (pl, vl, nl):
+        (grad,) = torch.autograd.grad(loss, lp)
+        assert float(loss.detach()) == 0.0 and torch.equal(grad, torch.zeros_like(grad))
+    metrics = {**pm, **vm, **nm}
+    assert math.isnan(float(metrics.pop("explained_variance")))
+    assert {k: float(v) for k, v in metrics.items()} == dict.fromkeys(metrics, 0.0)
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+def test_entropy_loss_hand_values_gradient_and_micro_batches(token_level):
+    # H row 0 = [1, 2, 3 | pad 9], row 1 = [4, 0.5 | pad 9, 9]
+    #   token level: −(1 + 2 + 3 + 4 + 0.5) / 5 = −2.1; dL/dH = −1/5 on each valid token
+    #   sequence level: −(6/3 + 4.5/2) / 2 = −2.125; dL/dH = −1/(2·3) on row 0, −1/(2·2) on row 1
+    h = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 0.5, 9.0, 9.0]], dtype=F64, requires_grad=True)
+    m = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    loss, metrics = entropy_loss(h, m, token_level)
+    (grad,) = torch.autograd.grad(loss, h)
+    want, g0, g1 = (-2.1, -1 / 5, -1 / 5) if token_level else (-2.125, -1 / 6, -1 / 4)
+    assert_close(loss.detach(), scalar(want), **TOL)
+    assert float(metrics["entropy"]) == pytest.approx(-want, abs=1e-12)
+    assert_close(grad, torch.tensor([[g0, g0, g0, 0.0], [g1, g1, 0.0, 0.0]], dtype=F64), **TOL)
+    # one row per micro-batch, each weighted by its share of the whole batch's normaliser: the same loss
+    total = loss_normalizer(m, token_level)
+    parts = sum(microbatch_weight(m[r:r + 1], total, token_level, F64) * entropy_loss(h[r:r + 1], m[r:r + 1],
+                                                                                       token_level)[0]
+                for r in range(2))
+    assert_close(parts, loss, **TOL)
