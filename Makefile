@@ -25,6 +25,7 @@ cluster: setup
 PYTEST_WORKERS ?= 2
 test: test-deps
 	.venv/bin/ruff check .
+	.venv/bin/lint-imports --no-cache
 	.venv/bin/python -m pytest -q --durations=25 $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup) $(ARGS)
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
 
@@ -38,3 +39,4 @@ docs-gen: setup
 
 lint: setup
 	.venv/bin/ruff check .
+	.venv/bin/lint-imports --no-cache

@@ -64,7 +64,7 @@
 # (FIRST and HOST as the hostfile names them, this machine's as the address announced to the others; the first
 # agent hosts the rendezvous store). async.learner_devices = H x K (an uneven split is refused, --dry-run too); gloo
 # on CPU hosts, NCCL on GPUs. c10d numbers agents by address, not by --node-rank, so every rank takes global rank
-# I x K + local rank itself (services/learner.py --node-rank). RUN_DIR must be on a file system the learner hosts
+# I x K + local rank itself (async_vapo.services.learner --node-rank). RUN_DIR must be on a file system the learner hosts
 # share: every rank writes its shards of each checkpoint there. When one agent or rank dies, the group re-forms and
 # continues from the run's newest checkpoint: the dead agent's supervisord restarts it like any service (backoff,
 # crash-loop limit; a torchrun agent's ranks die with it); its arrival at the rendezvous makes the surviving agents
@@ -406,10 +406,10 @@ launch_supervisors() {  # writes each host's RUN_DIR/supervisor/TAG.conf and sta
   done
 }
 svc_args=("${CONFIGS[@]}" --run-dir "$RUN_DIR")
-start replay "$(host_of replay)" "" "$PY" "$REPO/services/replay.py" "${svc_args[@]}" -- "${OVERRIDES[@]}"
-start verifier "$(host_of verifier)" "" "$PY" "$REPO/services/verifier.py" "${svc_args[@]}" -- "${OVERRIDES[@]}"
+start replay "$(host_of replay)" "" "$PY" -m async_vapo.services.replay "${svc_args[@]}" -- "${OVERRIDES[@]}"
+start verifier "$(host_of verifier)" "" "$PY" -m async_vapo.services.verifier "${svc_args[@]}" -- "${OVERRIDES[@]}"
 for ((i = 0; i < N_ROLLOUT; i++)); do
-  start "rollout-$i" "$(host_of "rollout-$i")" "${ROLLOUT_CPUS[$i]:-}" "$PY" "$REPO/services/rollout.py" \
+  start "rollout-$i" "$(host_of "rollout-$i")" "${ROLLOUT_CPUS[$i]:-}" "$PY" -m async_vapo.services.rollout \
     "${svc_args[@]}" --instance "$i" -- "${OVERRIDES[@]}"
 done
 learn_extra=()
@@ -424,14 +424,14 @@ if [ ${#LEARNERS[@]} -gt 1 ]; then  # one torchrun agent per learner host (heade
     addr_var=${addr_var//-/_}
     start "$name" "$(host_of "$name")" "" "$PY" -m torch.distributed.run "${rdzv[@]}" --node-rank "$i" \
       --local-addr "${!addr_var}" --rdzv-conf "is_host=$([ "$i" = 0 ] && echo 1 || echo 0)" \
-      "$REPO/services/learner.py" "${svc_args[@]}" "${learn_extra[@]}" --node-rank "$i" --host-addr "${!addr_var}" \
+      -m async_vapo.services.learner "${svc_args[@]}" "${learn_extra[@]}" --node-rank "$i" --host-addr "${!addr_var}" \
       --resume-since "$SUP/$(sup_tag "$(host_of "$name")").conf" -- "${OVERRIDES[@]}"
   done
 elif [ "$N_LEARNER" -gt 1 ]; then
   start learner "$(host_of learner)" "$LEARNER_CPUS" "$PY" -m torch.distributed.run --standalone \
-    --nproc-per-node "$N_LEARNER" "$REPO/services/learner.py" "${svc_args[@]}" "${learn_extra[@]}" -- "${OVERRIDES[@]}"
+    --nproc-per-node "$N_LEARNER" -m async_vapo.services.learner "${svc_args[@]}" "${learn_extra[@]}" -- "${OVERRIDES[@]}"
 else
-  start learner "$(host_of learner)" "$LEARNER_CPUS" "$PY" "$REPO/services/learner.py" "${svc_args[@]}" \
+  start learner "$(host_of learner)" "$LEARNER_CPUS" "$PY" -m async_vapo.services.learner "${svc_args[@]}" \
     "${learn_extra[@]}" -- "${OVERRIDES[@]}"
 fi
 [ "$DRY_RUN" = 1 ] && exit 0

@@ -57,8 +57,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from async_vapo.config import Config
+from async_vapo.config.cluster import metrics_port, service_host
 from async_vapo.replay.store import AppendRecord, ConsumeRecord, DropRecord, SnapshotRecord, read_log
-from async_vapo.services.context import metrics_port, service_host
 from async_vapo.staleness import StalenessPolicy
 
 REPO = Path(__file__).resolve().parents[2]

@@ -24,10 +24,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from async_vapo.config import Config, load_config
+from async_vapo.config.cluster import SERVICES, keys_dir, metrics_port, service_host
 from async_vapo.config.loader import ConfigError
 from async_vapo.deploy.placement import Placement, PlacementError, parse_hostfile, place, shell_assignments
 from async_vapo.metrics.prom import render_prometheus_config, write_file_sd_targets
-from async_vapo.services.context import SERVICES, keys_dir, metrics_port, service_host
 
 
 def cluster_placement(cfg: Config, hostfile: str | Sequence[tuple[str, str]] | None,

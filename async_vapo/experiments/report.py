@@ -141,41 +141,20 @@ def analyse_one_process_run(run: Path) -> dict:
             "learn_s_per_update": statistics.fmean(r["time/learn_s"] for r in train[1:])}
 
 
-def report_async(out: Path) -> dict:
-    runs = sorted((d for d in out.iterdir() if d.is_dir() and d.name.startswith("staleness_")), key=_run_order)
-    res = {_run_key(d): analyse_cluster_run(d) for d in runs if (d / "metrics.jsonl").exists()}
-    if 0 not in res:
-        raise ValueError(f"{out}: no staleness_0 run (the synchronous reference)")
-    sync = res[0]
-    # Each stage alone on its share of the machine: in the synchronous run the stages take turns, so its
-    # busy time per update is the stage's time with nothing else running.
+def _stage_alone(sync_run: Path, samples: int) -> dict[str, float]:
+    """Samples/s of each stage alone on its share of the machine: in the synchronous run the stages take turns, so
+    its busy time per update is the stage's time with nothing else running."""
     alone = {}
-    iv = busy_intervals(out / "staleness_0")
-    tr = [r["wall_s"] for r in _rows(out / "staleness_0") if r.get("kind") == "train"]
+    iv = busy_intervals(sync_run)
+    tr = [r["wall_s"] for r in _rows(sync_run) if r.get("kind") == "train"]
     for stage in STAGES:
         sec = _covered(iv.get(stage, []), min(tr), max(tr))
-        alone[stage] = sync["samples"] / sec if sec > 0 else float("inf")
-    slowest = min(alone, key=alone.get)
-    # a perfect pipeline runs at the slowest stage's pace: its speed-up over sync is bounded by the synchronous
-    # update time (every stage plus hand-offs) over the slowest stage's busy time per update
-    bound = alone[slowest] / sync["samples_per_s"]
-    one = analyse_one_process_run(out / "one_process") if (out / "one_process" / "metrics.jsonl").exists() else None
-    table = ["| max_staleness | samples/s | × sync | s / update | busy: generate | verify | learn | "
-             "gen ∥ learn | pipeline efficiency | max age | learner wait s/update | last held-out eval |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for s, r in res.items():
-        r["speedup_vs_sync"] = r["samples_per_s"] / sync["samples_per_s"]
-        r["pipeline_efficiency"] = r["samples_per_s"] / alone[slowest]
-        if one is not None:
-            r["speedup_vs_one_process"] = r["samples_per_s"] / one["samples_per_s"]
-        f = r["busy_fraction"]
-        last_eval = f"{r['evals'][-1][1]:.3f} (version {r['evals'][-1][2]})" if r["evals"] else "–"
-        table.append(f"| {s} | {r['samples_per_s']:.2f} | {r['speedup_vs_sync']:.2f} | {r['seconds_per_update']:.2f} | "
-                     f"{f.get('generate', 0):.2f} | {f.get('verify', 0):.3f} | {f.get('learn', 0):.2f} | "
-                     f"{r['generate_and_learn_overlap']:.2f} | {r['pipeline_efficiency']:.2f} | {r['max_age']} | "
-                     f"{r['wait_s_per_update']:.2f} | "
-                     f"{last_eval} |")
-    best = max(res, key=lambda s: res[s]["samples_per_s"])
+        alone[stage] = samples / sec if sec > 0 else float("inf")
+    return alone
+
+
+def _secondary_tables(res: dict) -> tuple[list[str], list[str], list[str]]:
+    """The report's markdown rows of the critic's error by sample age, the token-version lag and peak memory."""
     ages = sorted({a for r in res.values() for a in r["critic_by_age"]})
     critic_rows = ["| max_staleness | " + " | ".join(f"age {a}: mean abs(V − R) / EV / samples" for a in ages) + " |",
                    "|---|" + "---|" * len(ages)]
@@ -197,6 +176,38 @@ def report_async(out: Path) -> dict:
     mem_rows = ["| max_staleness | " + " | ".join(services) + " |", "|---|" + "---|" * len(services)]
     for s, r in res.items():
         mem_rows.append(f"| {s} | " + " | ".join(str(r["peak_rss_mib"].get(k, "–")) for k in services) + " |")
+    return critic_rows, lag_rows, mem_rows
+
+
+def report_async(out: Path) -> dict:
+    runs = sorted((d for d in out.iterdir() if d.is_dir() and d.name.startswith("staleness_")), key=_run_order)
+    res = {_run_key(d): analyse_cluster_run(d) for d in runs if (d / "metrics.jsonl").exists()}
+    if 0 not in res:
+        raise ValueError(f"{out}: no staleness_0 run (the synchronous reference)")
+    sync = res[0]
+    alone = _stage_alone(out / "staleness_0", sync["samples"])
+    slowest = min(alone, key=alone.get)
+    # a perfect pipeline runs at the slowest stage's pace: its speed-up over sync is bounded by the synchronous
+    # update time (every stage plus hand-offs) over the slowest stage's busy time per update
+    bound = alone[slowest] / sync["samples_per_s"]
+    one = analyse_one_process_run(out / "one_process") if (out / "one_process" / "metrics.jsonl").exists() else None
+    table = ["| max_staleness | samples/s | × sync | s / update | busy: generate | verify | learn | "
+             "gen ∥ learn | pipeline efficiency | max age | learner wait s/update | last held-out eval |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s, r in res.items():
+        r["speedup_vs_sync"] = r["samples_per_s"] / sync["samples_per_s"]
+        r["pipeline_efficiency"] = r["samples_per_s"] / alone[slowest]
+        if one is not None:
+            r["speedup_vs_one_process"] = r["samples_per_s"] / one["samples_per_s"]
+        f = r["busy_fraction"]
+        last_eval = f"{r['evals'][-1][1]:.3f} (version {r['evals'][-1][2]})" if r["evals"] else "–"
+        table.append(f"| {s} | {r['samples_per_s']:.2f} | {r['speedup_vs_sync']:.2f} | {r['seconds_per_update']:.2f} | "
+                     f"{f.get('generate', 0):.2f} | {f.get('verify', 0):.3f} | {f.get('learn', 0):.2f} | "
+                     f"{r['generate_and_learn_overlap']:.2f} | {r['pipeline_efficiency']:.2f} | {r['max_age']} | "
+                     f"{r['wait_s_per_update']:.2f} | "
+                     f"{last_eval} |")
+    best = max(res, key=lambda s: res[s]["samples_per_s"])
+    critic_rows, lag_rows, mem_rows = _secondary_tables(res)
     summary = {
         "stage_alone_samples_per_s": alone, "slowest_stage": slowest,
         "ideal_pipeline_speedup_bound": bound, "best_bound": best,

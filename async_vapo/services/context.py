@@ -39,16 +39,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from async_vapo.config import Config, load_config, save_resolved
+from async_vapo.config.cluster import SERVICES, keys_dir, metrics_port, service_host  # noqa: F401  (re-exported)
 from async_vapo.metrics.prom import MetricsServer, ServiceMetrics
 from async_vapo.transport import BackpressureFull, Decoder, Envelope, RejectCounter, Sender
 
-SERVICES = ("replay", "verifier", "rollout", "learner")
 T0_ENV = "ASYNC_VAPO_T0"
 """Unix time the cluster was started (set by start_cluster.sh): the origin of every ``wall_s``."""
 
 
 def service_arg_parser(service: str, doc: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"services/{service}.py", description=doc,
+    p = argparse.ArgumentParser(prog=f"python -m async_vapo.services.{service}", description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", action="append", default=[], help="TOML file (repeat to layer several)")
     p.add_argument("--run-dir", help="run directory (default: the config's train.output_dir)")
@@ -57,21 +57,6 @@ def service_arg_parser(service: str, doc: str | None = None) -> argparse.Argumen
     p.add_argument("--log-level", default="INFO")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides (ports: cluster.ports.replay_port=...)")
     return p
-
-
-def metrics_port(cfg: Config, service: str, instance: int = 0) -> int:
-    c = cfg.cluster
-    return {"replay": c.ports.replay_metrics_port, "verifier": c.ports.verifier_metrics_port,
-            "learner": c.ports.learner_metrics_port + instance,
-            "rollout": c.ports.rollout_metrics_port + instance}[service]
-
-
-def service_host(cfg: Config, service: str, instance: int = 0) -> str:
-    """The address other machines (and Prometheus) reach ``service`` replica ``instance`` at."""
-    c = cfg.cluster
-    if service == "rollout":
-        return c.hosts.rollout_hosts[instance % len(c.hosts.rollout_hosts)] if c.hosts.rollout_hosts else "127.0.0.1"
-    return {"replay": c.hosts.replay_host, "verifier": c.hosts.verifier_host, "learner": c.hosts.learner_host}[service]
 
 
 def wall_origin() -> float:
@@ -197,12 +182,6 @@ class ServiceContext:
             self.server.stop()
 
 
-def keys_dir(cfg: Config, run_dir: Path) -> Path:
-    """Where the cluster's CURVE keys are: ``cluster.security.keys_dir``, or RUN_DIR/keys."""
-    d = cfg.cluster.security.keys_dir
-    return Path(d).expanduser() if d else Path(run_dir) / "keys"
-
-
 def make_transport(ctx: ServiceContext):
     """The service's ZeroMQ transport: CURVE with this service's role key and ZAP role checks
     (``transport.security``) unless ``cluster.security.curve`` is off. Refused handshakes count in
@@ -265,8 +244,9 @@ def make_context(service: str, args: argparse.Namespace | None = None, *, cfg: C
 
 def run_service(service: str, argv: Sequence[str] | None, body: Callable[[ServiceContext, argparse.Namespace], None],
                 parser: argparse.ArgumentParser | None = None) -> int:
-    """Entry point shared by ``services/*.py``: parse, build the context, run ``body``; exit code 1 on a crash
-    (logged with its traceback, health set to degraded first so a scrape sees it)."""
+    """Entry point shared by the services' ``main`` (``python -m async_vapo.services.NAME``): parse, build the
+    context, run ``body``; exit code 1 on a crash (logged with its traceback, health set to degraded first so a
+    scrape sees it)."""
     args = (parser or service_arg_parser(service)).parse_args(argv)
     ctx = make_context(service, args)
     try:

@@ -268,3 +268,19 @@ def run_replay(ctx: ServiceContext) -> None:
             svc.run()
         finally:
             svc.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Replay service: durable, staleness-bounded buffer of verified groups:
+
+        python -m async_vapo.services.replay --config FILE [--run-dir DIR] [key.sub=value ...]
+    """
+    from async_vapo.services.context import run_service
+
+    return run_service("replay", argv, lambda ctx, args: run_replay(ctx))
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -378,3 +378,19 @@ def run_rollout(ctx: ServiceContext) -> None:
         svc.close()
         transport.close()
         engine.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Rollout service: one vLLM engine generating version-stamped groups:
+
+        python -m async_vapo.services.rollout --config FILE [--run-dir DIR] [--instance I] [key.sub=value ...]
+    """
+    from async_vapo.services.context import run_service
+
+    return run_service("rollout", argv, lambda ctx, args: run_rollout(ctx))
+
+
+if __name__ == "__main__":  # vLLM spawns its engine process: construct it only under this guard
+    import sys
+
+    sys.exit(main())

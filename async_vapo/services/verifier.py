@@ -114,3 +114,19 @@ def run_verifier(ctx: ServiceContext) -> None:
             svc.run(decode)
         finally:
             svc.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Verifier service: sandboxed answer checking between rollout and replay:
+
+        python -m async_vapo.services.verifier --config FILE [--run-dir DIR] [key.sub=value ...]
+    """
+    from async_vapo.services.context import run_service
+
+    return run_service("verifier", argv, lambda ctx, args: run_verifier(ctx))
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

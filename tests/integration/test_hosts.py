@@ -188,7 +188,7 @@ def test_cluster_across_three_network_stacks(hosts, tiny_cfg, tiny_base, tmp_pat
             time.sleep(0.3)
         agent = pids["learner-1"]
         ranks = psutil.Process(agent).children()
-        assert len(ranks) == 1 and "services/learner.py" in " ".join(ranks[0].cmdline()), ranks
+        assert len(ranks) == 1 and "async_vapo.services.learner" in " ".join(ranks[0].cmdline()), ranks
         os.kill(agent, signal.SIGKILL)
         psutil.wait_procs(ranks, timeout=10)
         assert not ranks[0].is_running(), "the killed agent's rank runs on"  # PR_SET_PDEATHSIG

@@ -177,11 +177,12 @@ class _KillAfterFirstBucket:
 
 
 def _start_rollout_service(overrides: list[str], run_dir: Path, metrics_port: int, log: Path) -> subprocess.Popen:
-    """``services/rollout.py`` as rollout-0, in a session of its own (its process group: it and vLLM's engine core)."""
+    """``python -m async_vapo.services.rollout`` as rollout-0, in a session of its own (its process group: it and
+    vLLM's engine core)."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     with log.open("ab") as out:
-        return subprocess.Popen([sys.executable, str(REPO / "services" / "rollout.py"), "--run-dir", str(run_dir),
+        return subprocess.Popen([sys.executable, "-m", "async_vapo.services.rollout", "--run-dir", str(run_dir),
                                  "--instance", "0", "--metrics-port", str(metrics_port), *overrides], cwd=REPO,
                                 env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -264,7 +265,7 @@ def _assert_groups_served(groups, policy, pad_id: int, temperature: float) -> No
 def test_a_second_real_engine_killed_mid_broadcast_is_dropped_and_rejoins(vllm_engine, tiny_cfg, tiny_base, tmp_path,
                                                                          caplog):
     """The learner's WeightBroadcast ("dist", ZeroMQ on loopback) and two real vLLM engines, each in its own gloo
-    group: rollout-0, the real rollout service (``services/rollout.py``) in a subprocess, and rollout-1, the
+    group: rollout-0, the real rollout service (``async_vapo.services.rollout``) in a subprocess, and rollout-1, the
     session's engine behind an EngineWeightClient in this process (streamed after rollout-0). Version 1 reaches both
     over their groups and both serve it exactly (rollout-0's generated groups: log-probs = the learner's forward).
     Version 2: rollout-0's process group is SIGKILLed once its first bucket (of 4 KiB buckets) has gone; the

@@ -1,7 +1,7 @@
 """A learner on several hosts: its placement (ranks split evenly over the learner lines of the hostfile, an uneven
 split refused), start_cluster.sh --dry-run's torchrun agents (c10d rendezvous on the first learner host), the ranks
-taken by node (services/learner.py --node-rank) and the checkpoint a restarted learner resumes from. No process is
-started."""
+taken by node (async_vapo.services.learner --node-rank) and the checkpoint a restarted learner resumes from. No
+process is started."""
 
 from __future__ import annotations
 
@@ -84,8 +84,9 @@ def test_dry_run_prints_one_torchrun_agent_per_learner_host(tmp_path):
         _, where, cmd = cmds[name]
         assert where == host and cmd.startswith("CUDA_VISIBLE_DEVICES=0,1,2,3 ")
         w = words(cmd.split(" ", 1)[1])
-        torchrun = w[:w.index(str(REPO / "services/learner.py"))]
-        script = w[len(torchrun) + 1:]
+        i = w.index("async_vapo.services.learner")
+        assert w[i - 1] == "-m"  # torchrun's --module: the service runs as python -m async_vapo.services.learner
+        torchrun, script = w[:i - 1], w[i + 1:]
         assert torchrun[1:3] == ["-m", "torch.distributed.run"]
         opt = {torchrun[i]: torchrun[i + 1] for i in range(3, len(torchrun) - 1, 2)}
         assert opt["--nnodes"] == "2" and opt["--node-rank"] == str(node) and opt["--nproc-per-node"] == "4"
