@@ -63,6 +63,7 @@ from async_vapo.algo.advantages import broadcast_to_tokens, group_normalized_adv
 from async_vapo.algo.dapo import soft_overlong_punishment
 from async_vapo.algo.gae import compute_gae, length_adaptive_lambda
 from async_vapo.algo.losses import (
+    entropy_loss,
     explained_variance,
     loss_normalizer,
     microbatch_weight,
@@ -513,6 +514,7 @@ class Learner:
         for epoch in plan:
             for idx in epoch:
                 total = loss_normalizer(keep[idx], token_level)
+                ent_total = loss_normalizer(mask[idx], token_level)  # the bonus keeps every token (losses docstring)
                 pos_mask_all = mask[idx].bool() & batch.correct[idx, None]
                 pos_total = loss_normalizer(pos_mask_all, True)
                 mrows = []
@@ -536,8 +538,9 @@ class Learner:
                         loss = loss + self.algo.pos_lm_coef * microbatch_weight(pos_mask, pos_total, True) * ll
                         row.update({f"actor/{k}": float(x) for k, x in lm.items()})
                     if self.algo.entropy_coef > 0:
-                        loss = loss - self.algo.entropy_coef * microbatch_weight(
-                            tb.response_mask, total, token_level) * masked_mean(ent, tb.response_mask)
+                        el, _ = entropy_loss(ent, tb.response_mask, token_level)
+                        loss = loss + self.algo.entropy_coef * microbatch_weight(
+                            tb.response_mask, ent_total, token_level) * el
                     self.actor_scaler.scale(loss if real else 0.0 * loss).backward()
                     if real:
                         mrows.append(row)
@@ -581,7 +584,8 @@ class Learner:
     def _behavior_weights(self, batch: RolloutBatch, old_lp: torch.Tensor, rows: list[int], w: int
                           ) -> torch.Tensor | None:
         """Truncated importance weights of ``rows`` (the first ``w`` response columns; whole sequences, as sequence
-        and geometric weights need), None when no weight applies. Tokens without an engine log-prob: weight 1."""
+        and geometric weights need), None when no weight applies. A token without an engine log-prob has log ρ = 0:
+        weight 1 at token level, its sequence's weight at sequence and geometric level (``algo.mismatch``)."""
         if not self.algo.behavior_correction or self.algo.behavior_weight == "off":
             return None
         mask = batch.tokens.response_mask[rows, :w]

@@ -182,3 +182,45 @@ def test_first_minibatch_takes_its_old_logprobs_from_its_own_forward(cache, algo
     assert a1["actor/behavior_weight_mean"] != 1.0  # the behaviour weights were exercised
     for k, v in wb.items():
         torch.testing.assert_close(wa[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+def test_entropy_bonus_keeps_every_response_token_under_a_rejection_mask(cache, token_level):
+    """The entropy bonus alone (equal rewards: every GRPO advantage 0, so the surrogate has no gradient; no LM loss)
+    gives the gradient of −coef·mean H over *every* valid response token (schema: "the entropy bonus keeps every
+    token"), normalised as the loss is (token level: one mean; sequence level: mean of per-sequence means), whether
+    or not a rejection mask drops tokens from the surrogate. The reference is computed by hand in float64 on the
+    same weights. The engine's log-probs are the policy's own except on every third token (log ρ = −2, rejected by
+    [0.5, 2]) and on every token of rows 0 and 5 (whole responses rejected)."""
+    from async_vapo.algo.utils import entropy_from_logits
+    from async_vapo.models.rl import load_policy, response_logits
+
+    coef = 0.5
+    over = ["algo.name=grpo", "algo.ppo_epochs=1", "algo.pos_lm_coef=0", f"algo.entropy_coef={coef}",
+            f"algo.token_level_loss={str(token_level).lower()}", "algo.mini_batch_size=8", "algo.micro_batch_size=4"]
+    learner, batch = make(cache, *over)
+    batch.rewards.fill_(1.0)
+    mask = batch.tokens.response_mask.bool()
+    ref = load_policy(learner._sources["policy"]).double()
+    h = entropy_from_logits(response_logits(ref, batch.tokens, learner.temperature))
+    with torch.no_grad():
+        lp = torch.log_softmax(response_logits(ref, batch.tokens, learner.temperature), -1)
+        lp = lp.gather(-1, batch.tokens.response_ids[..., None])[..., 0]
+    rows, cols = torch.meshgrid(torch.arange(mask.shape[0]), torch.arange(mask.shape[1]), indexing="ij")
+    off = ((cols % 3 == 0) | (rows == 0) | (rows == 5)).double() * 2.0
+    batch.behavior_logprobs = torch.where(mask, lp + off, torch.nan).float()
+    # by hand: token level Σ_valid H / N; sequence level mean_b (Σ_t H_bt / L_b)
+    hm = torch.where(mask, h, torch.zeros((), dtype=h.dtype))
+    bonus = hm.sum() / mask.sum() if token_level else (hm.sum(-1) / mask.sum(-1)).mean()
+    (-coef * bonus).backward()
+    want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in ref.parameters()
+                                                 if p.grad is not None])).item()
+    got = {}
+    for behavior_mask in ("off", "token"):
+        learner, _ = make(cache, *over, f"algo.behavior_mask={behavior_mask}")
+        got[behavior_mask] = learner.update(batch)
+    masked = got["token"]
+    assert 0.3 < masked["correction/masked_frac"] < 0.7 and masked["correction/masked_seq_frac"] == 0.25
+    assert masked["actor/pg_loss"] == 0.0 and want > 0
+    for m in got.values():
+        assert m["actor/grad_norm"] == pytest.approx(want, rel=2e-5)
