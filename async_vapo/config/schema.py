@@ -346,6 +346,13 @@ class AlgoConfig(_Section):
     """Stop value pretraining as soon as the held-out EV reaches this (after value_pretrain_min_steps); None = none."""
     value_pretrain_epochs: int = Field(1, ge=1, le=64)
     """Critic passes over each value-pretraining batch (Open-Reasoner-Zero: 12 per batch); 1 = one pass, as before."""
+    value_pretrain_pool: int = Field(0, ge=0, le=10_000)
+    """Batches generated once from the base policy at the start of value pretraining, after which every pretraining
+    step trains on the pool (one batch's worth of its groups, reshuffled across the pool at each pass over it)
+    without generating, until the stopping rule or value_pretrain_steps ends it: the critic gets many steps on
+    responses it has seen, and pretraining costs mostly learner time. The stopping rule needs held-out evidence
+    (``critic/heldout_ev``: the one-process trainer's held-out responses); without it only the pool's first pass
+    reports a fresh EV. 0 = off: a new batch for every step (≤ value_pretrain_steps)."""
     # 2. decoupled GAE
     decoupled_gae: bool = True
     """(2) Critic targets use lam_critic, actor advantages lam_policy; off = both use the actor's lambda."""
@@ -389,6 +396,14 @@ class AlgoConfig(_Section):
     token-level (or sequence-level) mean either way."""
     ppo_epochs: int = Field(1, ge=1)
     """Passes over each rollout batch."""
+    critic_mini_batch_size: int | None = Field(None, ge=1)
+    """Responses per critic optimiser step, in each update and in value pretraining (a multiple of
+    micro_batch_size, at most the batch). None = mini_batch_size: with critic_epochs None as well the critic steps
+    beside the actor, one step on each of the actor's mini-batches (as before)."""
+    critic_epochs: int | None = Field(None, ge=1, le=64)
+    """Critic passes over each update's batch, on its returns computed once before the update (Open-Reasoner-Zero
+    trains its critic 12 times per batch); None = ppo_epochs. A schedule other than the actor's draws the critic's
+    own shuffled mini-batches and runs them after the actor's steps."""
     # things the paper does not state (documented choices)
     value_clip: float | None = Field(None, gt=0)
     """Clip range of the value loss around the old values; None = unclipped."""
@@ -457,6 +472,15 @@ class AlgoConfig(_Section):
                 f"mini_batch_size ({self.mini_batch_size}) exceeds responses per step "
                 f"prompts_per_step*group_size = {self.batch_size}"
             )
+        if self.critic_mini_batch_size is not None and self.critic_mini_batch_size % self.micro_batch_size:
+            raise ValueError(f"critic_mini_batch_size ({self.critic_mini_batch_size}) must be a multiple of "
+                             f"micro_batch_size ({self.micro_batch_size})")
+        if self.critic_mini_batch_size is not None and self.critic_mini_batch_size > self.batch_size:
+            raise ValueError(f"critic_mini_batch_size ({self.critic_mini_batch_size}) exceeds responses per step "
+                             f"prompts_per_step*group_size = {self.batch_size}")
+        if self.value_pretrain_pool > self.value_pretrain_steps:
+            raise ValueError(f"value_pretrain_pool ({self.value_pretrain_pool}) exceeds value_pretrain_steps "
+                             f"({self.value_pretrain_steps}): the pool's batches would outnumber the steps")
         if self.name in ("grpo", "dapo") and self.group_size < 2:
             raise ValueError(f"{self.name} normalises rewards within a group: group_size must be >= 2")
         if self.value_pretrain_min_steps > self.value_pretrain_steps:
@@ -483,6 +507,30 @@ class AlgoConfig(_Section):
     def effective_eps_high(self) -> float:
         return self.eps_high if self.clip_higher else self.eps_low
 
+    @property
+    def effective_critic_mini_batch_size(self) -> int:
+        return self.mini_batch_size if self.critic_mini_batch_size is None else self.critic_mini_batch_size
+
+    @property
+    def effective_critic_epochs(self) -> int:
+        return self.ppo_epochs if self.critic_epochs is None else self.critic_epochs
+
+    @property
+    def critic_follows_actor(self) -> bool:
+        """The critic steps on the actor's own mini-batches, one step after each of the actor's (the schedule before
+        critic_mini_batch_size and critic_epochs): their effective values equal the actor's."""
+        return (self.effective_critic_mini_batch_size, self.effective_critic_epochs) == (
+            self.mini_batch_size, self.ppo_epochs)
+
+    @property
+    def value_pretrain_batches(self) -> int:
+        """Batches value pretraining takes from the rollout at version 0 (before a resume, which takes none): the
+        pool's when there is one, else one per step (at most; the stopping rule may end it sooner). The rollout's
+        version-0 budget and the learner's pretraining both read it."""
+        if not self.uses_critic:
+            return 0
+        return self.value_pretrain_pool or self.value_pretrain_steps
+
 
 class OptimConfig(_Section):
     """The AdamW optimisers of the policy (actor) and the critic."""
@@ -491,6 +539,16 @@ class OptimConfig(_Section):
     """AdamW learning rate of the policy (paper: 1e-6)."""
     critic_lr: float = Field(2e-6, gt=0)
     """AdamW learning rate of the critic (paper: 2e-6)."""
+    critic_head_lr: float | None = Field(None, gt=0)
+    """AdamW learning rate of the critic's value head (``score``, every layer of a critic design), its trunk keeping
+    critic_lr: a zero-initialised head far from the returns needs a larger rate than the pretrained trunk (issue 45's
+    fit on SmolLM2: head 1e-3, trunk 1e-5). None = critic_lr (one rate for the whole critic, as before)."""
+    critic_lr_schedule: Literal["constant", "cosine"] = "constant"
+    """The critic's rates (trunk and head) over the run after warm-up: "constant"; or "cosine", full through value
+    pretraining then decaying with the updates made, as lr·(r + (1 − r)·½(1 + cos(π·u / train.total_steps))) with
+    r = critic_lr_min_ratio, to r·lr at the last update."""
+    critic_lr_min_ratio: float = Field(0.0, ge=0, le=1)
+    """The cosine schedule's final rate as a fraction of the critic's rates."""
     critic_warmup_steps: int | None = Field(None, ge=0, le=100_000)
     """Linear warm-up of the critic's learning rate over its own first optimiser steps (value pretraining included);
     None = warmup_steps, as before. A reward-initialised head far from the returns takes large first steps at the

@@ -1,6 +1,7 @@
 """The step loop: one implementation for the one-process trainer and the learner service.
 
-    value pretraining: critic-only steps on the initial policy (skipped when resumed)
+    value pretraining: critic-only steps on the initial policy (skipped when resumed), each on a new batch or, with
+                       ``algo.value_pretrain_pool``, on a pool of batches fetched once (:class:`PretrainPool`)
     each update:  groups from the source -> DAPO dynamic sampling -> Learner.update (or, when no group is
                   informative, an empty step that still makes a version) -> publish the version ->
                   metric row -> evaluation and checkpoint cadence
@@ -34,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import random
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -149,6 +151,53 @@ def dynamic_sampling(groups: list[Group], fetch_more: Callable[[], list[Group] |
     return kept[:want], seen
 
 
+class PretrainPool:
+    """Value pretraining's pool (``algo.value_pretrain_pool``): batches of the base policy fetched once, then
+    dealt to the pretraining steps pass after pass without generating. Pass 0 deals the batches as they were
+    fetched (each fresh to the critic when it trains on it); every later pass reshuffles all the pool's groups
+    into new batches of ``per_step`` groups, by an RNG of ``seed`` alone, so that every data-parallel rank deals
+    the same batches."""
+
+    def __init__(self, groups: list[Group], per_step: int, seed: int, timing: Timing | None = None):
+        if not groups:
+            raise ValueError("value pretraining's pool holds no valid group")
+        self.groups, self.per_step, self.timing = groups, per_step, timing or {}
+        self.batches_per_pass = -(-len(groups) // per_step)
+        self._rng = random.Random(seed)
+        self._pass, self._order = 0, list(groups)
+
+    @classmethod
+    def fill(cls, fetch: Callable[[Timing], list[Group] | None], batches: int, per_step: int, seed: int
+             ) -> PretrainPool | None:
+        """``batches`` fetches of ``per_step`` groups (None if the source stopped first)."""
+        timing: Timing = {}
+        t0 = time.perf_counter()
+        groups: list[Group] = []
+        for _ in range(batches):
+            got = fetch(timing)
+            if got is None:
+                return None
+            groups += got
+        timing["time/value_pretrain_pool_s"] = time.perf_counter() - t0
+        return cls(groups, per_step, seed, timing)
+
+    def pass_of(self, step: int) -> int:
+        return step // self.batches_per_pass
+
+    def fresh(self, step: int) -> bool:
+        """The critic has not trained on the batch of ``step`` yet (the first pass)."""
+        return self.pass_of(step) == 0
+
+    def batch(self, step: int) -> list[Group]:
+        """The groups of pretraining step ``step`` (steps are asked for in order)."""
+        p, j = self.pass_of(step), step % self.batches_per_pass
+        while self._pass < p:
+            self._pass += 1
+            self._order = list(self.groups)
+            self._rng.shuffle(self._order)
+        return self._order[j * self.per_step: (j + 1) * self.per_step]
+
+
 def _fmt(m: dict[str, float], keys: Sequence[tuple[str, str]]) -> dict[str, str]:
     return {short: f"{m[k]:.3g}" for k, short in keys if k in m}
 
@@ -256,7 +305,8 @@ class StepLoop:
 
     # -- phases ---------------------------------------------------------------------------------------------
     def pretrain(self) -> bool:
-        """Value pretraining; False if the source stopped first."""
+        """Value pretraining; False if the source stopped first. With a pool its batches are fetched before the first
+        step (their generation is in step 0's row, ``time/value_pretrain_pool_s``) and every step trains on them."""
         from tqdm import tqdm
 
         a = self.cfg.algo
@@ -270,17 +320,26 @@ class StepLoop:
         last: dict = {}
         bar = tqdm(range(a.value_pretrain_steps), desc="value pretraining",
                    disable=not (self.progress and self.leader), dynamic_ncols=True)
+        pool: PretrainPool | None = None
+        if a.value_pretrain_pool:
+            pool = PretrainPool.fill(self._fetch, a.value_pretrain_pool, a.prompts_per_step, self.cfg.train.seed)
+            if pool is None:
+                return False
         for k in bar:
             t0 = time.perf_counter()
-            timing: Timing = {}
-            groups = self._fetch(timing)
+            timing: Timing = pool.timing if pool is not None and k == 0 else {}  # the pool's generation: step 0's
+            groups = self._fetch(timing) if pool is None else pool.batch(k)
             if groups is None:
                 return False
             if not groups:  # every group refused (counted in invalid_groups): nothing to fit the critic to
                 continue
             t1 = time.perf_counter()
             with self._busy("learn"):
-                m = self.learner.pretrain_critic(self.make_batch(groups))
+                if pool is None:
+                    m = self.learner.pretrain_critic(self.make_batch(groups))
+                else:
+                    m = self.learner.pretrain_critic(self.make_batch(groups), fresh=pool.fresh(k))
+                    m["value_pretrain/pool_pass"] = pool.pass_of(k)
                 if self._heldout_critic is not None:
                     m |= self._heldout_critic()
             # every rank sees the same metrics, so every rank takes the same decision

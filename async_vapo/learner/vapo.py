@@ -194,6 +194,8 @@ class Learner:
         self.algo = cfg.algo
         torch.manual_seed(cfg.train.seed)
         self.rng = random.Random(cfg.train.seed)
+        # a decoupled critic schedule's mini-batches: drawn apart, so that the actor's are the same whatever it is
+        self.critic_rng = random.Random(f"critic-{cfg.train.seed}")
         self.temperature = cfg.rollout.temperature  # of the engines' training samples
         self.device = local_device()
         self.rank, self.world = data_parallel_world()
@@ -231,7 +233,7 @@ class Learner:
             design = CriticDesign.from_config(cfg)
             self.critic = self._load(lambda: build_critic(path, attn_implementation=attn, design=design),
                                      lambda: load_critic(path, attn_implementation=attn, design=design))
-            self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.optim.critic_lr,
+            self.critic_opt = torch.optim.AdamW(self._critic_param_groups(), lr=cfg.optim.critic_lr,
                                                 betas=(cfg.optim.beta1, cfg.optim.beta2),
                                                 weight_decay=cfg.optim.weight_decay)
             self.critic_scaler = self.precision.grad_scaler()
@@ -264,6 +266,29 @@ class Learner:
         return model
 
     # ---------------------------------------------------------------- helpers
+    def _critic_param_groups(self) -> list[dict]:
+        """The critic optimiser's parameter groups: one, or with ``optim.critic_head_lr`` the trunk's and then the
+        value head's (``score``, a design's extra layers included), each with its own rate (:meth:`_critic_lrs`)."""
+        params = list(self.critic.parameters())
+        if self.cfg.optim.critic_head_lr is None:
+            return [{"params": params}]
+        head = {id(p) for p in self.critic.score.parameters()}
+        return [{"params": [p for p in params if id(p) not in head]},
+                {"params": [p for p in params if id(p) in head]}]
+
+    def _critic_lrs(self) -> list[float]:
+        """The rate of each critic parameter group at the next step before warm-up: ``optim.critic_lr`` (and
+        ``critic_head_lr``) on ``optim.critic_lr_schedule``, which decays with the updates made (``self.version``;
+        value pretraining runs at version 0, at the full rate)."""
+        o = self.cfg.optim
+        lrs = [o.critic_lr] if o.critic_head_lr is None else [o.critic_lr, o.critic_head_lr]
+        total = self.cfg.train.total_steps
+        if o.critic_lr_schedule == "constant" or total == 0:
+            return lrs
+        cosine = 0.5 * (1.0 + math.cos(math.pi * min(self.version, total) / total))
+        factor = o.critic_lr_min_ratio + (1.0 - o.critic_lr_min_ratio) * cosine
+        return [lr * factor for lr in lrs]
+
     def _lr_scale(self, steps_done: int, warmup: int | None = None) -> float:
         """Linear warm-up factor of an optimiser's next step, from the steps it has taken (over ``warmup`` steps;
         None: ``optim.warmup_steps``)."""
@@ -295,10 +320,12 @@ class Learner:
         with self.precision.autocast():
             return response_values(self.critic, tb, self.packing or False, self.precision.compute_dtype, logprobs=lp)
 
-    def _minibatches(self, n: int) -> list[list[int]]:
+    def _minibatches(self, n: int, size: int | None = None, rng: random.Random | None = None) -> list[list[int]]:
+        """The rows 0..n-1 shuffled (by ``rng``, None: ``self.rng``) into mini-batches of ``size`` (None:
+        ``algo.mini_batch_size``)."""
         order = list(range(n))
-        self.rng.shuffle(order)
-        mb = self.algo.mini_batch_size
+        (self.rng if rng is None else rng).shuffle(order)
+        mb = self.algo.mini_batch_size if size is None else size
         return [order[i: i + mb] for i in range(0, n, mb)]
 
     def _plan(self, idx: list[int], seq_tokens: list[int], groups: Sequence[int] = ()) -> list[list[list[int]]]:
@@ -392,16 +419,18 @@ class Learner:
         r[torch.arange(len(last)), last] = batch.rewards
         return r * mask
 
-    def _step(self, model: torch.nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler, lr: float,
-              steps_done: int, warmup: int | None = None) -> float:
+    def _step(self, model: torch.nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+              lr: float | Sequence[float], steps_done: int, warmup: int | None = None) -> float:
         """One optimiser step on the accumulated (loss-scaled) gradients; skipped when they are not finite. Sharded
-        gradients were summed over ranks by FSDP2 in backward; the norm is the whole model's on every rank."""
+        gradients were summed over ranks by FSDP2 in backward; the norm is the whole model's on every rank. ``lr``:
+        one rate for every parameter group, or one per group, each warmed up alike."""
+        lrs = [lr] * len(opt.param_groups) if isinstance(lr, float | int) else list(lr)
         scaler.unscale_(opt)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.algo.grad_clip)
         if hasattr(norm, "full_tensor"):  # a DTensor: the norm of the sharded gradients
             norm = norm.full_tensor()
-        for g in opt.param_groups:
-            g["lr"] = lr * self._lr_scale(steps_done, warmup)
+        for g, base in zip(opt.param_groups, lrs, strict=True):
+            g["lr"] = base * self._lr_scale(steps_done, warmup)
         if torch.isfinite(norm):
             scaler.step(opt)
         scaler.update()
@@ -409,8 +438,11 @@ class Learner:
         return float(norm)
 
     # ---------------------------------------------------------------- critic-only (value pretraining)
-    def pretrain_critic(self, batch: RolloutBatch) -> dict[str, float]:
-        """One rollout batch of critic-only training with Monte-Carlo targets (λ = 1): VAPO §3.1."""
+    def pretrain_critic(self, batch: RolloutBatch, fresh: bool = True) -> dict[str, float]:
+        """One rollout batch of critic-only training with Monte-Carlo targets (λ = 1): VAPO §3.1.
+        ``value_pretrain_epochs`` passes of shuffled mini-batches of ``critic_mini_batch_size``. ``fresh``: the critic
+        has not trained on these responses, so that its EV before the step is a held-out one (``critic/fresh_ev``);
+        else it is reported as ``critic/pool_ev`` (a value-pretraining pool's batch seen before)."""
         if self.critic is None:
             raise RuntimeError(f"algorithm {self.algo.name!r} has no critic to pretrain")
         batch = batch.to(self.device)
@@ -418,11 +450,11 @@ class Learner:
         seq_tokens = self._seq_tokens(batch)
         _, values = self._forward_old(batch, skip=range(len(mask)))  # the critic's values only
         _, returns = compute_gae(self._token_rewards(batch), values, mask, 1.0, self.algo.gamma)
-        # the batch is fresh (the critic has not trained on it yet): its EV before the update is a held-out one
-        fresh = {"critic/fresh_ev": float(explained_variance(values, returns, mask))}
+        before = {"critic/fresh_ev" if fresh else "critic/pool_ev": float(explained_variance(values, returns, mask))}
+        size = self.algo.effective_critic_mini_batch_size
         rows = [self._critic_minibatch(batch, idx, seq_tokens, returns, values)
-                for _ in range(self.algo.value_pretrain_epochs) for idx in self._minibatches(len(mask))]
-        return _mean_metrics(rows) | fresh
+                for _ in range(self.algo.value_pretrain_epochs) for idx in self._minibatches(len(mask), size)]
+        return _mean_metrics(rows) | before | {"critic/steps": float(len(rows))}
 
     @torch.no_grad()
     def critic_values(self, batch: RolloutBatch) -> torch.Tensor:
@@ -450,9 +482,11 @@ class Learner:
                 rows.append({"critic/value_loss": float(vl.detach()),
                              **{f"critic/{k}": float(x) for k, x in m.items()}})
         out = _mean_metrics(self._gather_rows(rows))
-        out["critic/grad_norm"] = self._step(self.critic, self.critic_opt, self.critic_scaler,
-                                             self.cfg.optim.critic_lr, self.critic_steps,
-                                             self.cfg.optim.critic_warmup_steps)
+        out["critic/grad_norm"] = self._step(self.critic, self.critic_opt, self.critic_scaler, self._critic_lrs(),
+                                             self.critic_steps, self.cfg.optim.critic_warmup_steps)
+        out["critic/lr"] = self.critic_opt.param_groups[0]["lr"]  # the trunk's, warm-up included
+        if len(self.critic_opt.param_groups) > 1:
+            out["critic/head_lr"] = self.critic_opt.param_groups[1]["lr"]
         self.critic_steps += 1
         return out
 
@@ -487,6 +521,11 @@ class Learner:
         mask = batch.tokens.response_mask
         seq_tokens, groups = self._seq_tokens(batch), batch.group_ids.tolist()
         plan = [self._minibatches(len(mask)) for _ in range(self.algo.ppo_epochs)]
+        # the critic steps on the actor's mini-batches, or on its own schedule after the actor's steps
+        follows, critic_before = self.algo.critic_follows_actor, self.critic_steps
+        critic_plan = [] if self.critic is None or follows else [
+            self._minibatches(len(mask), self.algo.effective_critic_mini_batch_size, self.critic_rng)
+            for _ in range(self.algo.effective_critic_epochs)]
         # The first mini-batch's old log-probs are its first gradient step's own log-probs (same weights, same
         # tokens): they are taken, detached, from that forward instead of a separate pass (ratio exactly 1 there).
         # One unsharded process only: sharded ranks split micro-batches differently in the two passes.
@@ -547,14 +586,17 @@ class Learner:
                 out = _mean_metrics(self._gather_rows(mrows))
                 out["actor/grad_norm"] = self._step(self.policy, self.actor_opt, self.actor_scaler,
                                                     self.cfg.optim.actor_lr, self.optimizer_steps)
-                if self.critic is not None:
+                if self.critic is not None and follows:
                     out.update(self._critic_minibatch(batch, idx, seq_tokens, returns, values))
                 self.optimizer_steps += 1
                 rows.append(out)
                 fresh = set()
+        rows += [self._critic_minibatch(batch, idx, seq_tokens, returns, values) for ep in critic_plan for idx in ep]
         self.version += 1
         metrics = _mean_metrics(rows)
         metrics.update(stats)
+        if self.critic is not None:
+            metrics["critic/steps"] = float(self.critic_steps - critic_before)
         # tokens without an engine log-prob count as on-policy (weight 1)
         behavior = torch.where(nan_behavior, old_lp, batch.behavior_logprobs)
         metrics["behavior_logprob_gap"] = float(masked_mean((old_lp - behavior).abs(), mask))
@@ -655,7 +697,8 @@ class Learner:
                 "actor_scaler": self.actor_scaler.state_dict(),
                 "critic_scaler": None if self.critic_scaler is None else self.critic_scaler.state_dict(),
                 "version": self.version, "optimizer_steps": self.optimizer_steps, "critic_steps": self.critic_steps,
-                "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state(), "extra": extra or {},
+                "rng": self.rng.getstate(), "critic_rng": self.critic_rng.getstate(),
+                "torch_rng": torch.get_rng_state(), "extra": extra or {},
                 "world": self.world,
             }, tmp / "learner_state.pt")
             if path.exists():
@@ -712,5 +755,7 @@ class Learner:
         self.version, self.optimizer_steps = meta["version"], meta["optimizer_steps"]
         self.critic_steps = meta["critic_steps"]
         self.rng.setstate(meta["rng"])
+        if "critic_rng" in meta:  # a checkpoint from before the critic's own schedule has none
+            self.critic_rng.setstate(meta["critic_rng"])
         torch.set_rng_state(meta["torch_rng"])
         return meta["extra"]

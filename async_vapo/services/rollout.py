@@ -369,7 +369,7 @@ def run_rollout(ctx: ServiceContext) -> None:
         engine = VLLMEngine(spec, version=0)
     ctx.log.info("%s: engine up in %.1f s", ctx.name, engine.start_seconds)
     a = cfg.algo
-    pretrain = a.value_pretrain_steps if a.uses_critic else 0
+    pretrain = a.value_pretrain_batches  # the pool's batches with algo.value_pretrain_pool, else one per step
     transport = make_transport(ctx)
     svc = RolloutService(ctx, transport, engine, tokenizer, train_set, eval_set, pretrain_batches=pretrain)
     try:
