@@ -27,6 +27,8 @@ SCENARIOS = {
     "grpo": ["algo.name=grpo"],
     "offload": ["learner.cpu_offload=true", "learner.activation_checkpointing=true"],
     "budget": ["algo.max_tokens_per_micro_batch=64", "learner.logprob_chunk_tokens=5", "learner.packing=true"],
+    # the critic on a schedule of its own (mini-batches of 4, 2 passes) with its head in a param group of its own
+    "critic": ["algo.critic_mini_batch_size=4", "algo.critic_epochs=2", "optim.critic_head_lr=1e-2"],
 }
 
 

@@ -66,12 +66,13 @@ def _assert_same_update(single, single_metrics, r0, m0, m1, base) -> None:
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_two_fsdp2_ranks_make_the_single_process_update(ranks, scenario):
     """vapo: policy and critic; grpo: policy alone; offload: sharded state in host memory (CPUOffloadPolicy) and
-    activation checkpointing; budget: token-budget micro-batches balanced across the ranks
+    activation checkpointing; critic: the critic's own mini-batches, epochs and head lr; budget: token-budget
+    micro-batches balanced across the ranks
     (``algo.max_tokens_per_micro_batch``), packed without padding, log-probs from hidden states in chunks,
     against one process with padded micro-batches of 2 sequences and full logits."""
     cache, out = ranks
     cfg = cfg_for(cache, SCENARIOS[scenario])
-    single, single_metrics, _ = updates(cfg_for(cache, SCENARIOS[scenario] if scenario == "grpo" else []))
+    single, single_metrics, _ = updates(cfg_for(cache, SCENARIOS[scenario] if scenario in ("grpo", "critic") else []))
     (r0, m0), (_, m1) = _load(out, scenario)
     _assert_same_update(single, single_metrics, r0, m0, m1, ensure_base_model(cfg, progress=False))
 
