@@ -322,7 +322,8 @@ class StepLoop:
                    disable=not (self.progress and self.leader), dynamic_ncols=True)
         pool: PretrainPool | None = None
         if a.value_pretrain_pool:
-            pool = PretrainPool.fill(self._fetch, a.value_pretrain_pool, a.prompts_per_step, self.cfg.train.seed)
+            # value_pretrain_batches: the pool's, as many as the rollout generates for version 0
+            pool = PretrainPool.fill(self._fetch, a.value_pretrain_batches, a.prompts_per_step, self.cfg.train.seed)
             if pool is None:
                 return False
         for k in bar:
