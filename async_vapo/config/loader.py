@@ -146,17 +146,29 @@ def _describe(err: dict, sources: Mapping[str, str]) -> str:
     return f"{source}: {key}: {err['msg']}{got}"
 
 
+def _name_after_the_file(data: dict, paths: list[Path], sources: Mapping[str, str]) -> None:
+    """``train.name`` = the last config file's stem (``configs/foo.toml`` -> ``foo``, so runs/foo), unless one of the
+    files on the command line or an override sets it: a name inherited through ``extends`` names the parent's runs,
+    not this file's."""
+    own = {"command line", *(str(p.expanduser().resolve()) for p in paths)}
+    train = data.setdefault("train", {})
+    if paths and isinstance(train, dict) and sources.get("train.name") not in own:
+        train["name"] = paths[-1].stem
+
+
 def load_config(paths: Iterable[str | Path] = (), overrides: Iterable[str] = ()) -> Config:
     sources: dict[str, str] = {}
     data: dict = {}
+    paths = [Path(p) for p in paths]
     for p in paths:
-        _merge(data, _read_toml(Path(p), sources), "", {})
+        _merge(data, _read_toml(p, sources), "", {})
     for text in overrides:
         keys, value = parse_override(text)
         nested: Any = value
         for k in reversed(keys):
             nested = {k: nested}
         _merge(data, nested, "command line", sources)
+    _name_after_the_file(data, paths, sources)
     try:
         return Config.model_validate(data)
     except ValidationError as e:

@@ -941,7 +941,9 @@ class TrainConfig(_Section):
     output_dir: str = "runs/{name}"
     """Run directory; `{name}` is replaced by `name`."""
     name: str = "tiny_cpu"
-    """Run name."""
+    """Run name. Set by none of the config files on the command line (nor by an override): the last file's stem,
+    so that ``configs/foo.toml`` runs in ``runs/foo``; a name set in a file they ``extends`` is not inherited.
+    Without a config file: "tiny_cpu" (the embedded defaults)."""
     seed: int = 0
     """Seed of prompt sampling and learner initialisation."""
     threads: int = Field(0, ge=0)

@@ -104,3 +104,23 @@ def test_train_cli_says_which_and_refuses_a_resume_it_cannot_do(tmp_path):
                           f"train.output_dir={tmp_path}/{{name}}"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "nothing to resume" in run.stderr
     assert not (tmp_path / "tiny_cpu").exists()
+
+
+def test_a_run_is_named_after_its_config_file_unless_it_sets_a_name(tmp_path):
+    """configs/foo.toml -> runs/foo: a config without train.name used to write to runs/tiny_cpu (the default's name),
+    next to, or on top of, the quick start's runs. A name a file on the command line or an override sets is kept; a
+    parent's name
+    (``extends``) is not inherited; without a file the embedded defaults' name stays."""
+    parent = tmp_path / "parent.toml"
+    parent.write_text('[train]\nname = "the_parent"\n')
+    (tmp_path / "my_exp.toml").write_text("[algo]\neps_high = 0.3\n")
+    (tmp_path / "child.toml").write_text('extends = "parent.toml"\n[algo]\neps_high = 0.3\n')
+    (tmp_path / "named.toml").write_text('[train]\nname = "kept"\n')
+    name = {f: load_config([tmp_path / f]).train.name for f in ("my_exp.toml", "child.toml", "named.toml",
+                                                                 "parent.toml")}
+    assert name == {"my_exp.toml": "my_exp", "child.toml": "child", "named.toml": "kept",
+                    "parent.toml": "the_parent"}
+    assert load_config([tmp_path / "my_exp.toml"]).run_dir().as_posix() == "runs/my_exp"
+    assert load_config([tmp_path / "named.toml", tmp_path / "my_exp.toml"]).train.name == "kept"  # layered files
+    assert load_config([tmp_path / "my_exp.toml"], ["train.name=given"]).train.name == "given"
+    assert load_config([]).train.name == "tiny_cpu"
