@@ -11,6 +11,12 @@ Gradients are summed over ranks, not averaged (``gradient_divide_factor`` 1): ev
 micro-batches by the whole mini-batch's loss normaliser (``learner.vapo``), so the sum is the one-process
 gradient. Mixed precision is FSDP2's ``MixedPrecisionPolicy``: parameters all-gathered in ``model.dtype`` for
 compute, gradients reduced and master weights and AdamW state kept in float32.
+
+No sharded model returns a view tensor that needs a gradient: FSDP2 hooks its pre-backward (the all-gather of the
+root's weights for backward) on each such output, and an in-place op on a view would drop that hook (FSDP2 warns
+"returned a view tensor" at every forward). A linear head with a bias folds its 3-D input through a 2-D matmul and
+returns a view (the critic's ``score``: ``[B, S, 1]``); the root's forward hook replaces such outputs by copies.
+Bias-free heads (the policies' ``lm_head``) return no view, so their logits are never copied.
 """
 
 from __future__ import annotations
@@ -45,8 +51,22 @@ def _reinit_nonpersistent_buffers(model: torch.nn.Module, device: torch.device) 
             setattr(sub, b, getattr(fresh, b).to(device))
 
 
+def _copy_views(module: torch.nn.Module, args, output):
+    """Forward hook of a sharded root, run before FSDP2's: outputs (a tensor, or a transformers ``ModelOutput``)
+    that are views needing a gradient are replaced by copies (module docstring)."""
+    def own(t):
+        return t.clone() if isinstance(t, torch.Tensor) and t.requires_grad and t._base is not None else t
+
+    if isinstance(output, dict):  # ModelOutput: item assignment sets the attribute too
+        for k, v in list(output.items()):
+            output[k] = own(v)
+        return output
+    return own(output)
+
+
 def shard(model: torch.nn.Module, mesh, *, compute_dtype: torch.dtype, cpu_offload: bool = False) -> torch.nn.Module:
-    """``fully_shard`` each decoder layer, then the root; gradients summed over ranks (see module docstring)."""
+    """``fully_shard`` each decoder layer, then the root; gradients summed over ranks; no view outputs (see module
+    docstring)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, output_dtype=None)
@@ -56,6 +76,7 @@ def shard(model: torch.nn.Module, mesh, *, compute_dtype: torch.dtype, cpu_offlo
     for layer in decoder_layers(model):
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
+    model.register_forward_hook(_copy_views, prepend=True)  # before FSDP2's post-forward hooks the outputs
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)

@@ -645,4 +645,7 @@ def chunked_response_logprobs(model: torch.nn.Module, batch: TokenBatch, tempera
         lps.append(lp)
         ents.append(ent)
     shape = batch.response_ids.shape
-    return torch.cat(lps).view(shape), torch.cat(ents).view(shape)
+    # copies ([B, T], small beside one chunk's logits), not views of the flat results: a sharded learner calls this
+    # as an FSDP2 forward method, and FSDP2 hooks its backward on the outputs, a hook that an in-place op on a view
+    # would drop (its "returned a view tensor" warning)
+    return torch.cat(lps).view(shape).clone(), torch.cat(ents).view(shape).clone()
