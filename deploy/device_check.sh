@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The learner on a GPU in a few minutes: FSDP2 policy and critic on NCCL, 20k-token responses, value pretraining and
 # VAPO updates, chunked = full log-probs, packed = padded (explicit mask, and FlexAttention with its gradients),
-# DCP save -> resume, HF export (deploy/device_check.py).
-# First, the weight transfer's NCCL step: a bare NCCL broadcast of 1 GiB in 16 MiB buckets between two processes
-# (two GPUs when there are two, else one, which NCCL before 2.30 refuses) against a device memcpy of the same bytes.
+# DCP save -> resume, HF export (deploy/device_check.py, stage "learner").
+# First, the weight transfer's NCCL step (stage "weights"): a bare NCCL broadcast of 1 GiB in 16 MiB buckets between two
+# processes (two GPUs when there are two, else one, which NCCL before 2.30 refuses) against a device memcpy of the same
+# bytes. Then a GPU user's first questions (stage "mfu"): tokens/s and model FLOPs utilisation of VAPO updates at the
+# Qwen2.5-0.5B and -1.5B shapes with 4k- and 16k-token responses, and peak CUDA memory beside `async-vapo plan`'s.
 #
-#   deploy/device_check.sh OUT_DIR [device_check.py options]      e.g. --response-tokens 8000
+#   deploy/device_check.sh OUT_DIR [device_check.py options]      e.g. --stages mfu --shapes qwen2.5-1.5b, --quick
+#   deploy/device_check.sh OUT_DIR --device cpu --shapes tiny --stages mfu        (the CPU smoke run of the mfu stage)
 #
 # For a machine with torch and transformers but nothing else and no network: the small wheels the learner imports
 # (pydantic and its parts, msgspec) travel in deploy/wheels/ (CPython 3.10-3.12, x86_64) and are unpacked into a
@@ -39,6 +42,7 @@ for module, prefixes in need.items():
 PYEOF
 export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 NGPU=$("$PY" -c "import torch; print(max(1, torch.cuda.device_count()))")
+case " $* " in *" --device cpu "*|*" --device=cpu "*) NGPU=1 ;; esac  # device_check.py hides the GPUs
 echo "[device_check.sh] $NGPU device(s); torch $("$PY" -c 'import torch; print(torch.__version__)')" | tee -a "$OUT/device_check.log"
 timeout "${DEVICE_CHECK_TIMEOUT_S:-360}" "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
     "$ROOT/deploy/device_check.py" "$OUT" "$@" 2>&1 | tee -a "$OUT/device_check.log"
