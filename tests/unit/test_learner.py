@@ -201,7 +201,7 @@ def test_entropy_bonus_keeps_every_response_token_under_a_rejection_mask(cache, 
     learner, batch = make(cache, *over)
     batch.rewards.fill_(1.0)
     mask = batch.tokens.response_mask.bool()
-    ref = load_policy(learner._sources["policy"]).double()
+    ref = load_policy(ensure_base_model(load_config([], FAST + [f"model.cache_dir={cache}"]), progress=False)).double()
     h = entropy_from_logits(response_logits(ref, batch.tokens, learner.temperature))
     with torch.no_grad():
         lp = torch.log_softmax(response_logits(ref, batch.tokens, learner.temperature), -1)
