@@ -193,11 +193,14 @@ def reload_breakdown(worker, path: str, nbytes: int, layout: list, loads: int) -
 
 def bench_cluster(engine, model, states, prompt, pushes: int, version: int, workdir: Path, result: dict) -> int:
     """The cluster's paths: the learner's write, then the engine's ``load_announced``; returns the last version."""
+    from async_vapo.transport import ZmqTransport
     from async_vapo.weights import WeightServer, WeightSlots, load_announced, slot_announce, write_file_version
 
     workdir.mkdir(parents=True, exist_ok=True)
     slots = WeightSlots(workdir / "slots", 2)
-    server = WeightServer(slots, "tcp://127.0.0.1:*", chunk_bytes=CHUNK, max_bytes=2**20, send_timeout_s=30)
+    transport = ZmqTransport()
+    server = WeightServer(transport, slots, "tcp://127.0.0.1:*", chunk_bytes=CHUNK, max_bytes=2**20,
+                          send_timeout_s=30)
     try:
         for path in (p for p in CLUSTER_PATHS if p in SELECTED):
             runs = []
@@ -210,7 +213,7 @@ def bench_cluster(engine, model, states, prompt, pushes: int, version: int, work
                 else:
                     announce = slot_announce(slots.write(version, state))
                 t1 = time.perf_counter()
-                how = load_announced(engine, announce, mode=path.removeprefix("cluster_"),
+                how = load_announced(engine, announce, transport=transport, mode=path.removeprefix("cluster_"),
                                      fetch_endpoint=server.endpoint, chunk_bytes=CHUNK, timeout_s=60,
                                      engine_id="bench", max_bytes=2**20)
                 t2 = time.perf_counter()
@@ -233,6 +236,7 @@ def bench_cluster(engine, model, states, prompt, pushes: int, version: int, work
     finally:
         server.close()
         slots.close()
+        transport.close()
     return version
 
 

@@ -119,8 +119,9 @@ class UpdateStats:
 
 
 class ContinuousEngine(EngineWeights):
-    """See the module docstring. ``version`` is the version served (-1 after a torn load); ``weight_backend`` and the
-    load methods are ``VLLMEngine``'s (``EngineWeights``), run as RPCs through the async engine."""
+    """See the module docstring. A ``weights.engine.WeightEngine``: ``version`` is the version served (-1 after a torn
+    load); ``weight_backend``, ``invalidate`` and the load methods are ``VLLMEngine``'s (``EngineWeights``), run as
+    RPCs through the async engine."""
 
     def __init__(self, spec: EngineSpec, version: int = 0, *, weight_update: WeightUpdate = "keep",
                  recompute_kv_after_update: bool = True, pause_timeout_s: float = 300.0,
@@ -135,8 +136,7 @@ class ContinuousEngine(EngineWeights):
         self.request_timeout_s = request_timeout_s
         """Deadline of :meth:`generate`."""
         self.weight_backend = engine_backend(spec.dist_backend, cuda=not on_cpu)
-        """"gloo" or "nccl": the torch.distributed groups this engine can join (``async_vapo.weights.collective``)."""
-        self.version = version
+        self._version = version  # vLLM's label is set to it as the engine starts (_build)
         self.last_load_seconds: float | None = None
         self.last_load_stages: dict[str, float] = {}
         self._shared = SharedWeightBuffer()
@@ -176,13 +176,7 @@ class ContinuousEngine(EngineWeights):
             raise
         self.start_seconds = time.perf_counter() - t0
 
-    @property
-    def version(self) -> int:
-        """The version served (-1: none whole)."""
-        return self._version
-
-    @version.setter
-    def version(self, version: int) -> None:
+    def _set_version(self, version: int) -> None:
         # vLLM labels each token with its own weight-version label: it must follow every change of version, the loads
         # outside apply_weights (load_weights, a one-process trainer's push) included, or spans would name the old one
         self._version = version
@@ -419,11 +413,10 @@ class ContinuousEngine(EngineWeights):
             try:
                 result = load()
             except BaseException:
-                self.version = -1  # perhaps a mix of two versions: serve nothing until a whole one is loaded
+                self.invalidate()  # perhaps a mix of two versions: serve nothing until a whole one is loaded
                 raise
             t2 = time.perf_counter()
-            self.version = version
-            self._call(self.llm.update_weight_version(str(version)), 60.0, "weight version label")
+            self._set_version(version)  # and vLLM's label, before any token is sampled under the new weights
             self._call(self.llm.resume_generation(), 60.0, "resume")
             self._paused = False
             t3 = time.perf_counter()

@@ -32,6 +32,10 @@ Weights reach the engine's workers (``worker_ext.py``) in one of these ways, all
   ``reload_weights``. The engine is created with one backend, ``weight_backend``: NCCL (vLLM's engine) when its
   workers are on CUDA, gloo (ours) on the CPU, or as ``EngineSpec.dist_backend`` says.
 
+These methods, ``version``, ``weight_backend``, ``invalidate`` and ``apply_weights`` are
+``async_vapo.weights.engine.WeightEngine``, the interface the cluster's weight client drives; this engine and the
+continuous one (``continuous.py``) implement it, and only they change their ``version``.
+
 ``benchmarks/weight_sync.py`` measures them against a plain memcpy of the same bytes; vLLM's
 ``reload_weights`` (which rebuilds each layer and, on the CPU backend, repacks every linear weight
 for oneDNN) is most of a push either way.
@@ -168,18 +172,36 @@ def to_sample(o, **extra) -> Sample:
 
 
 class EngineWeights:
-    """The weight-load methods shared by the engines (module docstring): each ends in one collective RPC into the
-    workers (``worker_ext``) through ``_collective_rpc`` and sets ``version``. The concrete engine sets ``spec``,
-    ``version``, ``last_load_seconds``, ``last_load_stages`` and ``_shared`` and implements ``_collective_rpc``."""
+    """The weight side shared by the engines, ``weights.engine.WeightEngine`` but for ``apply_weights`` (module
+    docstring): each load method ends in one collective RPC into the workers (``worker_ext``) through
+    ``_collective_rpc`` and then sets the version it loaded. ``version`` is read-only outside: it changes by
+    :meth:`_set_version` alone (a load, :meth:`invalidate`). The concrete engine sets ``spec``, ``_version``,
+    ``weight_backend``, ``last_load_seconds``, ``last_load_stages`` and ``_shared``, and implements
+    ``_collective_rpc`` and ``apply_weights``."""
 
     spec: EngineSpec
-    version: int
+    _version: int
+    weight_backend: str
+    """"gloo" or "nccl": the torch.distributed groups this engine can join (``async_vapo.weights.collective``)."""
     last_load_seconds: float | None
     last_load_stages: dict[str, float]
     _shared: SharedWeightBuffer
 
     def _collective_rpc(self, method: str, *, timeout: float, args: tuple = (), kwargs: dict | None = None) -> list:
         raise NotImplementedError
+
+    @property
+    def version(self) -> int:
+        """The version served; -1: no whole version is loaded (``weights.engine``)."""
+        return self._version
+
+    def _set_version(self, version: int) -> None:
+        """The one place the served version changes (an engine that labels its output extends it)."""
+        self._version = version
+
+    def invalidate(self) -> None:
+        """Serve nothing until a whole version is loaded: the version becomes -1 (``WeightEngine.invalidate``)."""
+        self._set_version(-1)
 
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int, *,
                      via: Literal["shared", "safetensors"] = "shared") -> float:
@@ -208,7 +230,7 @@ class EngineWeights:
         else:
             raise ValueError(f"via must be 'shared' or 'safetensors', got {via!r}")
         self.last_load_stages["write_s"] = t1 - t0
-        self.version = version
+        self._set_version(version)
         self.last_load_seconds = time.perf_counter() - t0
         return self.last_load_seconds
 
@@ -216,7 +238,7 @@ class EngineWeights:
         """Load a safetensors file (HF names) into the running engine."""
         self._rpc("async_vapo_load_weights", path)
         self.last_load_stages["write_s"] = 0.0
-        self.version = version
+        self._set_version(version)
 
     def load_weights_from_shared(self, path: str, nbytes: int, layout: Layout, version: int) -> None:
         """Load a flat buffer that another process wrote in a shared-memory file (the cluster's learner):
@@ -224,7 +246,7 @@ class EngineWeights:
         of the file between loads."""
         self._rpc("async_vapo_load_shared", path, nbytes, layout)
         self.last_load_stages["write_s"] = 0.0
-        self.version = version
+        self._set_version(version)
 
     def join_weight_group(self, init_info: dict) -> None:
         """Join the learner's torch.distributed group for this engine (``async_vapo.weights.collective``); blocks
@@ -237,12 +259,12 @@ class EngineWeights:
 
     def receive_weights_dist(self, update_info: dict, version: int) -> None:
         """Receive one version over the group through vLLM's weight-transfer API while the learner sends it. A
-        failure part-way leaves a mix of two versions loaded: load a whole version another way before serving."""
+        failure part-way leaves a mix of two versions loaded (the version is -1): load a whole version another way
+        before serving."""
         t0 = time.perf_counter()
         # start_weight_update, update_weights and finish_weight_update in each worker, in one RPC (worker_ext)
-        results = self._collective_rpc("async_vapo_receive_dist", timeout=self.spec.weights_timeout_s,
-                                       args=(update_info,))
-        self.version = version
+        results = self._loading_rpc("async_vapo_receive_dist", args=(update_info,))
+        self._set_version(version)
         self.last_load_seconds = time.perf_counter() - t0
         stats = max(results, key=lambda s: s.get("recv_s", 0.0))
         self.last_load_stages = {"recv_s": stats.get("recv_s", 0.0),
@@ -261,21 +283,33 @@ class EngineWeights:
         self._rpc("async_vapo_load_shared", self._shared.path, end, layout)
         self._shared.mapped()
         self.last_load_stages["write_s"] = 0.0
-        self.version = version
+        self._set_version(version)
 
     def release_weight_buffer(self) -> None:
         """Free this process's shared weight buffer (the next ``load_weights`` makes a new one)."""
         self._shared.close()
 
+    def _loading_rpc(self, method: str, args: tuple) -> list:
+        """A worker call that changes the weights. One that raises may have changed some of them (a worker failed
+        part-way, or some workers did and others not): the engine is invalidated before the error propagates."""
+        try:
+            return self._collective_rpc(method, timeout=self.spec.weights_timeout_s, args=args)
+        except BaseException:
+            self.invalidate()
+            raise
+
     def _rpc(self, method: str, *args) -> None:
         t0 = time.perf_counter()
-        results = self._collective_rpc(method, timeout=self.spec.weights_timeout_s, args=args)
+        results = self._loading_rpc(method, args)
         wall = time.perf_counter() - t0
         slowest = max(results, key=lambda r: r["read_s"] + r["reload_s"])
         self.last_load_stages = {"read_s": slowest["read_s"], "reload_s": slowest["reload_s"],
                                  "rpc_s": wall - slowest["read_s"] - slowest["reload_s"]}
 
+
 class VLLMEngine(EngineWeights):
+    """The lock-step engine: one ``generate`` call at a time; a ``weights.engine.WeightEngine``."""
+
     def __init__(self, spec: EngineSpec, version: int = 0):
         on_cpu = prepare_engine_env(spec)
         from vllm import LLM
@@ -283,10 +317,9 @@ class VLLMEngine(EngineWeights):
         t0 = time.perf_counter()
         self.spec = spec
         self.weight_backend = engine_backend(spec.dist_backend, cuda=not on_cpu)
-        """"gloo" or "nccl": the torch.distributed groups this engine can join (``async_vapo.weights.collective``)."""
         self.llm = LLM(**engine_kwargs(spec, self.weight_backend, on_cpu=on_cpu))
         self.start_seconds = time.perf_counter() - t0
-        self.version = version
+        self._version = version
         self.last_load_seconds: float | None = None
         self.last_load_stages: dict[str, float] = {}
         """Seconds of the last load by stage: ``write_s`` (serialise / copy into shared memory, this

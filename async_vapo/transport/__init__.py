@@ -7,6 +7,9 @@ from async_vapo.transport.inproc import InprocTransport
 from async_vapo.transport.interface import (
     DEFAULT_HWM,
     BackpressureFull,
+    BlobReply,
+    BlobRequester,
+    BlobServer,
     HeartbeatMonitor,
     PeerDead,
     PeerTimeout,
@@ -63,7 +66,8 @@ from async_vapo.transport.zmq_transport import (
 __all__ = [
     "group_wire_bytes", "groups_per_request", "split_groups",
     "ALL_MESSAGES", "DEFAULT_HWM", "DEFAULT_MAX_BYTES", "PROTOCOL_VERSION", "REJECT_REASONS",
-    "Ack", "BackpressureFull", "BatchMsg", "BatchRequest", "Body", "Decoder", "Envelope", "GroupsMsg",
+    "Ack", "BackpressureFull", "BatchMsg", "BlobReply", "BlobRequester", "BlobServer", "BatchRequest", "Body",
+    "Decoder", "Envelope", "GroupsMsg",
     "Heartbeat", "HeartbeatMonitor", "InprocTransport", "PeerDead", "PeerTimeout", "ProtocolError",
     "Publisher", "Ready", "Receiver", "RejectCounter", "Replier", "Requester", "Sender", "Shutdown",
     "Subscriber", "TensorHeader", "Transport", "TransportError", "WeightsAck", "WeightsAnnounce",

@@ -17,6 +17,9 @@ Mapping to the ZeroMQ behaviour (see ``zmq_transport``):
   closed requester raises PeerDead, to a full one BackpressureFull.
 * publish/subscribe: each subscriber has a bounded inbox; ``publish`` drops for a full subscriber
   (counted in ``dropped``) and never blocks; new subscribers get the latest envelope on ``pump``.
+* blobs (BlobRequester/BlobServer): as request/reply, a reply being the list of its frames; the server's
+  thread reads the endpoint's request queue. A blob is passed as the bytes the handler made (``bytes`` are
+  immutable; a view is copied), so the requester's checks see what a socket would have carried.
 
 Endpoints are plain names; a trailing ``*`` is replaced by a fresh unique suffix. Thread-safe at
 the hub; each endpoint object belongs to one thread.
@@ -28,11 +31,15 @@ import itertools
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from async_vapo.transport.interface import (
     DEFAULT_HWM,
     BackpressureFull,
+    BlobReply,
+    BlobRequester,
+    BlobServer,
     Frame,
     PeerDead,
     PeerTimeout,
@@ -165,6 +172,51 @@ class InprocReplier(_Closable, Replier):
             raise BackpressureFull(f"{self.endpoint} -> requester", timeout_s)
 
     def close(self) -> None:
+        if not self._closed:
+            self._hub._release(self.endpoint)
+        self._closed = True
+
+
+class InprocBlobRequester(_Closable, BlobRequester):
+    def __init__(self, hub: InprocTransport, endpoint: str, decoder: Decoder, max_blob_bytes: int, hwm: int) -> None:
+        self.endpoint = endpoint
+        self.decoder = decoder
+        self.max_blob_bytes = max_blob_bytes
+        self._requests = hub._request_queue(endpoint, hwm)
+        self._inbox = _Inbox(hwm)
+
+    def _send_request(self, frame: bytes, timeout_s: float) -> bool:
+        self._check_open()
+        return self._requests.put((self._inbox, bytes(frame)), timeout_s)
+
+    def _recv_reply(self, timeout_s: float) -> list[Frame] | None:
+        self._check_open()
+        return self._inbox.get(timeout_s)
+
+    def close(self) -> None:
+        self._closed = True
+        self._inbox.closed = True
+
+
+class InprocBlobServer(_Closable, BlobServer):
+    def __init__(self, hub: InprocTransport, endpoint: str, decoder: Decoder, handler: Callable[[Envelope], BlobReply],
+                 send_timeout_s: float, on_sent: Callable[[int], None] | None, hwm: int) -> None:
+        super().__init__(decoder=decoder, handler=handler, send_timeout_s=send_timeout_s, on_sent=on_sent)
+        self._hub = hub
+        self.endpoint = hub._claim(endpoint)
+        self._requests = hub._request_queue(self.endpoint, hwm)
+        self._start()
+
+    def _recv_request(self, timeout_s: float) -> tuple[_Inbox, Frame] | None:
+        return self._requests.get(timeout_s)
+
+    def _send_reply(self, route: _Inbox, frames: list[Frame], timeout_s: float) -> None:
+        if route.closed:
+            raise PeerDead(f"requester of {self.endpoint}")
+        if not route.put([bytes(f) for f in frames], timeout_s):
+            raise BackpressureFull(f"{self.endpoint} -> requester", timeout_s)
+
+    def _close_socket(self) -> None:
         if not self._closed:
             self._hub._release(self.endpoint)
         self._closed = True
@@ -329,6 +381,18 @@ class InprocTransport(Transport):
         peer: str | None = None,
     ) -> InprocSubscriber:
         return self._keep(InprocSubscriber(self, endpoint, decoder, hwm))
+
+    def blob_requester(
+        self, endpoint: str, *, decoder: Decoder, max_blob_bytes: int, hwm: int = DEFAULT_HWM,
+        peer: str | None = None,
+    ) -> InprocBlobRequester:
+        return InprocBlobRequester(self, endpoint, decoder, max_blob_bytes, hwm)
+
+    def blob_server(
+        self, endpoint: str, *, decoder: Decoder, handler: Callable[[Envelope], BlobReply], send_timeout_s: float,
+        on_sent: Callable[[int], None] | None = None, hwm: int = DEFAULT_HWM, peer: str | None = None,
+    ) -> InprocBlobServer:
+        return self._keep(InprocBlobServer(self, endpoint, decoder, handler, send_timeout_s, on_sent, hwm))
 
     def close(self) -> None:
         made, self._made = self._made, []

@@ -1,6 +1,6 @@
 """Small transport interfaces, their shared behaviour, and the named errors.
 
-Four shapes of link, each an ABC with one concrete level per transport (``zmq_transport``,
+Five shapes of link, each an ABC with one concrete level per transport (``zmq_transport``,
 ``inproc``):
 
 * :class:`Sender` / :class:`Receiver` -- a PUSH/PULL pipe (fan-in or fan-out of envelopes).
@@ -9,6 +9,10 @@ Four shapes of link, each an ABC with one concrete level per transport (``zmq_tr
   a dead or slow peer costs one ``PeerTimeout``, never a wedged socket.
 * :class:`Publisher` / :class:`Subscriber` -- one-to-many announcements (weights). A publisher never
   blocks; it re-sends its latest envelope to each newly joined subscriber (see ``pump``).
+* :class:`BlobRequester` / :class:`BlobServer` -- windowed request/reply for bulk bytes (the weight fetch):
+  several requests in flight, each answered by a header envelope plus a raw blob (size-capped, crc32-checked:
+  :func:`check_blob`) or by one envelope (a refusal), matched to its request by ``reply_to``; the server answers
+  from a thread of its own.
 * :class:`Transport` -- the factory of all of the above for one transport.
 
 Every blocking call takes a finite ``timeout_s`` and either completes or raises a named error
@@ -19,13 +23,15 @@ forever. Receivers skip frames the socket's :class:`~async_vapo.transport.messag
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import threading
 import time
+import zlib
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -35,7 +41,9 @@ from async_vapo.transport.messages import (
     Envelope,
     ProtocolError,
     Ready,
+    TensorHeader,
     TransportError,
+    WeightsAnnounce,
     encode,
     make_envelope,
 )
@@ -47,10 +55,14 @@ DEFAULT_HWM = 100
 
 Frame = bytes | memoryview
 
+BlobReply = tuple[Envelope, Frame | None]
+"""A :class:`BlobServer`'s answer to one request: a header envelope (a ``TensorHeader`` declaring the blob's
+``nbytes`` and ``checksum``) and the raw blob, or one envelope and None (a refusal)."""
+
 __all__ = [
-    "DEFAULT_HWM", "BackpressureFull", "HeartbeatMonitor", "PeerDead", "PeerTimeout", "ProtocolError",
-    "Publisher", "Receiver", "Replier", "Requester", "Sender", "Subscriber", "Transport", "TransportError",
-    "connect_with_handshake",
+    "DEFAULT_HWM", "BackpressureFull", "BlobReply", "BlobRequester", "BlobServer", "HeartbeatMonitor", "PeerDead",
+    "PeerTimeout", "ProtocolError", "Publisher", "Receiver", "Replier", "Requester", "Sender", "Subscriber",
+    "Transport", "TransportError", "blob_checksum", "check_blob", "connect_with_handshake", "verify_checksum",
 ]  # fmt: skip
 
 
@@ -252,6 +264,191 @@ class Replier(_Endpoint):
         self._send_reply(route, encode(response), check_timeout(timeout_s))
 
 
+# ---- bulk bytes: checked blobs, and the windowed request/reply that carries them ----------------------------
+
+_CHECKSUMS = {
+    "crc32": lambda b: f"{zlib.crc32(b) & 0xFFFFFFFF:08x}",
+    "blake2b": lambda b: hashlib.blake2b(b, digest_size=16).hexdigest(),
+}
+
+
+def blob_checksum(blob, algo: str = "crc32") -> str:
+    """``"<algo>:<hex>"`` of a buffer: crc32 (fast, catches corruption/mix-ups) or blake2b."""
+    return f"{algo}:{_CHECKSUMS[algo](memoryview(blob).cast('B'))}"
+
+
+def verify_checksum(blob, checksum: str) -> bool:
+    """Whether ``blob`` matches ``checksum``; ValueError on an unknown algorithm."""
+    algo, _, _ = checksum.partition(":")
+    if algo not in _CHECKSUMS:
+        raise ValueError(f"unknown checksum algorithm {algo!r}")
+    return blob_checksum(blob, algo) == checksum
+
+
+def check_blob(header: Frame, raw: Frame, decoder: Decoder, *, max_blob_bytes: int, verify: bool = True
+               ) -> tuple[Envelope, memoryview]:
+    """The checks of a received ``[header, raw]`` blob, each counted in ``decoder.rejects`` and raised as
+    ProtocolError: raw frame <= max_blob_bytes ("oversized"), the header through ``decoder`` (its size limit first),
+    a blob header type ("not_allowed"), declared nbytes == received ("malformed"), checksum ("malformed"). The
+    returned view is ``raw``'s memory, not a copy."""
+    raw = memoryview(raw)
+    if raw.nbytes > max_blob_bytes:
+        raise decoder.reject("oversized", f"blob of {raw.nbytes} bytes > max_blob_bytes {max_blob_bytes}")
+    env = decoder.decode(header)
+    body = env.body
+    if not isinstance(body, (TensorHeader, WeightsAnnounce)):
+        raise decoder.reject("not_allowed", f"{type(body).__name__} as a blob header")
+    if body.nbytes != raw.nbytes:
+        raise decoder.reject("malformed", f"header declares {body.nbytes} bytes, blob frame has {raw.nbytes}")
+    if verify:
+        try:
+            ok = verify_checksum(raw, body.checksum)
+        except ValueError as exc:
+            raise decoder.reject("malformed", str(exc)) from None
+        if not ok:
+            raise decoder.reject("malformed", f"checksum mismatch (declared {body.checksum})")
+    return env, raw
+
+
+class BlobRequester(_Endpoint):
+    """The client of a :class:`BlobServer`: windowed request/reply for bulk bytes (the weight fetch).
+
+    :meth:`exchange` keeps up to ``window`` requests in flight and sends the next one for each reply taken, so
+    the server never queues more than ``window`` replies for one requester. Replies may come in any order; each is
+    matched to its request by ``Envelope.reply_to``. Short-lived: one per exchange, closed by its caller (the
+    transport does not keep it for its own ``close``)."""
+
+    decoder: Decoder
+    max_blob_bytes: int
+
+    @abstractmethod
+    def _send_request(self, frame: bytes, timeout_s: float) -> bool:
+        """Queue the frame to the server; False if that was impossible within ``timeout_s``."""
+
+    @abstractmethod
+    def _recv_reply(self, timeout_s: float) -> list[Frame] | None:
+        """The frames of the next reply (one, or header and raw), or None after ``timeout_s``."""
+
+    def exchange(self, requests: Sequence[Envelope], *, window: int, timeout_s: float
+                 ) -> Iterator[tuple[int, Envelope, memoryview | None]]:
+        """``(i, reply, raw)`` for each of ``requests``, as the replies arrive: ``i`` the request's position,
+        ``raw`` the blob checked by :func:`check_blob` against the header ``reply`` (cap ``max_blob_bytes``,
+        declared size, checksum), or None for a one-envelope reply. Every wait (room to send a request, the next
+        reply) is bounded by ``timeout_s``: PeerTimeout past it. A reply that fails its checks, has another number
+        of frames, or answers no request in flight raises ProtocolError (counted in ``decoder.rejects``)."""
+        check_timeout(timeout_s)
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        in_flight: dict[str, int] = {}
+        sent = 0
+
+        def ask() -> None:
+            nonlocal sent
+            env = requests[sent]
+            if not self._send_request(encode(env), timeout_s):
+                raise PeerTimeout(self.endpoint, timeout_s, "room to send a request")
+            in_flight[env.id] = sent
+            sent += 1
+
+        while sent < min(window, len(requests)):
+            ask()
+        while in_flight:
+            parts = self._recv_reply(timeout_s)
+            if parts is None:
+                raise PeerTimeout(self.endpoint, timeout_s, f"reply to request {min(in_flight.values())}")
+            if len(parts) == 1:
+                reply, raw = self.decoder.decode(parts[0]), None
+            elif len(parts) == 2:
+                reply, raw = check_blob(parts[0], parts[1], self.decoder, max_blob_bytes=self.max_blob_bytes)
+            else:
+                raise self.decoder.reject("malformed", f"reply of {len(parts)} frames")
+            i = in_flight.pop(reply.reply_to, None) if reply.reply_to is not None else None
+            if i is None:
+                raise self.decoder.reject("malformed", f"a reply to {reply.reply_to}, which no request in flight is")
+            yield i, reply, raw
+            if sent < len(requests):
+                ask()
+
+
+class BlobServer(_Endpoint):
+    """The server of :class:`BlobRequester` s, answering from a thread of its own, so that a long task of its
+    owner's (a learner's update) never delays a reply.
+
+    Each valid request goes to ``handler``, whose :data:`BlobReply` goes back to the requester with ``reply_to``
+    set to the request. A request the decoder rejects is counted in ``decoder.rejects`` and dropped. A reply that
+    cannot be sent within ``send_timeout_s`` (the requester is gone, or its pipe stays full: it will ask again) is
+    logged and dropped. ``on_sent(nbytes)`` follows each blob sent. The thread serves until :meth:`close`; it alone
+    uses the server's socket once started."""
+
+    POLL_S = 0.2
+    """How often the thread looks at its stop flag while no request comes."""
+    decoder: Decoder
+
+    def __init__(self, *, decoder: Decoder, handler: Callable[[Envelope], BlobReply], send_timeout_s: float,
+                 on_sent: Callable[[int], None] | None = None) -> None:
+        self.decoder = decoder
+        self.handler = handler
+        self.send_timeout_s = check_timeout(send_timeout_s)
+        self.on_sent = on_sent
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _start(self) -> None:
+        """Start serving (the concrete class, once bound)."""
+        self._thread = threading.Thread(target=self._run, name=f"blob-server {self.endpoint}", daemon=True)
+        self._thread.start()
+
+    @abstractmethod
+    def _recv_request(self, timeout_s: float) -> tuple[Any, Frame] | None:
+        """(route back to the requester, frame), or None after ``timeout_s``."""
+
+    @abstractmethod
+    def _send_reply(self, route: Any, frames: list[Frame], timeout_s: float) -> None:
+        """Raises BackpressureFull (the requester's pipe stays full) or PeerDead (it is gone)."""
+
+    @abstractmethod
+    def _close_socket(self) -> None: ...
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                got = self._recv_request(self.POLL_S)
+                if got is not None:
+                    self._handle(*got)
+        finally:
+            self._close_socket()
+
+    def _handle(self, route: Any, frame: Frame) -> None:
+        """Answer one request (the thread's work; a test may call it to send to a route of its choosing)."""
+        try:
+            request = self.decoder.decode(frame)
+        except ProtocolError:  # counted and logged (rate-limited) by the decoder
+            return
+        reply, raw = self.handler(request)
+        if reply.reply_to != request.id:
+            reply = msgspec.structs.replace(reply, reply_to=request.id)
+        frames: list[Frame] = [encode(reply)]
+        if raw is not None:
+            raw = memoryview(raw).cast("B")
+            if reply.body.nbytes != raw.nbytes:
+                raise ValueError(f"header declares {reply.body.nbytes} bytes, blob has {raw.nbytes}")
+            frames.append(raw)
+        try:
+            self._send_reply(route, frames, self.send_timeout_s)
+        except TransportError as exc:
+            log.warning("%s: could not answer %s: %s", self.endpoint, request.sender, exc)
+            return
+        if raw is not None and self.on_sent is not None:
+            self.on_sent(raw.nbytes)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is None:
+            self._close_socket()
+        elif self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+
 class Transport(ABC):
     """Factory of the endpoints of one transport; ``close`` closes every endpoint it made.
 
@@ -299,6 +496,20 @@ class Transport(ABC):
         self, endpoint: str, *, decoder: Decoder, hwm: int = DEFAULT_HWM,
         peer: str | None = None,
     ) -> Subscriber: ...
+
+    @abstractmethod
+    def blob_requester(
+        self, endpoint: str, *, decoder: Decoder, max_blob_bytes: int, hwm: int = DEFAULT_HWM,
+        peer: str | None = None,
+    ) -> BlobRequester:
+        """Connected to the :class:`BlobServer` at ``endpoint``; closed by the caller, not by :meth:`close`."""
+
+    @abstractmethod
+    def blob_server(
+        self, endpoint: str, *, decoder: Decoder, handler: Callable[[Envelope], BlobReply], send_timeout_s: float,
+        on_sent: Callable[[int], None] | None = None, hwm: int = DEFAULT_HWM, peer: str | None = None,
+    ) -> BlobServer:
+        """Bound at ``endpoint`` and already serving ``handler`` from its thread."""
 
     def wait_any(self, endpoints: list[Receiver | Replier], timeout_s: float) -> None:
         """Return when one of ``endpoints`` (made by this transport) may have something to read, or after

@@ -20,8 +20,8 @@ rollout -> learner     PUSH/PULL    learner   as rollout -> verifier       as ro
 (WeightsAck)
 weights fetch          DEALER/      learner   ROUTER_MANDATORY; at most   [header, raw] frames: header <= max_bytes,
 (WeightsFetch ->       ROUTER       (thread)  4 chunk requests in flight   raw <= chunk bytes and == header nbytes,
- TensorHeader + raw,                          per engine (credit window)   crc32 verified [5]; each wait timeout_s,
- or Ack(ok=False))                                                         then PeerTimeout
+ TensorHeader + raw,   (blob_*)               per engine (credit window)   crc32 verified [5]; each wait timeout_s,
+ or Ack(ok=False))                            [3]                          then PeerTimeout
 =====================  ===========  ========  ===========================  ============================================
 
 [1] The sender handles BackpressureFull by a named policy (the rollout holds generation). A PUSH/PULL
@@ -31,7 +31,8 @@ weights fetch          DEALER/      learner   ROUTER_MANDATORY; at most   [heade
 [3] BackpressureFull (the requester's pipe is full) or PeerDead (it is gone), instead of a silent drop.
 [4] A dropped or missed announce is recovered: XPUB sees each join and re-sends the latest envelope, and
     the learner's periodic Heartbeat repeats ``weights``.
-[5] ``send_tensor_blob`` / ``recv_tensor_blob``; the raw frame is sent zero-copy.
+[5] ``ZmqBlobRequester`` / ``ZmqBlobServer`` (``interface.BlobRequester`` / ``BlobServer``), and
+    ``send_tensor_blob`` / ``recv_tensor_blob`` on a plain socket; the raw frame is sent zero-copy.
 
 Every socket: ``linger=0`` (close never waits, so it drops what is still queued: a sender that must
 deliver its last messages waits for the peer's Ack before closing), ZMTP heartbeats
@@ -45,16 +46,18 @@ silently, whereas the decoder's size check rejects the frame, counts it and keep
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
-import zlib
+from collections.abc import Callable
 
 import zmq
 
 from async_vapo.transport.interface import (
     DEFAULT_HWM,
     BackpressureFull,
+    BlobReply,
+    BlobRequester,
+    BlobServer,
     Frame,
     PeerDead,
     PeerTimeout,
@@ -65,8 +68,11 @@ from async_vapo.transport.interface import (
     Sender,
     Subscriber,
     Transport,
+    check_blob,
     check_timeout,
 )
+from async_vapo.transport.interface import blob_checksum as blob_checksum  # noqa: PLC0414 - re-exported, as before
+from async_vapo.transport.interface import verify_checksum as verify_checksum  # noqa: PLC0414
 from async_vapo.transport.messages import (
     Decoder,
     Envelope,
@@ -356,6 +362,65 @@ class ZmqSubscriber(Subscriber):
         self._sock.close(linger=0)
 
 
+class ZmqBlobRequester(BlobRequester):
+    """DEALER, connected. No ``IMMEDIATE``: the first requests may wait in the pipe for the connection, as a fetch's
+    do. Inbound frames are capped at the larger of the decoder's limit and a blob."""
+
+    def __init__(
+        self, ctx: zmq.Context, endpoint: str, *, decoder: Decoder, max_blob_bytes: int, hwm: int = DEFAULT_HWM,
+        security: Security | None = None, peer: str | None = None,
+    ) -> None:
+        self.decoder = decoder
+        self.max_blob_bytes = max_blob_bytes
+        self._sock = make_socket(ctx, zmq.DEALER, hwm=hwm,
+                                 max_msg_bytes=max(frame_cap(decoder), max_blob_bytes + 4096))
+        self.endpoint = _attach(self._sock, endpoint, False, security, peer)
+
+    def _send_request(self, frame: bytes, timeout_s: float) -> bool:
+        return send_until(self._sock, [frame], time.monotonic() + timeout_s) is not None
+
+    def _recv_reply(self, timeout_s: float) -> list[Frame] | None:
+        parts = recv_parts(self._sock, time.monotonic() + timeout_s)
+        return None if parts is None else [p.buffer for p in parts]
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class ZmqBlobServer(BlobServer):
+    """ROUTER, bound, with ``ROUTER_MANDATORY``: a reply to a requester that has gone raises PeerDead (logged by
+    the thread, which keeps serving) instead of vanishing. Requests of another number of frames than two (identity,
+    envelope) are counted as malformed and skipped. The blob goes out zero-copy."""
+
+    def __init__(
+        self, ctx: zmq.Context, endpoint: str, *, decoder: Decoder, handler: Callable[[Envelope], BlobReply],
+        send_timeout_s: float, on_sent: Callable[[int], None] | None = None, hwm: int = DEFAULT_HWM,
+        security: Security | None = None, peer: str | None = None,
+    ) -> None:
+        super().__init__(decoder=decoder, handler=handler, send_timeout_s=send_timeout_s, on_sent=on_sent)
+        self._sock = make_socket(ctx, zmq.ROUTER, hwm=hwm, max_msg_bytes=frame_cap(decoder))
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.endpoint = _attach(self._sock, endpoint, True, security, peer)
+        self._start()
+
+    def _recv_request(self, timeout_s: float) -> tuple[bytes, Frame] | None:
+        parts = _recv_single(self._sock, self.decoder, timeout_s, nparts=2)
+        return None if parts is None else (bytes(parts[0]), parts[1])
+
+    def _send_reply(self, route: bytes, frames: list[Frame], timeout_s: float) -> None:
+        try:
+            sent = send_until(self._sock, [route, *frames], time.monotonic() + timeout_s)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                raise PeerDead(route.hex()) from None
+            raise TransportError(f"{self.endpoint} -> {route.hex()}: {exc}") from exc
+        if sent is None:
+            raise BackpressureFull(f"{self.endpoint} -> {route.hex()}", timeout_s)
+
+    def _close_socket(self) -> None:
+        self._sock.close(linger=0)
+
+
 class ZmqTransport(Transport):
     """Makes ZeroMQ endpoints on one context (default: the process's shared one). With ``security`` every
     socket is CURVE-authenticated and encrypted, and each one names the role at its other end (``peer``):
@@ -398,6 +463,17 @@ class ZmqTransport(Transport):
                    ) -> ZmqSubscriber:
         return self._keep(ZmqSubscriber(self.ctx, endpoint, decoder=decoder, hwm=hwm, **self._sec(peer)))
 
+    def blob_requester(self, endpoint: str, *, decoder: Decoder, max_blob_bytes: int, hwm: int = DEFAULT_HWM,
+                       peer: str | None = None) -> ZmqBlobRequester:
+        return ZmqBlobRequester(self.ctx, endpoint, decoder=decoder, max_blob_bytes=max_blob_bytes, hwm=hwm,
+                                **self._sec(peer))
+
+    def blob_server(self, endpoint: str, *, decoder: Decoder, handler: Callable[[Envelope], BlobReply],
+                    send_timeout_s: float, on_sent: Callable[[int], None] | None = None, hwm: int = DEFAULT_HWM,
+                    peer: str | None = None) -> ZmqBlobServer:
+        return self._keep(ZmqBlobServer(self.ctx, endpoint, decoder=decoder, handler=handler,
+                                        send_timeout_s=send_timeout_s, on_sent=on_sent, hwm=hwm, **self._sec(peer)))
+
     def wait_any(self, endpoints: list, timeout_s: float) -> None:
         poller = zmq.Poller()
         for e in endpoints:
@@ -411,25 +487,6 @@ class ZmqTransport(Transport):
 
 
 # ---- raw-bytes path for big payloads (weights) -------------------------------------------------
-
-_CHECKSUMS = {
-    "crc32": lambda b: f"{zlib.crc32(b) & 0xFFFFFFFF:08x}",
-    "blake2b": lambda b: hashlib.blake2b(b, digest_size=16).hexdigest(),
-}
-
-
-def blob_checksum(blob, algo: str = "crc32") -> str:
-    """``"<algo>:<hex>"`` of a buffer: crc32 (fast, catches corruption/mix-ups) or blake2b."""
-    return f"{algo}:{_CHECKSUMS[algo](memoryview(blob).cast('B'))}"
-
-
-def verify_checksum(blob, checksum: str) -> bool:
-    """Whether ``blob`` matches ``checksum``; ValueError on an unknown algorithm."""
-    algo, _, _ = checksum.partition(":")
-    if algo not in _CHECKSUMS:
-        raise ValueError(f"unknown checksum algorithm {algo!r}")
-    return blob_checksum(blob, algo) == checksum
-
 
 def _as_bytes_view(blob) -> memoryview:
     view = memoryview(blob)
@@ -474,29 +531,6 @@ def recv_tensor_blob(
     parts = recv_parts(sock, deadline)
     if parts is None:
         return None
-    return check_blob(parts, decoder, max_blob_bytes=max_blob_bytes, verify=verify)
-
-
-def check_blob(parts: list, decoder: Decoder, *, max_blob_bytes: int, verify: bool = True
-               ) -> tuple[Envelope, memoryview]:
-    """The checks of :func:`recv_tensor_blob` on a received multipart message (a ROUTER's identity
-    frame already removed)."""
     if len(parts) != 2:
         raise decoder.reject("malformed", f"blob message of {len(parts)} frames")
-    header, raw = parts[0].buffer, parts[1].buffer
-    if raw.nbytes > max_blob_bytes:
-        raise decoder.reject("oversized", f"blob of {raw.nbytes} bytes > max_blob_bytes {max_blob_bytes}")
-    env = decoder.decode(header)
-    body = env.body
-    if not isinstance(body, (TensorHeader, WeightsAnnounce)):
-        raise decoder.reject("not_allowed", f"{type(body).__name__} as a blob header")
-    if body.nbytes != raw.nbytes:
-        raise decoder.reject("malformed", f"header declares {body.nbytes} bytes, blob frame has {raw.nbytes}")
-    if verify:
-        try:
-            ok = verify_checksum(raw, body.checksum)
-        except ValueError as exc:
-            raise decoder.reject("malformed", str(exc)) from None
-        if not ok:
-            raise decoder.reject("malformed", f"checksum mismatch (declared {body.checksum})")
-    return env, raw
+    return check_blob(parts[0].buffer, parts[1].buffer, decoder, max_blob_bytes=max_blob_bytes, verify=verify)

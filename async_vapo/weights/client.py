@@ -9,6 +9,8 @@ Sockets (from the service's transport)
     with load seconds and the way it came) — the first one, for the served version at start, registers the engine —
     WeightsGroupJoin when the engine asks for a torch.distributed group, and a Heartbeat every
     ``cluster.wire.heartbeat_s``.
+  * ``weights_fetch``: a blob requester for the length of one fetch, connects to the learner's blob server
+    (``cluster.ports.weights_fetch_port``; ``weights.fetch``).
 
 Ways (``cluster.weights.transfer``; the learner announces each version's shared-memory slot with its layout): with
 "auto", an engine whose host shares the slot (the file exists and its header carries the announced token) has its
@@ -30,9 +32,12 @@ A load that fails is acked as failed and tried again every 5 s; one whose pause 
 (``TimeoutError`` from the engine) is an engine failure: acked as failed, then raised, so that the service exits and
 its supervisor restarts it (nothing half-loaded is served meanwhile: the engine serves version -1).
 
-Every version reaches the engine through one engine method, ``engine.apply_weights(version, load)``: the engine
-decides what "quiescent" means around ``load`` (between two generate calls for a lock-step engine; paused requests
-for a continuous one), so this client never knows how the engine generates.
+The client drives the engine only through ``weights.engine.WeightEngine``, which both engines implement: every
+version reaches it through one method, ``engine.apply_weights(version, load)``, and the engine decides what
+"quiescent" means around ``load`` (between two generate calls for a lock-step engine; paused requests for a
+continuous one), so this client never knows how the engine generates. The client never sets the engine's state: a
+receive that failed part-way is ``engine.invalidate()``. Fetches go over the service's transport
+(``Transport.blob_requester``), the same one its announces and acks use.
 
 Each load counts in ``weight_transfers_total{via}``, sets ``weight_way{way}`` (1 for the way of the last load), is
 logged with its way and acked with it (``WeightsAck.via``). The service learns of the learner through
@@ -54,7 +59,9 @@ from async_vapo.transport import (
     WeightsGroupOffer,
     make_envelope,
 )
+from async_vapo.transport.interface import Transport
 from async_vapo.weights.choose import WAYS
+from async_vapo.weights.engine import WeightEngine
 from async_vapo.weights.receive import load_announced
 from async_vapo.weights.slots import slot_readable
 
@@ -65,8 +72,8 @@ RETRY_S = 5.0
 class EngineWeightClient:
     """Keeps one engine on the learner's latest version (see the module docstring).
 
-    ``ctx``: the service's context (config, log, metrics, ``send`` with backpressure, ``stop``); ``engine``: a
-    ``rollout.engine.VLLMEngine`` (``version``, ``apply_weights``, the load methods, ``weight_backend``).
+    ``ctx``: the service's context (config, log, metrics, ``send`` with backpressure, ``stop``); ``transport``: the
+    service's (announces, acks and fetches); ``engine``: driven through ``WeightEngine`` only.
     Callbacks, each optional: ``on_announce(announce, previous_learner_version)`` for every announce and heartbeat
     copy, ``on_learner_waiting(seconds)`` for the learner's heartbeats, ``on_dropped(stale, late)`` with the
     learner's counts of this engine's groups the replay dropped as stale, and of those that arrived stale (cumulative,
@@ -74,7 +81,7 @@ class EngineWeightClient:
     ``on_loaded(version, way)`` after each load.
     """
 
-    def __init__(self, ctx, transport, engine, *,
+    def __init__(self, ctx, transport: Transport, engine: WeightEngine, *,
                  on_announce: Callable[[WeightsAnnounce, int], None] | None = None,
                  on_learner_waiting: Callable[[float], None] | None = None,
                  on_dropped: Callable[[int, int], None] | None = None,
@@ -100,7 +107,7 @@ class EngineWeightClient:
         self.mode = c.weights.transfer
         self.remote = False
         """"auto": the learner's slot is not readable here (found at the first fetch): groups are worth asking for."""
-        self.backend = getattr(engine, "weight_backend", None)
+        self.backend = engine.weight_backend
         """The groups the engine can join ("gloo" / "nccl"; None: none)."""
         self._learner_token: str | None = None
         self.in_group = False
@@ -231,7 +238,7 @@ class EngineWeightClient:
                 self.engine.receive_weights_dist(update_info(buckets, a.version, self.backend or "gloo"), a.version)
                 return "dist", time.perf_counter() - t0
             except Exception as exc:  # the group is broken: a mix of two versions may be loaded
-                self.engine.version = -1
+                self.engine.invalidate()
                 self.in_group = False
                 self.ctx.log.warning("%s: version %d over the weight group failed (%s: %s); %s, and asking for a new "
                                      "group", self.engine_id, a.version, type(exc).__name__, exc,
@@ -239,11 +246,10 @@ class EngineWeightClient:
                                      "learner publishes it again, whole, on the failed ack")
                 self.ask_group()
         t0 = time.perf_counter()
-        way = load_announced(self.engine, a, mode=c.weights.transfer,
+        way = load_announced(self.engine, a, transport=self.transport, mode=c.weights.transfer,
                              fetch_endpoint=self.ctx.endpoint(c.hosts.learner_host, c.ports.weights_fetch_port),
                              chunk_bytes=c.weights.chunk_bytes, timeout_s=c.wire.batch_request_timeout_s,
-                             engine_id=self.engine_id, max_bytes=c.wire.max_message_bytes,
-                             security=getattr(self.transport, "security", None))
+                             engine_id=self.engine_id, max_bytes=c.wire.max_message_bytes)
         return way, time.perf_counter() - t0
 
     def ask_group(self) -> None:

@@ -7,8 +7,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from async_vapo.transport.interface import blob_checksum
 from async_vapo.transport.messages import WeightsAnnounce
-from async_vapo.transport.zmq_transport import blob_checksum
 from async_vapo.weights.layout import unshared_state
 
 

@@ -5,7 +5,7 @@ engines and returns the announce that tells them where it is. The ways:
 
 * :class:`SlotPublisher` (``cluster.weights.transfer`` auto / shm / zmq): the version goes into one of the
   learner's shared-memory slots (``slots``); engines on this host map the slot, the others fetch it from the
-  fetch server (``fetch``) over ZeroMQ;
+  fetch server (``fetch``) over the learner's transport (ZeroMQ between hosts);
 * :class:`FilePublisher` ("file"): one safetensors file per version (``file``).
 
 The engine's end of every way is ``receive.load_announced``. Announces, acks, heartbeats and the rotation
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from async_vapo.transport.interface import Transport
 from async_vapo.transport.messages import WeightsAnnounce
 from async_vapo.weights.fetch import WeightServer
 from async_vapo.weights.file import write_file_version
@@ -42,18 +43,21 @@ class Publisher(ABC):
 
 class SlotPublisher(Publisher):
     """Versions in ``slots`` shared-memory slots under ``directory``; with ``fetch_endpoint``, a fetch server
-    for engines on other hosts."""
+    for engines on other hosts, on ``transport``."""
 
-    def __init__(self, directory: Path, slots: int, *, fetch_endpoint: str | None = None, chunk_bytes: int = 16 << 20,
-                 max_bytes: int = 256 << 20, send_timeout_s: float = 5.0, sender: str = "learner",
-                 on_served: Callable[[int], None] | None = None, security=None):
+    def __init__(self, directory: Path, slots: int, *, transport: Transport | None = None,
+                 fetch_endpoint: str | None = None, chunk_bytes: int = 16 << 20, max_bytes: int = 256 << 20,
+                 send_timeout_s: float = 5.0, sender: str = "learner", on_served: Callable[[int], None] | None = None):
         self.slots = WeightSlots(directory, slots)
         self.server: WeightServer | None = None
         if fetch_endpoint is not None:
+            if transport is None:
+                self.slots.close()
+                raise ValueError("a fetch server needs a transport")
             try:
-                self.server = WeightServer(self.slots, fetch_endpoint, chunk_bytes=chunk_bytes, max_bytes=max_bytes,
-                                           send_timeout_s=send_timeout_s, sender=sender, on_served=on_served,
-                                           security=security)
+                self.server = WeightServer(transport, self.slots, fetch_endpoint, chunk_bytes=chunk_bytes,
+                                           max_bytes=max_bytes, send_timeout_s=send_timeout_s, sender=sender,
+                                           on_served=on_served)
             except BaseException:
                 self.slots.close()
                 raise
@@ -96,14 +100,14 @@ class FilePublisher(Publisher):
             f.unlink(missing_ok=True)
 
 
-def make_publisher(transfer: str, directory: Path, *, keep_versions: int, fetch_endpoint: str | None,
-                   **server_args) -> Publisher:
-    """The publisher of ``cluster.weights.transfer``: "file", or slots with a fetch server ("auto", "zmq") or
-    without one ("shm": every engine shares this host)."""
+def make_publisher(transfer: str, directory: Path, *, keep_versions: int, transport: Transport | None,
+                   fetch_endpoint: str | None, **server_args) -> Publisher:
+    """The publisher of ``cluster.weights.transfer``: "file", or slots with a fetch server on ``transport`` ("auto",
+    "zmq") or without one ("shm": every engine shares this host)."""
     directory.mkdir(parents=True, exist_ok=True)
     if transfer == "file":
         return FilePublisher(directory, keep_versions)
     if transfer not in ("auto", "shm", "zmq", "dist"):  # "dist" keeps the slots of "auto" as its fallback
         raise ValueError(f"unknown weight transfer {transfer!r} (auto, shm, zmq, file, dist)")
-    return SlotPublisher(directory, max(2, keep_versions), fetch_endpoint=None if transfer == "shm" else fetch_endpoint,
-                         **server_args)
+    return SlotPublisher(directory, max(2, keep_versions), transport=transport,
+                         fetch_endpoint=None if transfer == "shm" else fetch_endpoint, **server_args)

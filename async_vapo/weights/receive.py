@@ -4,17 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from async_vapo.transport.interface import Transport, verify_checksum
 from async_vapo.transport.messages import WeightsAnnounce
-from async_vapo.transport.zmq_transport import verify_checksum
+from async_vapo.weights.engine import WeightEngine
 from async_vapo.weights.fetch import fetch_weights
 from async_vapo.weights.slots import WeightsUnavailable, slot_holds
 
 
-def load_announced(engine, a: WeightsAnnounce, *, mode: str, fetch_endpoint: str, chunk_bytes: int,
-                   timeout_s: float, engine_id: str, max_bytes: int, security=None) -> str:
-    """Load the announced version into ``engine`` (a VLLMEngine); returns the way it came: "shm", "zmq" or
-    "file". ``mode`` is ``cluster.weights.transfer``. Raises on anything that does not match the announce;
-    after a torn slot load (the learner rewrote the slot meanwhile) the engine's version is -1."""
+def load_announced(engine: WeightEngine, a: WeightsAnnounce, *, transport: Transport, mode: str,
+                   fetch_endpoint: str, chunk_bytes: int, timeout_s: float, engine_id: str, max_bytes: int) -> str:
+    """Load the announced version into ``engine`` through its load methods (inside its ``apply_weights``); returns
+    the way it came: "shm", "zmq" (fetched from ``fetch_endpoint`` over ``transport``) or "file". ``mode`` is
+    ``cluster.weights.transfer``. Raises on anything that does not match the announce; after a torn slot load (the
+    learner rewrote the slot meanwhile) the engine is invalidated (version -1)."""
     if a.transfer == "file":
         data = Path(a.location).read_bytes()
         if len(data) != a.nbytes or not verify_checksum(data, a.checksum):
@@ -35,15 +37,15 @@ def load_announced(engine, a: WeightsAnnounce, *, mode: str, fetch_endpoint: str
             engine.load_weights_from_shared(a.location, a.base + a.nbytes, layout, a.version)
         finally:
             if not slot_holds(a.location, a.version, a.token):
-                engine.version = -1  # torn: serve nothing until the newest version is loaded
+                engine.invalidate()  # torn: serve nothing until the newest version is loaded
                 raise WeightsUnavailable(f"the learner rewrote the slot of version {a.version} during the load")
         return "shm"
     if mode == "shm":
         raise WeightsUnavailable(f"slot {a.location} of version {a.version} is not readable on this host "
                                  '(cluster.weights.transfer = "shm"; "auto" fetches it over ZeroMQ)')
     dst = engine.receive_buffer(a.nbytes)
-    fetch_weights(fetch_endpoint, a.version, a.nbytes, dst, chunk_bytes=chunk_bytes, timeout_s=timeout_s,
-                  engine_id=engine_id, max_bytes=max_bytes, security=security)
+    fetch_weights(transport, fetch_endpoint, a.version, a.nbytes, dst, chunk_bytes=chunk_bytes, timeout_s=timeout_s,
+                  engine_id=engine_id, max_bytes=max_bytes)
     del dst
     engine.load_received(a.layout, a.version)
     return "zmq"

@@ -5,6 +5,8 @@ Sockets (from the service's transport)
     ``cluster.wire.heartbeat_s`` a Heartbeat repeating the latest announce. Never blocks (PUB drops at HWM; the
     heartbeat recovers a dropped announce).
   * ``acks``: PULL, binds ``cluster.ports.acks_port``; WeightsAck and Heartbeat from every engine.
+  * ``weights_fetch``: a blob server, binds ``cluster.ports.weights_fetch_port`` (the slot ways but "shm";
+    ``fetch.WeightServer``, served by its own thread).
 
 Rotation (:class:`Rotation`): an engine joins with an ok ack of the latest version (or a heartbeat saying it
 serves it); a version counts once every engine in rotation acked it (``broadcast_seconds``). An engine leaves
@@ -172,11 +174,10 @@ class WeightBroadcast:
             self.dist_failures = m.get("weight_dist_failures_total")
             self.dist_seconds = m.get("weight_dist_send_seconds")
         self.publisher = make_publisher(
-            c.weights.transfer, self.dir, keep_versions=c.weights.keep_versions,
+            c.weights.transfer, self.dir, keep_versions=c.weights.keep_versions, transport=transport,
             fetch_endpoint=fetch_endpoint or ctx.endpoint(c.hosts.bind_host, c.ports.weights_fetch_port),
             chunk_bytes=c.weights.chunk_bytes, max_bytes=c.wire.max_message_bytes, send_timeout_s=c.wire.send_timeout_s,
-            sender=ctx.name, on_served=m.learner.weight_fetch_bytes_total.inc,
-            security=getattr(transport, "security", None))
+            sender=ctx.name, on_served=m.learner.weight_fetch_bytes_total.inc)
 
     @property
     def server(self):

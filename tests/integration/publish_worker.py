@@ -115,13 +115,14 @@ def from_slot(a) -> dict[str, torch.Tensor] | None:
     return views(data, a.layout)
 
 
-def fetched(a, port: int, cfg) -> dict[str, torch.Tensor]:
-    """The version an engine on another host fetches from the learner's fetch server."""
+def fetched(a, transport, port: int, cfg) -> dict[str, torch.Tensor]:
+    """The version an engine on another host fetches from the learner's fetch server (on ``transport``)."""
     from async_vapo.weights.fetch import fetch_weights
 
     dst = bytearray(a.nbytes)
-    fetch_weights(f"tcp://127.0.0.1:{port}", a.version, a.nbytes, dst, chunk_bytes=cfg.cluster.weights.chunk_bytes,
-                  timeout_s=10, engine_id="rollout-1", max_bytes=cfg.cluster.wire.max_message_bytes)
+    fetch_weights(transport, f"tcp://127.0.0.1:{port}", a.version, a.nbytes, dst,
+                  chunk_bytes=cfg.cluster.weights.chunk_bytes, timeout_s=10, engine_id="rollout-1",
+                  max_bytes=cfg.cluster.wire.max_message_bytes)
     return views(dst, a.layout)
 
 
@@ -175,7 +176,7 @@ def main() -> None:
                 raise item
             res["engine"][key] = item[1]
         res["slot"][key] = from_slot(a)
-        res["fetched"][key] = fetched(a, port, cfg) if a.location else None
+        res["fetched"][key] = fetched(a, transport, port, cfg) if a.location else None
         try:
             sync.publisher.slots.nbytes(v)
             res["held"][key] = True
@@ -224,7 +225,8 @@ def main() -> None:
             c = cfg.cluster
             acks = transport.sender(ctx.endpoint(c.hosts.learner_host, c.ports.acks_port))
             try:
-                load_announced(None, sync.latest, mode="dist", fetch_endpoint=f"tcp://127.0.0.1:{port}",
+                load_announced(None, sync.latest, transport=transport, mode="dist",
+                               fetch_endpoint=f"tcp://127.0.0.1:{port}",
                                chunk_bytes=c.weights.chunk_bytes, timeout_s=5, engine_id="rollout-1",
                                max_bytes=c.wire.max_message_bytes)
                 raise AssertionError("version 4 loaded although no slot holds it")

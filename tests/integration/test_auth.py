@@ -116,14 +116,14 @@ def test_only_rollouts_fetch_the_weights(tmp_path, keys):
     slots = WeightSlots(tmp_path / "slots", 2)
     state = {"w": torch.arange(1024, dtype=torch.float32)}
     a = slot_announce(slots.write(3, state))
-    server = WeightServer(slots, "tcp://127.0.0.1:*", chunk_bytes=1024, max_bytes=1 << 20, send_timeout_s=2.0,
-                          security=learner)
+    server = WeightServer(ZmqTransport(security=learner), slots, "tcp://127.0.0.1:*", chunk_bytes=1024,
+                          max_bytes=1 << 20, send_timeout_s=2.0)
     try:
         def fetch(security) -> bytes | None:
             dst = bytearray(a.nbytes)
             try:
-                fetch_weights(server.endpoint, 3, a.nbytes, dst, chunk_bytes=1024, timeout_s=2.0, engine_id="x",
-                              max_bytes=1 << 20, security=security)
+                fetch_weights(ZmqTransport(security=security), server.endpoint, 3, a.nbytes, dst, chunk_bytes=1024,
+                              timeout_s=2.0, engine_id="x", max_bytes=1 << 20)
             except (PeerTimeout, WeightsUnavailable):
                 return None
             return bytes(dst)

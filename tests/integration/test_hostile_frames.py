@@ -117,8 +117,8 @@ def test_every_bound_port_survives_hostile_frames(tmp_path, auth):
             assert time.monotonic() < deadline, "the ack was not taken"
             sync.poll(0.05)
         dst = bytearray(sync.latest.nbytes)
-        fetch_weights(sync.server.endpoint, 1, sync.latest.nbytes, dst, chunk_bytes=4096, timeout_s=10.0,
-                      engine_id="rollout-0", max_bytes=MAX_BYTES, security=tp["rollout"].security)
+        fetch_weights(tp["rollout"], sync.server.endpoint, 1, sync.latest.nbytes, dst, chunk_bytes=4096,
+                      timeout_s=10.0, engine_id="rollout-0", max_bytes=MAX_BYTES)
         assert bytes(dst[:256]) == state["w"].numpy().tobytes()
         assert all(t.is_alive() for t in threads)
         for name in ("replay", "verifier", "learner"):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import assert_engine_serves
 
-from async_vapo.transport import PeerTimeout, ProtocolError
+from async_vapo.transport import PeerTimeout, ProtocolError, ZmqTransport
 from async_vapo.weights import (
     HEADER_BYTES,
     SharedWeightBuffer,
@@ -118,7 +118,8 @@ def test_fetch_over_zeromq_returns_the_exact_bytes_and_names_every_failure(tmp_p
 
     slots = WeightSlots(tmp_path / "w", 2)
     served = []
-    server = WeightServer(slots, "tcp://127.0.0.1:*", chunk_bytes=4096, max_bytes=2**20, send_timeout_s=2,
+    tp = ZmqTransport()
+    server = WeightServer(tp, slots, "tcp://127.0.0.1:*", chunk_bytes=4096, max_bytes=2**20, send_timeout_s=2,
                           on_served=served.append)
     state = {"w": torch.randn(3000), "b": torch.randn(17).bfloat16()}  # 12,064 bytes: 3 chunks of 4 KiB
     try:
@@ -128,7 +129,7 @@ def test_fetch_over_zeromq_returns_the_exact_bytes_and_names_every_failure(tmp_p
         raw = make_socket(shared_context(), zmq.DEALER)
         raw.connect(server.endpoint)
         raw.send(b"\x93not an envelope")
-        r = fetch_weights(server.endpoint, 5, w.nbytes, dst, chunk_bytes=4096, timeout_s=5, engine_id="e0",
+        r = fetch_weights(tp, server.endpoint, 5, w.nbytes, dst, chunk_bytes=4096, timeout_s=5, engine_id="e0",
                           max_bytes=2**20, window=2)
         for _ in range(100):  # the server counts a chunk once its send returned, maybe after the client got it
             if sum(served) == w.nbytes:
@@ -140,24 +141,23 @@ def test_fetch_over_zeromq_returns_the_exact_bytes_and_names_every_failure(tmp_p
         slots.write(6, state)
         slots.write(7, state)  # version 5's slot is rewritten
         with pytest.raises(WeightsUnavailable):
-            fetch_weights(server.endpoint, 5, w.nbytes, dst, chunk_bytes=4096, timeout_s=5, engine_id="e0",
+            fetch_weights(tp, server.endpoint, 5, w.nbytes, dst, chunk_bytes=4096, timeout_s=5, engine_id="e0",
                           max_bytes=2**20)
         # a refusal to a requester that has gone (ROUTER_MANDATORY: host unreachable) leaves the server serving
         from async_vapo.transport.messages import WeightsFetch, encode
 
-        gone = [zmq.Frame(b"\x00gone"), zmq.Frame(encode(make_envelope(WeightsFetch(engine_id="e9", version=5,
-                                                                                    index=0), sender="e9")))]
-        server._serve(gone)
-        r = fetch_weights(server.endpoint, 7, w.nbytes, dst, chunk_bytes=4096, timeout_s=5, engine_id="e0",
+        gone = encode(make_envelope(WeightsFetch(engine_id="e9", version=5, index=0), sender="e9"))
+        server.server._handle(b"\x00gone", gone)
+        r = fetch_weights(tp, server.endpoint, 7, w.nbytes, dst, chunk_bytes=4096, timeout_s=5, engine_id="e0",
                           max_bytes=2**20)
-        assert r["chunks"] == 3 and server._thread.is_alive()
+        assert r["chunks"] == 3 and server.server._thread.is_alive()
         raw.close(linger=0)
     finally:
         server.close()
         slots.close()
     # a dead learner is a named timeout, not a hang
     with pytest.raises(PeerTimeout):
-        fetch_weights(server.endpoint, 7, 100, bytearray(100), chunk_bytes=4096, timeout_s=0.5, engine_id="e0",
+        fetch_weights(tp, server.endpoint, 7, 100, bytearray(100), chunk_bytes=4096, timeout_s=0.5, engine_id="e0",
                       max_bytes=2**20)
     # a corrupt chunk (its crc32 does not match) is rejected
     router = make_socket(shared_context(), zmq.ROUTER)
@@ -171,7 +171,7 @@ def test_fetch_over_zeromq_returns_the_exact_bytes_and_names_every_failure(tmp_p
     t = threading.Thread(target=bad_server)
     t.start()
     with pytest.raises(ProtocolError, match="checksum"):
-        fetch_weights(f"tcp://127.0.0.1:{port}", 1, 100, bytearray(100), chunk_bytes=4096, timeout_s=5,
+        fetch_weights(tp, f"tcp://127.0.0.1:{port}", 1, 100, bytearray(100), chunk_bytes=4096, timeout_s=5,
                       engine_id="e0", max_bytes=2**20, window=1)
     t.join(5)
     router.close(linger=0)
@@ -199,7 +199,8 @@ def test_every_push_path_serves_the_pushed_weights(vllm_engine, tiny_base, tmp_p
         return policy.state_dict()
 
     slots = WeightSlots(tmp_path / "slots", 2)
-    server = WeightServer(slots, "tcp://127.0.0.1:*", chunk_bytes=2**20, max_bytes=2**20, send_timeout_s=5)
+    tp = ZmqTransport()
+    server = WeightServer(tp, slots, "tcp://127.0.0.1:*", chunk_bytes=2**20, max_bytes=2**20, send_timeout_s=5)
 
     def from_slot(state, v):
         w = slots.write(v, state)
@@ -210,7 +211,7 @@ def test_every_push_path_serves_the_pushed_weights(vllm_engine, tiny_base, tmp_p
     def fetched(state, v):
         w = slots.write(v, state)
         dst = vllm_engine.receive_buffer(w.nbytes)
-        fetch_weights(server.endpoint, v, w.nbytes, dst, chunk_bytes=2**20, timeout_s=10, engine_id="e0",
+        fetch_weights(tp, server.endpoint, v, w.nbytes, dst, chunk_bytes=2**20, timeout_s=10, engine_id="e0",
                       max_bytes=2**20)
         del dst
         vllm_engine.load_received(w.layout, v)

@@ -663,3 +663,129 @@ def test_tensor_blob_checks(blob_pair):
                                   "not_allowed": 1}
     send_tensor_blob(push, _blob_header(blob), blob, timeout_s=1.0)  # and the socket still works
     assert bytes(recv_tensor_blob(pull, dec, timeout_s=2.0, max_blob_bytes=2**20)[1]) == blob
+
+
+# ---- the windowed blob link (the weight fetch's shape), on both transports --------------------------------------
+
+
+def _chunk_server(transport, data: bytes, chunk: int, *, corrupt: int | None = None, seen: list | None = None):
+    """A blob server answering ``WeightsFetch(index)`` with chunk ``index`` of ``data`` (a refusal past its end);
+    chunk ``corrupt`` goes out with the crc32 of other bytes."""
+
+    def handler(req):
+        i = req.body.index
+        if seen is not None:
+            seen.append(i)
+        part = data[i * chunk: (i + 1) * chunk]
+        if not part:
+            return env(Ack(acked_id=req.id, ok=False, error=f"no chunk {i}"), sender="learner"), None
+        checksum = blob_checksum(b"other" if i == corrupt else part)
+        header = TensorHeader(version=req.body.version, name="flat", dtype="uint8", shape=[len(part)],
+                              nbytes=len(part), checksum=checksum, index=i)
+        return env(header, sender="learner"), part
+
+    sent = []
+    server = transport.blob_server(EP, decoder=Decoder((WeightsFetch,)), handler=handler, send_timeout_s=1.0,
+                                   on_sent=sent.append)
+    return server, sent
+
+
+def _fetches(n: int, version: int = 1) -> list[Envelope]:
+    return [env(WeightsFetch(engine_id="e0", version=version, index=i), sender="e0") for i in range(n)]
+
+
+def test_blob_exchange_keeps_its_window_and_matches_each_reply_to_its_request(transport):
+    data = os.urandom(10_000)
+    seen: list[int] = []
+    server, sent = _chunk_server(transport, data, 1024, seen=seen)
+    link = transport.blob_requester(server.endpoint, decoder=Decoder((TensorHeader, Ack)), max_blob_bytes=1024)
+    try:
+        got = {}
+        for i, reply, raw in link.exchange(_fetches(10), window=3, timeout_s=5.0):
+            # one request goes out per reply taken: the server has seen at most `window` more than were answered
+            assert len(seen) <= len(got) + 3
+            assert reply.body.index == i and i not in got
+            got[i] = bytes(raw)
+        assert b"".join(got[i] for i in range(10)) == data
+        deadline = time.monotonic() + 5  # the server counts a blob once its send returned, maybe after it arrived
+        while sum(sent) < len(data) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sum(sent) == len(data)
+        # a refusal comes back as the envelope alone, matched to its request
+        [(i, reply, raw)] = list(link.exchange(_fetches(12)[11:], window=4, timeout_s=5.0))
+        assert (i, raw, reply.body.ok, reply.body.error) == (0, None, False, "no chunk 11")
+    finally:
+        link.close()
+        server.close()
+
+
+def test_blob_exchange_names_a_corrupt_chunk_an_unknown_reply_and_a_silent_server(transport):
+    data = os.urandom(4096)
+    server, _ = _chunk_server(transport, data, 1024, corrupt=2)
+    dec = Decoder((TensorHeader, Ack))
+    link = transport.blob_requester(server.endpoint, decoder=dec, max_blob_bytes=1024)
+    try:
+        with pytest.raises(ProtocolError, match="checksum"):
+            list(link.exchange(_fetches(4), window=1, timeout_s=5.0))
+        assert dec.rejects.counts["malformed"] == 1
+    finally:
+        link.close()
+    small = transport.blob_requester(server.endpoint, decoder=Decoder((TensorHeader, Ack)), max_blob_bytes=100)
+    try:
+        with pytest.raises(ProtocolError) as err:  # a chunk over the requester's cap
+            list(small.exchange(_fetches(1), window=1, timeout_s=5.0))
+        assert err.value.reason == "oversized"
+    finally:
+        small.close()
+    server.close()
+    # a server that answers another request than the one in flight: refused, not taken for the answer
+    other = transport.blob_server(EP, decoder=Decoder((WeightsFetch,)), send_timeout_s=1.0,
+                                  handler=lambda req: (env(Ack(acked_id="x", ok=False), sender="l"), None))
+    other._handle = _answering_another(other)
+    link = transport.blob_requester(other.endpoint, decoder=Decoder((TensorHeader, Ack)), max_blob_bytes=1024)
+    try:
+        with pytest.raises(ProtocolError, match="no request in flight"):
+            list(link.exchange(_fetches(1), window=1, timeout_s=5.0))
+    finally:
+        link.close()
+        other.close()
+    # nobody there: a named timeout, not a hang
+    nobody = transport.blob_requester(unbound_endpoint(transport), decoder=Decoder((TensorHeader,)),
+                                      max_blob_bytes=1024)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(PeerTimeout):
+            list(nobody.exchange(_fetches(2), window=2, timeout_s=0.3))
+    finally:
+        nobody.close()
+    assert time.monotonic() - t0 < 2.0
+
+
+def _answering_another(server):
+    """``server._handle`` that answers each request as if it were another one (its reply's ``reply_to`` a stranger's
+    id): what a confused or hostile server would send."""
+    handle = server._handle
+
+    def handle_as_another(route, frame):
+        request = Decoder((WeightsFetch,)).decode(frame)
+        stranger = msgspec.structs.replace(request, id="not-yours")
+        handle(route, encode(stranger))
+
+    return handle_as_another
+
+
+def test_blob_server_keeps_serving_after_a_requester_has_gone(transport):
+    data = os.urandom(3000)
+    server, sent = _chunk_server(transport, data, 1024)
+    gone = transport.blob_requester(server.endpoint, decoder=Decoder((TensorHeader, Ack)), max_blob_bytes=1024)
+    assert gone._send_request(encode(_fetches(1)[0]), 1.0)
+    gone.close()  # before its answer: the server's reply has nowhere to go (PeerDead, logged)
+    link = transport.blob_requester(server.endpoint, decoder=Decoder((TensorHeader, Ack)), max_blob_bytes=1024)
+    try:
+        got = {i: bytes(raw) for i, _, raw in link.exchange(_fetches(3), window=2, timeout_s=5.0)}
+        assert b"".join(got[i] for i in range(3)) == data
+        assert server._thread.is_alive()
+    finally:
+        link.close()
+        server.close()
+    assert not server._thread.is_alive()
