@@ -177,6 +177,49 @@ def test_fetch_over_zeromq_returns_the_exact_bytes_and_names_every_failure(tmp_p
     router.close(linger=0)
 
 
+@pytest.mark.parametrize("kind", ["inproc", "zmq"])
+def test_fetch_through_the_transport_interface_on_either_transport(tmp_path, kind):
+    """WeightServer and fetch_weights use only the Transport interface: the in-process transport (no ZeroMQ) serves a
+    fetch as ZeroMQ does, with the same named failures."""
+    from async_vapo.transport import InprocTransport
+
+    tp = InprocTransport() if kind == "inproc" else ZmqTransport()
+    slots = WeightSlots(tmp_path / "w", 2)
+    served = []
+    server = WeightServer(tp, slots, "tcp://127.0.0.1:*", chunk_bytes=1000, max_bytes=2**20, send_timeout_s=2,
+                          on_served=served.append)
+    state = {"w": torch.randn(2500), "b": torch.randn(33).bfloat16()}  # 10,066 bytes: 11 chunks of 1000
+    try:
+        w = slots.write(3, state)
+        for window in (1, 4, 20):
+            dst = bytearray(w.nbytes)
+            r = fetch_weights(tp, server.endpoint, 3, w.nbytes, dst, chunk_bytes=1000, timeout_s=5, engine_id="e0",
+                              max_bytes=2**20, window=window)
+            got = _unflatten(dst, w.layout)
+            assert r["chunks"] == 11 and all(torch.equal(got[k], state[k]) for k in state)
+        slots.write(4, state)
+        slots.write(5, state)  # version 3's slot is rewritten
+        with pytest.raises(WeightsUnavailable):
+            fetch_weights(tp, server.endpoint, 3, w.nbytes, bytearray(w.nbytes), chunk_bytes=1000, timeout_s=5,
+                          engine_id="e0", max_bytes=2**20)
+        with pytest.raises(ProtocolError):  # the learner's chunks are larger than this engine takes
+            fetch_weights(tp, server.endpoint, 5, w.nbytes, bytearray(w.nbytes), chunk_bytes=500, timeout_s=5,
+                          engine_id="e0", max_bytes=2**20)
+        deadline = time.monotonic() + 5  # counted once each send returned, maybe after the client got it
+        while sum(served) < 3 * w.nbytes and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sum(served) >= 3 * w.nbytes and server.decoder.rejects.total == 0
+    finally:
+        server.close()
+        slots.close()
+    t0 = time.monotonic()
+    with pytest.raises(PeerTimeout):  # the learner's server is gone: a named timeout, not a hang
+        fetch_weights(tp, server.endpoint, 5, 100, bytearray(100), chunk_bytes=1000, timeout_s=0.5, engine_id="e0",
+                      max_bytes=2**20)
+    assert time.monotonic() - t0 < 3
+    tp.close()
+
+
 # ---- on the real engine (the session's shared one) ------------------------------------------------------------
 
 
