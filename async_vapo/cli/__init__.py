@@ -1,6 +1,7 @@
 """`async-vapo` command line.
 
-    async-vapo train --config configs/tiny_cpu.toml [key.sub=value ...] [--resume CKPT|auto | --new-run]
+    async-vapo train --config configs/tiny_cpu.toml [key.sub=value ...] [--resume CKPT|auto | --new-run] [--no-check]
+    async-vapo check --config FILE [key.sub=value ...]       data, answer format, model, ports, disk: before a run
     async-vapo make-base --config configs/tiny_cpu.toml [--force] [--ship]
     async-vapo eval [CKPT | HF_DIR] [--config FILE] [--samples N] [--k 1,4] [key.sub=value ...]
     async-vapo import-gguf GGUF_FILE OUT_DIR [--force]         a GGUF model -> an HF directory (safetensors)
@@ -24,6 +25,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from async_vapo.cli import (
+    check,
     config,
     evaluate,
     experiment,
@@ -38,7 +40,7 @@ from async_vapo.cli import (
 )
 from async_vapo.cli._common import CommandError, is_override
 
-COMMANDS = (train, make_base, evaluate, import_gguf, config, plot, replay, export, plan, report, experiment)
+COMMANDS = (train, check, make_base, evaluate, import_gguf, config, plot, replay, export, plan, report, experiment)
 """One module per command, in the order of ``--help``; each has ``add_parser(subparsers)``."""
 OWN_PARSERS = {"experiment": experiment.main, "report": report.main}
 """Commands whose modules parse their own arguments (build_parser carries the same ones, for --help and docs)."""

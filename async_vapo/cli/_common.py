@@ -47,15 +47,3 @@ def existing_dir(path: str, what: str) -> Path:
     if not p.is_dir():
         raise CommandError(f"{what} {path}: not a directory")
     return p
-
-
-def check_problem_files(cfg) -> None:
-    """With ``task.kind = "files"``, read the first problem of each file with the config's field names, so that a
-    missing file or a wrong key is reported before a run directory is claimed or a model is built."""
-    from async_vapo.tasks.files import load_problems
-
-    t = cfg.task
-    if t.kind == "files":
-        for path in dict.fromkeys((t.train_path, t.eval_path)):
-            load_problems(path, prompt_key=t.prompt_key, answer_key=t.answer_key, messages_key=t.messages_key,
-                          limit=1)

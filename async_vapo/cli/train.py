@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from async_vapo.cli._common import CommandError, add_config_args, check_problem_files, existing_dir, load
+from async_vapo.cli._common import CommandError, add_config_args, existing_dir, load
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -19,6 +19,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                "run directory's newest one (an error if it cannot be continued)")
     run_rule.add_argument("--new-run", action="store_true",
                           help="start a new run in a directory that holds none (runs/NAME-2, ...)")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip async-vapo check's checks before the start (data files, answer format, model, disk)")
     p.set_defaults(run=run)
     return p
 
@@ -31,11 +33,24 @@ def _exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
+def _check(cfg) -> None:
+    """``async-vapo check --for train``: every problem it finds, before a run directory is claimed or a model built."""
+    from async_vapo.cli.check import check
+
+    problems = check(cfg, app="train").problems
+    if len(problems) == 1:
+        raise CommandError(f"{problems[0]} (found by the check before the start; --no-check skips it)")
+    if problems:
+        raise CommandError(f"{len(problems)} problem(s) found before the start (async-vapo check; --no-check skips "
+                           "it); nothing was started:\n  " + "\n  ".join(problems))
+
+
 def run(args: argparse.Namespace) -> int:
     from async_vapo.learner.rundir import RunDirError, RunPlan, claim, plan_run
 
     cfg = load(args)
-    check_problem_files(cfg)
+    if not args.no_check:
+        _check(cfg)
     try:
         if args.resume and args.resume != "auto":
             existing_dir(args.resume, "--resume")

@@ -942,7 +942,7 @@ class TrainConfig(_Section):
     """Run directory; `{name}` is replaced by `name`."""
     name: str = "tiny_cpu"
     """Run name. Set by none of the config files on the command line (nor by an override): the last file's stem,
-    so that ``configs/foo.toml`` runs in ``runs/foo``; a name set in a file they ``extends`` is not inherited.
+    so that a file ``NAME.toml`` runs in ``runs/NAME``; a name set in a file they ``extends`` is not inherited.
     Without a config file: "tiny_cpu" (the embedded defaults)."""
     seed: int = 0
     """Seed of prompt sampling and learner initialisation."""

@@ -158,8 +158,9 @@ def _saved_dataset(path: Path) -> Iterator[tuple[int, str, Any]]:
         yield row, f"{path}: row {row}", record
 
 
-def _records(path: Path) -> Iterator[tuple[int, str, Any]]:
-    """``(number, location, record)`` in file order; records are not yet checked to be objects."""
+def _records(path: Path, errors: list[str] | None = None) -> Iterator[tuple[int, str, Any]]:
+    """``(number, location, record)`` in file order; records are not yet checked to be objects. ``errors``: an
+    invalid JSONL line is appended there and skipped instead of raised."""
     suffix = path.suffix.lower()
     if not path.exists():
         raise ProblemFileError(f"{path}: no such file or directory")
@@ -172,9 +173,13 @@ def _records(path: Path) -> Iterator[tuple[int, str, Any]]:
                     continue
                 where = f"{path}:{line_no}"
                 try:
-                    yield line_no, where, json.loads(line)
+                    record = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ProblemFileError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from e
+                    if errors is None:
+                        raise ProblemFileError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from e
+                    errors.append(f"{where}: invalid JSON: {e.msg} (column {e.colno})")
+                    continue
+                yield line_no, where, record
     elif suffix == ".json":
         text = path.read_text(encoding="utf-8")
         try:
@@ -219,27 +224,70 @@ def load_problems(
     path = Path(path)
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 or None, got {limit}")
+    problems: list[Problem] = []
+    for problem in _problems(path, prompt_key, answer_key, messages_key, None):
+        problems.append(problem)
+        if limit is not None and len(problems) >= limit:
+            break
+    if not problems:
+        raise ProblemFileError(f"{path}: no problems (empty file)")
+    return problems
+
+
+def check_problems(
+    path: str | Path,
+    *,
+    prompt_key: str | None = None,
+    answer_key: str | None = None,
+    messages_key: str | None = None,
+) -> tuple[list[Problem], list[str]]:
+    """Every record of ``path`` read as :func:`load_problems` reads it, but each bad record (or invalid JSONL line)
+    is one message and the reading goes on: the problems read and the messages, in file order (``async-vapo
+    check``). A file that cannot be read at all (missing, unknown extension, not a JSON list) is one message."""
+    path = Path(path)
+    errors: list[str] = []
+    try:
+        problems = list(_problems(path, prompt_key, answer_key, messages_key, errors))
+    except (ProblemFileError, ImportError) as e:
+        return [], [*errors, str(e)]
+    if not problems and not errors:
+        errors.append(f"{path}: no problems (empty file)")
+    return problems, errors
+
+
+def _problems(path: Path, prompt_key: str | None, answer_key: str | None, messages_key: str | None,
+              errors: list[str] | None) -> Iterator[Problem]:
+    """The problems of ``path`` in file order; a bad record raises, or with ``errors`` is appended there and
+    skipped. Keys not given are detected from the first record that has one of the candidates."""
     detected = "detected from the first record"
     prompt_setting = "task.prompt_key" if prompt_key is not None else detected
     answer_setting = "task.answer_key" if answer_key is not None else detected
-    problems: list[Problem] = []
-    for row, where, record in _records(path):
-        if not isinstance(record, Mapping):
-            raise ProblemFileError(f"{where}: expected a JSON object, got {type(record).__name__}")
-        messages = None
-        if messages_key is not None:
-            messages = _messages(_field(record, messages_key, "task.messages_key", where), messages_key, where)
+    for row, where, record in _records(path, errors):
+        try:
+            if not isinstance(record, Mapping):
+                raise ProblemFileError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            messages = None
+            if messages_key is not None:
+                messages = _messages(_field(record, messages_key, "task.messages_key", where), messages_key, where)
+                if messages is None:
+                    raise ProblemFileError(f"{where}: field {messages_key!r} (task.messages_key) must be a list of "
+                                           f"chat messages, got {type(_get(record, messages_key)).__name__}")
+            if prompt_key is None and messages_key is None:
+                prompt_key = _detect(record, PROMPT_KEYS, "prompt", where)
+            if answer_key is None:
+                answer_key = _detect(record, ANSWER_KEYS, "answer", where)
+            source = prompt_key or messages_key
+            value = (_get(record, messages_key) if prompt_key is None
+                     else _field(record, prompt_key, prompt_setting, where))
+            prompt = _prompt_text(value, source, where)
+            answer = _answer_text(_field(record, answer_key, answer_setting, where), answer_key, where)
             if messages is None:
-                raise ProblemFileError(f"{where}: field {messages_key!r} (task.messages_key) must be a list of chat "
-                                       f"messages, got {type(_get(record, messages_key)).__name__}")
-        if prompt_key is None and messages_key is None:
-            prompt_key = _detect(record, PROMPT_KEYS, "prompt", where)
-        if answer_key is None:
-            answer_key = _detect(record, ANSWER_KEYS, "answer", where)
-        source = prompt_key or messages_key
-        value = _get(record, messages_key) if prompt_key is None else _field(record, prompt_key, prompt_setting, where)
-        prompt = _prompt_text(value, source, where)
-        answer = _answer_text(_field(record, answer_key, answer_setting, where), answer_key, where)
+                messages = _messages(value, source, where)
+        except ProblemFileError as e:
+            if errors is None:
+                raise
+            errors.append(str(e))
+            continue
         uid = next(
             (str(v) for v in (_get(record, k) for k in ID_KEYS) if v is not _MISSING and v is not None),
             prompt_uid(prompt),
@@ -248,10 +296,4 @@ def load_problems(
         level = next((v for v in (record.get(k) for k in DIFFICULTY_KEYS) if isinstance(v, str | int)), None)
         if level is not None and not isinstance(level, bool):
             meta["difficulty"] = level
-        problems.append(Problem(uid=uid, prompt=prompt, answer=answer, meta=meta,
-                                messages=messages if messages is not None else _messages(value, source, where)))
-        if limit is not None and len(problems) >= limit:
-            break
-    if not problems:
-        raise ProblemFileError(f"{path}: no problems (empty file)")
-    return problems
+        yield Problem(uid=uid, prompt=prompt, answer=answer, meta=meta, messages=messages)

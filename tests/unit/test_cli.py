@@ -176,13 +176,13 @@ def test_version_and_help_exit_0(capsys):
 def test_build_parser_has_every_command_and_option():
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "cmd")
-    assert list(sub.choices) == ["train", "make-base", "eval", "import-gguf", "config", "plot", "replay", "export",
-                                 "plan", "report", "experiment"]
+    assert list(sub.choices) == ["train", "check", "make-base", "eval", "import-gguf", "config", "plot", "replay",
+                                 "export", "plan", "report", "experiment"]
     options = {name: {s for a in p._actions for s in a.option_strings} for name, p in sub.choices.items()}
-    for name in ("train", "make-base", "eval", "config", "plan"):
+    for name in ("train", "check", "make-base", "eval", "config", "plan"):
         assert "--config" in options[name], name
     assert {"--force", "--model", "--dtype"} <= options["export"]
-    assert {"--resume", "--new-run"} <= options["train"] and {"--hosts", "--model-config"} <= options["plan"]
+    assert {"--resume", "--new-run", "--no-check"} <= options["train"] and {"--hosts", "--model-config"} <= options["plan"]
     # experiment and report carry their own modules' arguments
     experiment = next(a for a in sub.choices["experiment"]._actions if a.dest == "cmd").choices
     assert {"--plan", "--seeds", "--parallel"} <= {s for a in experiment["run"]._actions for s in a.option_strings}
