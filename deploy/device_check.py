@@ -471,7 +471,8 @@ def mfu_length(run: MfuRun, state: dict, model_dir: Path, shape_name: str, resp:
     tokens = int(batch.tokens.attention_mask.sum())
     row = {"shape": shape_name, "params_per_model": shape.params(), "world": world, "response_tokens": resp,
            "prompt_tokens": prompt, "rows": rows, "tokens_per_update": tokens, "max_tokens_per_micro_batch": budget,
-           "micro_batches_per_update": -(-rows // plan.setup.rows), "load_s": state["load_s"], "warmup_s": warm,
+           "micro_batches_per_update": -(-rows // plan.setup.rows), "build_and_load_s": state["load_s"],
+           "warmup_s": warm,
            "update_s": times, "update_mean_s": seconds, "tokens_per_s": tokens / seconds / world,
            "response_tokens_per_s": rows * resp / seconds / world, "model_flops_per_update": flops["total"],
            "model_flops_per_token": flops["per_token"],
@@ -674,6 +675,8 @@ def main() -> int:
            "python": platform.python_version(), "world": world, "stages": args.stages,
            "device": torch.cuda.get_device_name() if cuda else "cpu", "budget_s": args.budget_s}
     checks.extra["environment"] = env
+    stage_s = env["stage_s"] = {}
+    t0 = time.monotonic()
     if "weights" in args.stages:
         checks.record("vllm_engine_steps", True, skipped=True,
                       reason="vLLM is not installed on the device machine (torch and transformers only)")
@@ -691,13 +694,17 @@ def main() -> int:
             weight_transfer(checks, cuda, args.tiny)
         except Exception:
             checks.record("nccl_weight_transfer", False, traceback=traceback.format_exc())
+        stage_s["weights"] = time.monotonic() - t0
     if "mfu" in args.stages:
+        t0 = time.monotonic()
         keep = LEARNER_STAGE_S if "learner" in args.stages else 0.0
         try:
             mfu_stage(checks, args, local_device(), world, rank, deadline - keep)
         except Exception:
             checks.record("mfu", False, traceback=traceback.format_exc())
+        stage_s["mfu"] = time.monotonic() - t0
     if "learner" in args.stages:
+        t0 = time.monotonic()
         left = deadline - time.monotonic()
         if left < LEARNER_STAGE_S and not args.tiny:
             checks.record("learner_stage", True, skipped=True,
@@ -705,7 +712,8 @@ def main() -> int:
                                  f"{LEARNER_STAGE_S:.0f} s: run --stages learner")
         else:
             learner_stage(checks, args, env, rank, world, cuda)
-    env["elapsed_s"] = time.monotonic() - started
+        stage_s["learner"] = time.monotonic() - t0
+    env["elapsed_s"] = time.monotonic() - started  # from the script's start (torchrun's start-up before it)
     ok = checks.write() if rank == 0 else True
     torch.distributed.destroy_process_group()
     return 0 if ok else 1
