@@ -260,6 +260,8 @@ GPUS = {g.name: g for g in (
     Gpu("h100-80g", 80, 3.35e12, 989e12),  # H100 SXM5 datasheet (dense, without sparsity)
     Gpu("h200", 141, 4.8e12, 989e12),  # H200 SXM datasheet
 )}
+DEFAULT_HOST_MEMORY_GIB = 2048.0
+"""Memory of a learner host without ``--host-memory-gib``: an 8-GPU DGX A100 (640 GB), H100 or H200 has 2 TiB."""
 DECODE_BANDWIDTH_EFFICIENCY = 0.5
 """Share of the HBM bandwidth a batched vLLM decode step reaches (weights + KV cache read once per step)."""
 LEARNER_MFU = 0.35
@@ -347,6 +349,9 @@ class Cluster:
     """None: half of ``rollout.max_response_tokens``."""
     gpu: str = "h100-80g"
     profile: Profile | None = None
+    host_memory_gib: float = DEFAULT_HOST_MEMORY_GIB
+    """Memory of a learner host: what its ranks' offloaded state (``learner.cpu_offload``) must fit."""
+    host_memory_source: str = "a DGX's 2 TiB, the default"
 
     def mean_response(self, cfg) -> int:
         return self.mean_response_tokens or max(1, cfg.rollout.max_response_tokens // 2)
@@ -363,14 +368,27 @@ class Estimate:
     profile: Profile
     fits_learner: bool
     fits_engine: bool
+    host: int = 0
+    """Bytes of host memory per learner host: its ranks' offloaded state."""
+    fits_host: bool = True
 
     @property
     def fits(self) -> bool:
-        return self.fits_learner and self.fits_engine
+        return self.fits_learner and self.fits_engine and self.fits_host
+
+    def misfits(self, cl: Cluster) -> list[str]:
+        """What does not fit, in words (empty: everything fits)."""
+        return ([] if self.fits_learner else [f"a learner rank needs {_gib(self.learner['total'])} of a "
+                                               f"{cl.gpu_memory_gib:g} GiB GPU"]) + (
+            [] if self.fits_engine else ["an engine's KV cache holds no full-length sequence"]) + (
+            [] if self.fits_host else [f"a learner host needs {_gib(self.host)} of host memory, more than its "
+                                       f"{cl.host_memory_gib:,g} GiB ({cl.host_memory_source})"])
 
 
-def estimate(cfg, shape: ModelShape, cl: Cluster, *, engines: int, budget: int | None = None) -> Estimate:
-    """Memory, fit and step time of ``cfg`` with ``engines`` engines (its own devices and TP size)."""
+def estimate(cfg, shape: ModelShape, cl: Cluster, *, engines: int, budget: int | None = None,
+             ranks_per_host: int | None = None) -> Estimate:
+    """Memory, fit and step time of ``cfg`` with ``engines`` engines (its own devices and TP size) and
+    ``ranks_per_host`` learner ranks on a learner host (None: every rank on one)."""
     r, a = cfg.rollout, cfg.algo
     tp, dt = r.tensor_parallel_size, DTYPE_BYTES[cfg.model.dtype]
     gpu_bytes = int(cl.gpu_memory_gib * GiB)
@@ -390,14 +408,17 @@ def estimate(cfg, shape: ModelShape, cl: Cluster, *, engines: int, budget: int |
                      generation_tokens_s=profile.generation(tp) * tp * engines,
                      learner_tokens_s=profile.learner_tokens_s_per_gpu * s.ranks,
                      max_staleness=StalenessPolicy.from_config(cfg).max_staleness, sync_s=ws["seconds_all"])
-    return Estimate(lm, s, em, ws, t, profile, lm["total"] <= gpu_bytes, em["sequences"] >= 1)
+    host = (ranks_per_host or s.ranks) * lm["host"]
+    return Estimate(lm, s, em, ws, t, profile, lm["total"] <= gpu_bytes, em["sequences"] >= 1, host,
+                    host <= cl.host_memory_gib * GiB)
 
 
 def report(cfg, placement, shape: ModelShape, source: str, cl: Cluster, *, hosts_line: str) -> tuple[str, bool]:
     """The text ``async-vapo plan`` prints (placement, memory, sync, step time, every assumption) and whether the
     learner and the engines fit their GPUs."""
     r, a, tp = cfg.rollout, cfg.algo, cfg.rollout.tensor_parallel_size
-    est = estimate(cfg, shape, cl, engines=len(placement.engines))
+    per_host = len(placement.learners[0].ranks) if placement.learners else cfg.async_.learner_devices
+    est = estimate(cfg, shape, cl, engines=len(placement.engines), ranks_per_host=per_host)
     lm, s, em, ws, t = est.learner, est.setup, est.engine, est.sync, est.time
     bound = StalenessPolicy.from_config(cfg).max_staleness
     gib = cl.gpu_memory_gib
@@ -407,7 +428,8 @@ def report(cfg, placement, shape: ModelShape, source: str, cl: Cluster, *, hosts
     lines = [
         f"model: {shape.params() / 1e9:.2f} B parameters ({shape.num_layers} layers, hidden {shape.hidden_size}, "
         f"{shape.num_kv_heads} KV heads, vocab {shape.vocab_size:,}); shape from {source}",
-        f"cluster: {hosts_line}; GPUs of {gib:g} GiB; async.rollout_devices : learner_devices = "
+        f"cluster: {hosts_line}; GPUs of {gib:g} GiB; hosts of {cl.host_memory_gib:,g} GiB "
+        f"({cl.host_memory_source}); async.rollout_devices : learner_devices = "
         f"{cfg.async_.rollout_devices} : {cfg.async_.learner_devices}, tensor_parallel_size {tp} -> "
         f"{len(placement.engines)} engine(s)",
         "",
@@ -424,9 +446,9 @@ def report(cfg, placement, shape: ModelShape, source: str, cl: Cluster, *, hosts
         _row("total on the GPU", f"{_gib(lm['total'])}  ({fits})"),
     ]
     if s.cpu_offload:
-        per_host = len(placement.learners[0].ranks) if placement.learners else 1
+        host_fits = "fits" if est.fits_host else f"DOES NOT FIT {cl.host_memory_gib:,g} GiB"
         lines.append(_row(f"host memory per learner host ({per_host} rank(s) x offloaded state)",
-                          _gib(per_host * lm["host"])))
+                          f"{_gib(est.host)}  ({host_fits})"))
     lines += [
         "",
         f"engine, per GPU (tensor parallel {tp}, {cfg.model.dtype}, gpu_memory_utilization "
@@ -455,6 +477,9 @@ def report(cfg, placement, shape: ModelShape, source: str, cl: Cluster, *, hosts
              + ("generate + learn + sync" if bound == 0 else "max(generate, learn) + sync"),
              f"{t['step_s']:,.0f} s"),
     ]
+    if not est.fits:
+        lines += ["", "DOES NOT FIT: " + "; ".join(est.misfits(cl)) + " (plan --search lists the placements that "
+                  "fit, or says what would make one fit)"]
     return "\n".join(lines), est.fits
 
 
@@ -521,7 +546,7 @@ def search(cfg, shape: ModelShape, cl: Cluster, *, hosts: int, gpus_per_host: in
                     c = cfg.model_copy(deep=True)
                     c.async_.rollout_devices, c.async_.learner_devices = rollout, k * per
                     c.rollout.tensor_parallel_size, c.algo.max_tokens_per_micro_batch = tp, b
-                    e = estimate(c, shape, cl, engines=len(p.engines))
+                    e = estimate(c, shape, cl, engines=len(p.engines), ranks_per_host=per)
                     if e.fits:
                         out.append(Candidate(k, per, rollout, tp, b, e, sum(len(g) for g in p.idle.values())))
     own = cfg.algo.max_tokens_per_micro_batch
@@ -530,24 +555,82 @@ def search(cfg, shape: ModelShape, cl: Cluster, *, hosts: int, gpus_per_host: in
     return out, tried
 
 
+def _changed(cfg, **settings):
+    """``cfg`` with ``section__field=value`` settings; None when the config refuses them."""
+    c = cfg.model_copy(deep=True)
+    try:
+        for key, value in settings.items():
+            section, name = key.split("__")
+            setattr(getattr(c, section), name, value)
+        return c.model_validate(c.model_dump(by_alias=True))
+    except ValueError:
+        return None
+
+
+def nothing_fits(cfg, shape: ModelShape, cl: Cluster, *, hosts: int, gpus_per_host: int) -> list[str]:
+    """Why no placement fits (the best tried) and each single change that would make one fit, with the fastest step
+    it allows: settings the config does not already have, more hosts, larger GPUs, larger host memory."""
+    from dataclasses import replace
+
+    lc, r = cfg.learner, cfg.rollout
+    trials: list[tuple[str, object, Cluster, int]] = []
+    if not lc.cpu_offload:
+        trials.append(("learner.cpu_offload=true", _changed(cfg, learner__cpu_offload=True), cl, hosts))
+    if not lc.activation_checkpointing:
+        trials.append(("learner.activation_checkpointing=true",
+                       _changed(cfg, learner__activation_checkpointing=True), cl, hosts))
+    if not lc.logprob_chunk_tokens:
+        trials.append(("learner.logprob_chunk_tokens=4096", _changed(cfg, learner__logprob_chunk_tokens=4096), cl,
+                       hosts))
+    for f in (2, 4):
+        n = r.max_response_tokens // f
+        trials.append((f"rollout.max_response_tokens={n}", _changed(cfg, rollout__max_response_tokens=n), cl, hosts))
+    trials.append((f"--hosts {hosts * 2}", cfg, cl, hosts * 2))
+    if cl.gpu_memory_gib < GPUS["h200"].memory_gib:
+        trials.append((f"GPUs of {GPUS['h200'].memory_gib:g} GiB (--gpu h200)", cfg,
+                       replace(cl, gpu_memory_gib=GPUS["h200"].memory_gib), hosts))
+    unbounded = replace(cl, host_memory_gib=float("inf"))
+    out = []
+    for label, c, cluster, n_hosts in trials:
+        found = search(c, shape, cluster, hosts=n_hosts, gpus_per_host=gpus_per_host)[0] if c is not None else []
+        if found:
+            out.append(f"  {label}: {len(found)} placement(s) fit, the fastest at "
+                       f"{found[0].estimate.time['step_s']:,.0f} s per step")
+    host_only = search(cfg, shape, unbounded, hosts=hosts, gpus_per_host=gpus_per_host)[0]
+    if host_only:
+        need = min(c.estimate.host for c in host_only)
+        out.append(f"  hosts of at least {-(-need // GiB):,} GiB of memory (--host-memory-gib): "
+                   f"{len(host_only)} placement(s) fit, the fastest at "
+                   f"{host_only[0].estimate.time['step_s']:,.0f} s per step")
+    head = f"NOTHING FITS on {hosts} host(s) x {gpus_per_host} GPU(s) of {cl.gpu_memory_gib:g} GiB"
+    if not out:
+        return [head + ": no single change tried makes a placement fit (" + ", ".join(t[0] for t in trials)
+                + "); combine them, or a smaller model"]
+    return [head + "; each of these alone would make one fit:", *out]
+
+
 def search_report(cfg, shape: ModelShape, source: str, cl: Cluster, *, hosts: int, gpus_per_host: int,
                   top: int = 10) -> tuple[str, bool]:
     """The text of ``plan --search``: the fitting placements, fastest first, and the best one's overrides."""
     found, tried = search(cfg, shape, cl, hosts=hosts, gpus_per_host=gpus_per_host)
     a = cfg.algo
     head = [f"model: {shape.params() / 1e9:.2f} B parameters; shape from {source}",
-            f"cluster: {hosts} host(s) x {gpus_per_host} GPU(s) of {cl.gpu_memory_gib:g} GiB; "
+            f"cluster: {hosts} host(s) x {gpus_per_host} GPU(s) of {cl.gpu_memory_gib:g} GiB, hosts of "
+            f"{cl.host_memory_gib:,g} GiB memory ({cl.host_memory_source}); "
             f"{a.prompts_per_step * a.group_size:,} responses per update of {cl.mean_response(cfg):,} tokens on "
             f"average (longest {cfg.rollout.max_response_tokens:,}), prompts up to {cl.prompt_tokens:,}; "
             f"async.max_staleness {StalenessPolicy.from_config(cfg).max_staleness}",
             f"rates: {(cl.profile.source if cl.profile else 'published figures of ' + cl.gpu)}; learner settings "
             f"from the config (activation_checkpointing {cfg.learner.activation_checkpointing}, logprob_chunk_tokens "
             f"{cfg.learner.logprob_chunk_tokens}, cpu_offload {cfg.learner.cpu_offload})",
-            f"{len(found)} of {tried} placements fit (learner hosts x ranks per host, tensor parallel size, token "
-            "budget; engines on every GPU the learner leaves)", ""]
+            (f"{len(found)} of {tried} placements fit (learner hosts x ranks per host, tensor parallel size, token "
+             "budget; engines on every GPU the learner leaves)" if tried else "no placement to try"), ""]
+    if not tried:
+        return "\n".join([*head, f"NOTHING TO TRY: {hosts} host(s) x {gpus_per_host} GPU(s) cannot hold a learner "
+                                  "rank and an engine on GPUs of their own (engines and learner do not share GPUs; "
+                                  "an engine's GPUs are on one host): give more GPUs"]), False
     if not found:
-        return "\n".join([*head, "NOTHING FITS: more or larger GPUs, learner.cpu_offload = true, or a shorter "
-                                  "rollout.max_response_tokens"]), False
+        return "\n".join([*head, *nothing_fits(cfg, shape, cl, hosts=hosts, gpus_per_host=gpus_per_host)]), False
     rows = [f"{'#':>3} {'learner':>9} {'rollout':>7} {'TP':>3} {'engines':>7} {'budget':>7} {'learner GiB':>11} "
             f"{'seqs/engine':>11} {'generate s':>10} {'learn s':>8} {'sync s':>7} {'step s':>8} {'idle':>4}"]
     for i, c in enumerate(found[:top], 1):
