@@ -158,7 +158,7 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
             publish(learner.version, learner.policy_state())
         m, examples = ev.metrics, ev.examples(rollout.encoder.decode)
         if learner.critic is not None:
-            heldout[:] = [HeldoutCritic.from_config(cfg, ev.groups, tokenizer.pad_token_id, tokenizer.decode)]
+            heldout[:] = [HeldoutCritic.from_config(cfg, ev.groups, tokenizer.pad_token_id, rollout.encoder.decode)]
             m = {**m, **heldout[0](learner)}
         row = {"kind": "eval", "step": step, "version": learner.version, "wall_s": elapsed(),
                "samples_seen": loop.samples_seen, **m}

@@ -46,8 +46,21 @@ class TaskConfig(_Section):
     """`arith` only: name each operation with a letter, in the prompt and in the step that uses it
     (``7a+3b-5c+2=`` -> ``7a+3=10;10b-5=5;...``), so that a small model can follow chains of tens of operations
     (at most 52): the long-response task's writing (``async_vapo.tasks.arith``)."""
-    few_shot: int = Field(1, ge=0, le=2)
-    """`wordprob` only: worked examples (question and answer turns) before each question in its chat."""
+    few_shot: int | None = Field(None, ge=0, le=16)
+    """Worked examples (a user turn and the assistant's answer each) before each question in its chat (``chat``
+    format only). `wordprob`: the built-in ones (``wordprob.SHOTS``; at most 2; None = 1). `files`: the first
+    ``few_shot`` of ``few_shot_path``, or of the training records that carry ``few_shot_solution_key`` (None = 1
+    when either is set; set without either, it is refused). `arith`: none."""
+    few_shot_path: str | None = None
+    """`files` only: worked examples put before every question (``few_shot``), read as problem files are
+    (``.jsonl``, ``.json``, ``.parquet``): a record is either a chat message list of user and assistant turns ending
+    with the assistant's answer (the field ``messages_key`` names, else ``messages``), or a question (``prompt_key``,
+    else detected as for problems; written into ``prompt_template``) and its worked answer (``few_shot_solution_key``,
+    else ``solution``, ``completion`` or ``response``). A shot whose question is a held-out problem is refused."""
+    few_shot_solution_key: str | None = None
+    """`files` only: the field of a worked example's answer (a dotted path as ``prompt_key``). Without
+    ``few_shot_path``, the shots are the first ``few_shot`` training records that have this field (in file order);
+    they leave the training set, and the held-out file is never read for them."""
     num_train: int = Field(4000, ge=1)
     """Number of training problems generated."""
     num_eval: int = Field(240, ge=1)
@@ -94,6 +107,7 @@ class TaskConfig(_Section):
                              f"got max_ops={self.max_ops}")
         if self.kind == "files" and not (self.train_path and self.eval_path):
             raise ValueError("kind='files' needs both train_path and eval_path")
+        self._check_kind_settings()
         keys = [k for k in ("prompt_key", "answer_key", "messages_key") if getattr(self, k) is not None]
         if keys and self.kind != "files":
             raise ValueError(f"task.{keys[0]} names a field of problem files: it is for kind='files' only, "
@@ -101,6 +115,42 @@ class TaskConfig(_Section):
         if "{prompt}" not in self.prompt_template:
             raise ValueError("prompt_template must contain '{prompt}'")
         return self
+
+    def _check_kind_settings(self) -> None:
+        """No setting accepted where it does nothing: a setting that this kind of task never reads is refused when
+        it was given a value other than its default (a resolved config, every field written, still loads)."""
+        given = [k for k in ("min_ops", "max_ops", "num_train", "num_eval", "seed")
+                 if k in self.model_fields_set and getattr(self, k) != type(self).model_fields[k].default]
+        if given and self.kind == "files":
+            raise ValueError(f"{', '.join(f'task.{k}' for k in given)}: the settings of a generated task do nothing "
+                             "for kind='files' (its problems and their number are the files'): remove them")
+        files_only = [k for k in ("train_path", "eval_path", "few_shot_path", "few_shot_solution_key")
+                      if getattr(self, k) is not None]
+        if files_only and self.kind != "files":
+            raise ValueError(f"task.{files_only[0]} is for kind='files' only, got kind={self.kind!r}")
+        shot_source = self.few_shot_path is not None or self.few_shot_solution_key is not None
+        if self.few_shot is not None and self.kind == "arith":
+            raise ValueError("task.few_shot does nothing for kind='arith' (no worked examples): remove it")
+        if self.few_shot is not None and self.kind == "wordprob" and self.few_shot > 2:
+            raise ValueError(f"kind='wordprob' has 2 worked examples, got task.few_shot={self.few_shot}")
+        if self.few_shot is not None and self.kind == "files" and not shot_source:
+            raise ValueError("task.few_shot with kind='files' needs worked examples: set task.few_shot_path (a file "
+                             "of them) or task.few_shot_solution_key (the training records' field that holds a "
+                             "worked answer)")
+        if self.prompt_format == "raw" and (shot_source or self.few_shot):
+            raise ValueError("task.few_shot / few_shot_path / few_shot_solution_key put chat turns before the "
+                             "question: they need task.prompt_format = 'chat'")
+        if self.prompt_format == "raw" and self.system_prompt is not None:
+            raise ValueError("task.system_prompt is a chat message: it needs task.prompt_format = 'chat'")
+
+    @property
+    def shots(self) -> int:
+        """Worked examples before each question: ``few_shot``, or its default for the task (module docs)."""
+        if self.few_shot is not None:
+            return self.few_shot
+        if self.kind == "wordprob":
+            return 1
+        return int(self.kind == "files" and (self.few_shot_path is not None or self.few_shot_solution_key is not None))
 
 
 class ModelConfig(_Section):

@@ -37,7 +37,8 @@ MISMATCH_LAGS = ("all", "0", "1", "2+")
 MISMATCH_STATS = ("mean", "max")
 MASKED_UNITS = ("token", "sequence")
 # The value functions scored on held-out responses: the critic and its reference levels (learner.critic_quality).
-CRITIC_VALUE_FUNCTIONS = ("critic", "length_only", "slip_aware", "slip_aware_by_step")
+CRITIC_VALUE_FUNCTIONS = ("critic", "length_only", "slip_aware", "slip_aware_by_step", "prompt_mean", "answer_aware",
+                          "critic_before_decisive", "critic_after_decisive")
 
 
 @dataclass(frozen=True)
@@ -171,8 +172,10 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "sample age in versions (NaN: undefined).", ("age",)),
     MetricSpec("learner", "critic_heldout_explained_variance", G, "Explained variance of the Monte-Carlo returns of "
                "held-out responses by the critic and, on the same responses, by reference value functions that know "
-               "only the problem's length or also the first slip, with one slip rate or one per step position "
-               "(learner.critic_quality; NaN: undefined).",
+               "only the problem's length or also the first slip, with one slip rate or one per step position; where "
+               "the verifier extracts an answer, that know the prompt's leave-one-out success rate (prompt_mean) or "
+               "also the outcome once the decisive token is written (answer_aware), and the critic's own before and "
+               "after that token (learner.critic_quality; NaN: undefined).",
                ("value_function",), series=_one(CRITIC_VALUE_FUNCTIONS)),
     MetricSpec("learner", "critic_fresh_explained_variance", G, "Critic explained variance of the returns of the last "
                "batch, taken before the critic trained on it (fresh responses to problems it has not seen; NaN: "

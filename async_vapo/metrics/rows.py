@@ -179,6 +179,10 @@ CRITIC_GAUGES = {"critic/heldout_ev": ("critic_heldout_explained_variance", "cri
                  "critic/heldout_ev_length_only": ("critic_heldout_explained_variance", "length_only"),
                  "critic/heldout_ev_slip_aware": ("critic_heldout_explained_variance", "slip_aware"),
                  "critic/heldout_ev_slip_aware_by_step": ("critic_heldout_explained_variance", "slip_aware_by_step"),
+                 "critic/heldout_ev_prompt_mean": ("critic_heldout_explained_variance", "prompt_mean"),
+                 "critic/heldout_ev_answer_aware": ("critic_heldout_explained_variance", "answer_aware"),
+                 "critic/heldout_ev_before_decisive": ("critic_heldout_explained_variance", "critic_before_decisive"),
+                 "critic/heldout_ev_after_decisive": ("critic_heldout_explained_variance", "critic_after_decisive"),
                  "critic/fresh_ev": ("critic_fresh_explained_variance", None)}
 """Row key -> learner gauge (and its ``value_function`` label) set by :class:`PrometheusCriticSink`."""
 

@@ -6,8 +6,9 @@ rollout service (generate; the verifier service scores) and evaluation (both, on
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from async_vapo.config import Config
@@ -15,6 +16,11 @@ from async_vapo.metrics.passk import default_ks, difficulty, summarize
 from async_vapo.metrics.rows import group_stats  # noqa: F401  (re-exported: the rollout's own row metrics)
 from async_vapo.tasks.task import Problem
 from async_vapo.types import Group, Trajectory
+
+logger = logging.getLogger(__name__)
+
+TRUNCATED_WARN_FRAC = 0.10
+"""Share of held-out responses cut at ``rollout.max_response_tokens`` above which the first evaluation warns."""
 
 
 class PromptEncoder:
@@ -205,3 +211,25 @@ def evaluate(rollout: Rollout, problems: Sequence[Problem], cfg: Config) -> tupl
     """In-training held-out evaluation: :func:`run_evaluation`'s metrics and a few decoded examples."""
     ev = run_evaluation(rollout, problems, cfg)
     return ev.metrics, ev.examples(rollout.encoder.decode)
+
+
+def warn_if_truncated(metrics: Mapping[str, float], cfg: Config, log: logging.Logger | None = None) -> str | None:
+    """Warn (on ``log``, default this module's logger) when more than :data:`TRUNCATED_WARN_FRAC` of an evaluation's
+    responses hit the cap (``eval/truncated_frac``, ``finish_reason == "length"``), naming the settings that help;
+    the warning, or None at or below the threshold. Called on the first evaluation by the one-process trainer and the
+    rollout service: a response cut before its answer scores nothing, and RL learns slowly from such groups."""
+    frac = metrics.get("eval/truncated_frac", 0.0)
+    if not frac > TRUNCATED_WARN_FRAC:
+        return None
+    t = cfg.task
+    shots = ("task.few_shot with task.few_shot_path or task.few_shot_solution_key (worked examples of a short "
+             "answer before each question)" if t.kind == "files" else
+             "task.few_shot (worked examples of a short answer before each question)")
+    text = (f"{frac:.0%} of the held-out responses hit the {cfg.rollout.max_response_tokens}-token cap (finish_reason "
+            f"'length', eval/truncated_frac {frac:.3f} > {TRUNCATED_WARN_FRAC}): a response cut before its answer "
+            f"scores nothing. What helps: a larger rollout.max_response_tokens; {shots}, now {t.shots}; "
+            f"task.system_prompt asking for a short answer (prompt_format 'chat'), now "
+            f"{'set' if t.system_prompt else 'unset'}; stop tokens: the end-of-turn id among eos_token_id in the "
+            "model's generation_config.json (the engine stops at those and the tokenizer's EOS)")
+    (log or logger).warning("%s", text)
+    return text

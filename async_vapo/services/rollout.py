@@ -37,7 +37,7 @@ import math
 import time
 
 from async_vapo.metrics.rows import open_row_writer
-from async_vapo.rollout.generate import PromptEncoder, Rollout, evaluate, generate_groups, make_group
+from async_vapo.rollout.generate import PromptEncoder, Rollout, evaluate, generate_groups, make_group, warn_if_truncated
 from async_vapo.services.context import ServiceContext, make_transport
 from async_vapo.staleness import Admission
 from async_vapo.tasks import PromptSampler
@@ -154,6 +154,8 @@ class RolloutService:
         try:
             with self.ctx.busy("evaluate"):
                 m, _ = evaluate(Rollout(cfg, self.engine, self.eval_pool, self.encoder), self.eval_set, cfg)
+            if len(self.evaluated) == 1:  # the first evaluation: most responses cut at the cap is worth a warning
+                warn_if_truncated(m, cfg, self.ctx.log)
         except Exception:
             self.ctx.processing_error("evaluate", f"evaluation of version {v}")
             return True

@@ -160,6 +160,11 @@ def test_the_learners_critic_scored_on_heldout_responses(tmp_path):
     assert m["critic/heldout_ev"] == 0.0 and m["critic/heldout_responses"] == 12
     # every wrong response slips at once (its first step is wrong), so the slip-aware value explains much
     assert m["critic/heldout_ev_slip_aware"] > 0.3 and abs(m["critic/heldout_ev_length_only"]) < 0.3
+    # the verifier reads a box: the answer levels too; a zero critic explains nothing on either side of the decisive
+    # token, and the answer-aware level (the true reward once the answer is written) explains more than the prompt mean
+    assert m["critic/heldout_ev_before_decisive"] == 0.0 and m["critic/heldout_ev_after_decisive"] == 0.0
+    assert m["critic/heldout_ev_answer_aware"] > max(0.3, m["critic/heldout_ev_prompt_mean"])
+    assert 0 < m["critic/heldout_after_decisive_fraction"] < 1
     assert learner.pretrain_critic(make_rollout_batch(groups, tok.pad_token_id))["critic/fresh_ev"] == 0.0
     # two passes over the one mini-batch; the critic's own warm-up: its 2nd step at 2/4 of critic_lr
     assert learner.critic_steps == 2
@@ -206,3 +211,96 @@ def test_by_step_reference_of_a_hand_computed_case():
     assert slip_rates_by_step(texts + ["c;Y", "c;Z"], truths + ["c;X", "c;X"]) == {
         3: pytest.approx([0.0, 0.25, 1 / 3]), 2: pytest.approx([0.0, 1.0])}
     assert slip_rates_by_step(["a;c"], ["a;b;X"]) == {3: pytest.approx([0.0, 1.0, 0.5])}
+
+
+# A word-level "tokenizer" for the answer levels: token id -> its text; decoding joins the pieces (the decode is input
+# to the functions, as a real tokenizer's would be).
+_PIECES = ["Max", " has", " 5", " +", " 4", " =", " 9", " cookies", ".", "\nAnswer", ":", " -", " 1", ",", " no", " 19",
+           "4", "9"]
+
+
+def _decode(ids):
+    return "".join(_PIECES[i] for i in ids)
+
+
+def _ids(*pieces):
+    return [_PIECES.index(p) for p in pieces]
+
+
+def test_the_decisive_token():
+    from async_vapo.learner.critic_quality import decisive_char, extracted_answer, prefix_chars
+
+    def decisive_token(ids, answer_format="answer_line"):
+        text = _decode(ids)
+        d = decisive_char(text, extracted_answer(text, answer_format))
+        # the decisive token: the last one whose text starts at or before the decisive character
+        return None if d is None else max(t for t, c in enumerate(prefix_chars(ids, _decode)) if c <= d)
+
+    # "Max has 5 + 4 = 9 cookies.\nAnswer: 9": the 9 after "=" (token 6), not the answer line's (token 11)
+    ids = _ids("Max", " has", " 5", " +", " 4", " =", " 9", " cookies", ".", "\nAnswer", ":", " 9")
+    assert prefix_chars(ids, _decode)[:4] == [0, 3, 7, 9]
+    assert decisive_token(ids) == 6
+    # no "=": the last token of the extracted answer
+    assert decisive_token(_ids("Max", " has", " 9", " cookies", ".", "\nAnswer", ":", " 9")) == 7
+    # "= 1" (wrong), then "= 9": the first number after an "=" that equals the answer is the second; "= 19" is not 9
+    assert decisive_token(_ids("Max", " has", " 5", " -", " 4", " =", " 1", ",", " no", " =", " 19", ",", " no",
+                               " 5", " +", " 4", " =", " 9", "\nAnswer", ":", " 9")) == 17
+    # no extracted answer (no "Answer:" line): no decisive token, whatever the "=" says
+    assert decisive_token(_ids("Max", " has", " 5", " +", " 4", " =", " 9", " cookies", ".")) is None
+    # a number written in two tokens (" 1", "4"): its last one decides
+    assert decisive_token(_ids("Max", " has", " 9", " +", " 5", " =", " 1", "4", "\nAnswer", ":", " 1", "4")) == 7
+    # the answer the verifier extracted is wrong: its own number decides ("= 1", answer 1), the "= 9" does not
+    assert decisive_token(_ids("Max", " has", " 5", " -", " 4", " =", " 1", ",", " no", " =", " 9", "\nAnswer", ":",
+                               " 1")) == 6
+
+
+def test_prompt_mean_and_answer_aware_levels_of_a_hand_computed_case():
+    from async_vapo.learner.critic_quality import answer_reference_values
+
+    # prompt A sampled 3 times (rewards +1, +1, -1), prompt B once (-1); 3 tokens each, starting at characters 0, 2, 4.
+    # Decisive characters: 1 (states after tokens 0 have seen it: tokens 1, 2), none (no answer), 3 (token 2), 5
+    # (none). Global mean 0; leave-one-out means A: (1 - 1) / 2 = 0, 0, (1 + 1) / 2 = 1; B alone: the global mean 0.
+    prefix = [[0, 2, 4]] * 4
+    refs, seen = answer_reference_values(prefix, [1, None, 3, 5], [1.0, 1.0, -1.0, -1.0], ["A", "A", "A", "B"])
+    assert seen == [[False, True, True], [False] * 3, [False, False, True], [False] * 3]
+    assert refs["prompt_mean"] == [[0.0] * 3, [0.0] * 3, [1.0] * 3, [0.0] * 3]
+    # answer-aware before the decisive token: global 0 gives EV 37/144 (G - V = [1,0,0 | 1,1,1 | -1,-1,0 | -1,-1,-1],
+    # mean -1/12, E[(G-V)^2] = 9/12, Var(G) = 1); the prompt means give -0.1875: the global mean is kept
+    assert refs["answer_aware"] == [[0.0, 1.0, 1.0], [0.0] * 3, [0.0, 0.0, -1.0], [0.0] * 3]
+    mask = torch.ones(4, 3)
+    rewards = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    out = heldout_metrics(torch.tensor(refs["answer_aware"]), mask, rewards, refs, seen=torch.tensor(seen),
+                          split=("prompt_mean",))
+    assert out["critic/heldout_ev_answer_aware"] == pytest.approx(37 / 144, abs=1e-12)
+    # prompt mean: G - V = [1 x3 | 1 x3 | -2 x3 | -1 x3], mean -0.25, E[(G-V)^2] = 21/12 -> EV 1 - 1.6875 = -0.6875
+    assert out["critic/heldout_ev_prompt_mean"] == pytest.approx(-0.6875, abs=1e-12)
+    # split: after the decisive token the answer-aware value is the return (EV 1); before it, 0 everywhere (EV 0);
+    # the prompt mean before it: G - V = [1 | 1,1,1 | -2,-2 | -1,-1,-1], Var 14/9, Var(G) = 80/81 -> EV -0.575
+    assert out["critic/heldout_ev_after_decisive"] == pytest.approx(1.0, abs=1e-12)
+    assert out["critic/heldout_ev_before_decisive"] == pytest.approx(0.0, abs=1e-12)
+    assert out["critic/heldout_ev_prompt_mean_before_decisive"] == pytest.approx(-0.575, abs=1e-12)
+    assert "critic/heldout_ev_answer_aware_before_decisive" not in out
+    # prompts whose samples agree: the prompt mean is exact (EV 1) and the answer-aware level takes it before the
+    # decisive token
+    refs, _ = answer_reference_values([[0, 1]] * 4, [None, 0, None, None], [1.0, 1.0, -1.0, -1.0], [0, 0, 1, 1])
+    assert refs["prompt_mean"] == [[1.0, 1.0], [1.0, 1.0], [-1.0, -1.0], [-1.0, -1.0]]
+    assert refs["answer_aware"] == refs["prompt_mean"]
+
+
+def test_the_states_that_have_seen_the_decisive_token():
+    from async_vapo.learner.critic_quality import answer_references
+
+    # "Max has 5 + 4 =9\nAnswer: 9": the decisive token "9" (token 5) starts at character 15; the state before it
+    # (its value at token 5) has not seen it, the states before tokens 6, 7, 8 have
+    ids = _ids("Max", " has", " 5", " +", " 4", " =", "9", "\nAnswer", ":", " 9")
+    samples = [Trajectory(response_ids=ids, finish_reason="stop", behavior_logprobs=[-1.0] * len(ids), reward=r)
+               for r in (1.0, -1.0)]
+    group = Group(uid="u", prompt="p", answer="9", version=0, samples=samples, prompt_ids=[0])
+    refs, seen = answer_references([group], _decode, "answer_line")
+    assert _decode(ids) == "Max has 5 + 4 =9\nAnswer: 9"
+    assert seen[0] == [False] * 7 + [True] * 3
+    # one prompt sampled twice: leave-one-out means -1 and +1 (EV far below the global mean 0's), so the answer-aware
+    # level is 0 before the decisive token, the reward after it
+    assert refs["prompt_mean"] == [[-1.0] * 10, [1.0] * 10]
+    assert refs["answer_aware"] == [[0.0] * 7 + [1.0] * 3, [0.0] * 7 + [-1.0] * 3]
+    assert answer_references([group], _decode, "solution") is None
