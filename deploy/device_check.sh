@@ -41,6 +41,7 @@ for module, prefixes in need.items():
         print(f"[device_check.sh] {module}: unpacked {found[0].name}")
 PYEOF
 export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}  # every model is built here: no hub look-up to wait for without a network
 NGPU=$("$PY" -c "import torch; print(max(1, torch.cuda.device_count()))")
 case " $* " in *" --device cpu "*|*" --device=cpu "*) NGPU=1 ;; esac  # device_check.py hides the GPUs
 echo "[device_check.sh] $NGPU device(s); torch $("$PY" -c 'import torch; print(torch.__version__)')" | tee -a "$OUT/device_check.log"
