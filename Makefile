@@ -17,8 +17,11 @@ test-deps: setup
 train: setup
 	.venv/bin/async-vapo train --config $(CONFIG) $(RUN) $(ARGS)
 
+# PROMETHEUS=1 also runs a Prometheus server scraping the services (http://127.0.0.1:9090, the alert rules of
+# deploy/prometheus/; .ci/install_prometheus.sh installs one); ARGS: start_cluster.sh options and overrides.
+PROMETHEUS ?=
 cluster: setup
-	bash deploy/start_cluster.sh --config $(CONFIG) --wait $(RUN) $(if $(ARGS),-- $(ARGS),)
+	bash deploy/start_cluster.sh --config $(CONFIG) --wait $(if $(PROMETHEUS),--prometheus,) $(RUN) $(ARGS)
 
 # Two pytest workers: the tests that start engines or clusters (or use the session's engines) run on one of them, one
 # after another (tests/conftest.py); the rest share the other's time. PYTEST_WORKERS=0 runs everything in one process.

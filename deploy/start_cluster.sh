@@ -2,10 +2,37 @@
 # Start the four async-vapo services (replay, verifier, rollout x async.rollout_devices, learner) and wait
 # until each answers /health.
 #
-#   deploy/start_cluster.sh --config FILE [--config FILE2] [--run-dir DIR] [--hostfile FILE] [--resume CKPT|auto]
-#                           [--new-run] [--prometheus] [--prometheus-port P] [--scrape-interval 5s] [--no-pin] [--wait]
-#                           [--gpus-per-host N] [--dry-run] [-- key.sub=value ...]
+#   deploy/start_cluster.sh --config FILE [options] [key.sub=value ...]
 #
+# Overrides (key.sub=value) may stand anywhere on the line, as async-vapo takes them; after "--" every word is one.
+#
+#   --config FILE          a TOML config (repeat to layer several, left to right, as async-vapo --config)
+#   --run-dir DIR          write the run to DIR instead of the config's train.output_dir (runs/NAME)
+#   --resume CKPT|auto     continue from this checkpoint (RUN_DIR/checkpoints/step_N), or 'auto': from the run
+#                          directory's newest (an error if it cannot be continued)
+#   --new-run              start a new run in a directory that holds none (DIR-2, DIR-3, ...)
+#   --wait                 stay until the learner writes RUN_DIR/DONE (its progress shown every 10 s), then stop the
+#                          cluster and exit 0 (1 if the learner stopped first); without --wait the script returns as
+#                          soon as every service is healthy and the cluster runs on (deploy/stop_cluster.sh RUN_DIR)
+#   --hostfile FILE        'host role' lines (role: replay, verifier, rollout, learner): each role on its host(s), those
+#                          on other machines over ssh (ASYNC_VAPO_SSH); without it every service runs on this machine
+#   --gpus-per-host N      GPUs of every host for the placement (default: nvidia-smi's count here, 0 without one)
+#   --no-pin               no CPU pinning (one machine without GPUs) and no GPU placement
+#   --prometheus           also run a Prometheus server on RUN_DIR/prometheus/prometheus.yml, scraping every service,
+#                          with the alert rules of deploy/prometheus/ (when a prometheus binary is on PATH)
+#   --prometheus-port P    its port on 127.0.0.1 (default 9090)
+#   --scrape-interval T    its scrape interval (default 5s)
+#   --dry-run              print the plan (host, GPUs or cores and command of every process) that a start would run,
+#                          then exit: nothing is started or written (with GPUs also plan's memory check, exit 1 when
+#                          it does not fit); the check of --no-check is not run
+#   --no-check             skip `async-vapo check` (data files, answer format, model, ports, disk space), which runs
+#                          first otherwise: a problem it finds stops the start before anything is started
+#   -h, --help             this text
+#
+# Environment: PYTHON (default REPO/.venv/bin/python), ASYNC_VAPO_SSH (the ssh command of --hostfile's remote hosts),
+# ASYNC_VAPO_GPU_MEMORY_GIB (GPU memory of the dry run's memory check, default 80). `make cluster` runs this script
+# with --wait on CONFIG (default configs/tiny_cpu.toml); `PROMETHEUS=1 make cluster` adds --prometheus.
+# -----
 # The run directory (the config's train.output_dir, or --run-dir) follows async_vapo.learner.rundir's rule, and the
 # plan says which on the terminal: a run there that can be continued (same config, a checkpoint, not finished)
 # resumes from its newest checkpoint; a finished run, or one of another config, is kept and the run goes to DIR-2
@@ -78,8 +105,8 @@ set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-$REPO/.venv/bin/python}
 CONFIGS=() OVERRIDES=() RUN_DIR_ARG="" HOSTFILE="" RESUME="" NEW_RUN=0 PROM=0 PROM_PORT=9090 INTERVAL=5s PIN=1 WAIT=0
-GPUS_PER_HOST="" DRY_RUN=0
-help_text() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
+GPUS_PER_HOST="" DRY_RUN=0 CHECK=1
+help_text() { sed -n '2,/^# -----$/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 usage() { help_text >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -99,9 +126,12 @@ while [ $# -gt 0 ]; do
     --wait) WAIT=1; shift ;;
     --gpus-per-host) GPUS_PER_HOST=$2; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
+    --no-check) CHECK=0; shift ;;
     --) shift; OVERRIDES+=("$@"); break ;;
     -h|--help) help_text; exit 0 ;;
-    *) echo "start_cluster: unknown argument $1" >&2; usage ;;
+    -*) echo "start_cluster: unknown argument $1 (the options: --help)" >&2; exit 2 ;;
+    *=*) OVERRIDES+=("$1"); shift ;;  # an override, anywhere on the line
+    *) echo "start_cluster: unknown argument $1 (an override is key.sub=value; the options: --help)" >&2; exit 2 ;;
   esac
 done
 [ ${#CONFIGS[@]} -gt 0 ] || { echo "start_cluster: --config FILE is required" >&2; usage; }
@@ -160,6 +190,14 @@ gpus_of() {  # gpus_of NAME: its CUDA_VISIBLE_DEVICES, empty without GPU placeme
   echo "${!var}"
 }
 
+# -- check: what the run needs (async-vapo check), before a run directory is claimed or anything started ---------
+if [ "$CHECK" = 1 ] && [ "$DRY_RUN" = 0 ]; then
+  check_args=(--for cluster --local-name "$(hostname)" ${HOSTFILE:+--hostfile "$HOSTFILE"} ${RUN_DIR_ARG:+--run-dir "$RUN_DIR_ARG"})
+  "$PY" -m async_vapo.cli check "${CONFIGS[@]}" "${check_args[@]}" "${OVERRIDES[@]}" >&2 \
+    || { echo "start_cluster: async-vapo check stopped the start (above; --no-check skips it); nothing was started" >&2
+         exit 2; }
+fi
+
 # -- plan: resolved config -> run dir, counts, health URLs; writes RUN_DIR/prometheus/* -----------------------
 [ "$NEW_RUN" = 1 ] && [ -n "$RESUME" ] && { echo "start_cluster: --new-run and --resume exclude each other" >&2; exit 2; }
 plan_args=(--gpus-per-host "$GPUS_PER_HOST" --local-name "$(hostname)" --local-addr "${LOCAL_ADDR:-127.0.0.1}")
@@ -194,7 +232,7 @@ if [ "$PIN" = 1 ] && [ -z "$HOSTFILE" ] && [ "$GPUS_PER_HOST" = 0 ] && command -
 fi
 
 if [ "$DRY_RUN" = 1 ]; then
-  echo "# deploy/start_cluster.sh --dry-run: $N_ROLLOUT engine(s), $N_LEARNER learner rank(s), $GPUS_PER_HOST GPU(s) per host"
+  echo "# deploy/start_cluster.sh --dry-run, nothing started: it would start $N_ROLLOUT engine(s), $N_LEARNER learner rank(s), $GPUS_PER_HOST GPU(s) per host"
   echo "$PLACEMENT_TABLE"
   if [ "$GPUS_PER_HOST" != 0 ]; then  # async-vapo plan's memory check of this placement (exit 1: does not fit)
     mem_args=(--gpus-per-host "$GPUS_PER_HOST")
@@ -203,7 +241,7 @@ if [ "$DRY_RUN" = 1 ]; then
     "$PY" -m async_vapo.deploy.launch memory-check "${CONFIGS[@]}" "${mem_args[@]}" -- "${OVERRIDES[@]}" \
       || { echo "start_cluster: the plan does not fit its GPUs (above)" >&2; exit 1; }
   fi
-  echo "# commands (RUN_DIR $RUN_DIR):"
+  echo "# commands (RUN_DIR $RUN_DIR) it would run:"
 fi
 if [ "$DRY_RUN" = 0 ]; then
 mkdir -p "$RUN_DIR/logs" "$RUN_DIR/pids"

@@ -177,7 +177,7 @@ def _choose_run_dir(cfg: Config, resume: str | None, new_run: bool, *, dry_run: 
             plan = plan_run(cfg, "cluster", "resume" if resume else "new" if new_run else "auto", rd)
         except RunDirError as e:
             raise SystemExit(f"start_cluster: {e}") from None
-    print(f"[start_cluster] {plan.message}", file=sys.stderr)
+    print(f"[start_cluster] {plan.would if dry_run else plan.message}", file=sys.stderr)
     resume_from = "" if plan.resume is None else str(plan.resume)
     if dry_run:
         cfg = cfg.model_copy(deep=True)

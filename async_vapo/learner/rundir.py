@@ -116,6 +116,11 @@ class RunPlan:
     message: str
     """What happens, for the terminal."""
 
+    @property
+    def would(self) -> str:
+        """The message as a dry run says it: what a start would do ("would start a new run in ...")."""
+        return self.message.replace("starting a new run", "would start a new run").replace("resuming ", "would resume ")
+
 
 def why_not_resumable(run_dir: Path, cfg: Config, app: App) -> str | None:
     """None when the run in ``run_dir`` can continue under ``cfg`` with ``app``; else the reason."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -156,3 +157,55 @@ def test_config_refuses_devices_that_do_not_divide_into_engines():
     with pytest.raises(ConfigError, match=r"async.rollout_devices \(6\) is not a multiple of "
                                           r"rollout.tensor_parallel_size \(4\)"):
         load_config([], ["async.rollout_devices=6", "rollout.tensor_parallel_size=4"])
+
+
+def test_start_cluster_takes_overrides_anywhere_and_says_what_a_dry_run_would_do(tmp_path):
+    """Overrides before an option, without "--", as async-vapo takes them (they were refused: "unknown argument");
+    the dry run says what a start would do ("starting a new run" was printed by a run that started nothing)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHON": sys.executable}
+    cmd = ["bash", str(REPO / "deploy/start_cluster.sh"), "async.rollout_devices=2", "--config",
+           str(REPO / "configs/tiny_cpu.toml"), "async.learner_devices=1", "--run-dir", str(tmp_path / "run"),
+           "--dry-run", "--gpus-per-host", "0", "--", "algo.eps_high=0.3"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "it would start 2 engine(s), 1 learner rank(s)" in r.stdout and "'algo.eps_high=0.3'" in r.stdout
+    assert f"would start a new run in {tmp_path / 'run'}" in r.stderr and "starting" not in r.stderr
+    assert not (tmp_path / "run").exists()
+    bad = subprocess.run([*cmd[:2], "--config", str(REPO / "configs/tiny_cpu.toml"), "eps_high"], capture_output=True,
+                         text=True, env=env, timeout=60)
+    assert bad.returncode == 2 and "an override is key.sub=value" in bad.stderr
+
+
+def test_start_cluster_help_says_what_every_option_does():
+    """Every option the script parses has a line of its own in --help (the help named --wait, --dry-run,
+    --prometheus and --hostfile in a usage line without saying what they do)."""
+    script = (REPO / "deploy/start_cluster.sh").read_text()
+    parsed = {o for case in re.findall(r"^    (-[-\w|]+)\)", script, re.M) for o in case.split("|")}
+    assert {"--wait", "--dry-run", "--prometheus", "--hostfile", "--no-check", "--config"} <= parsed
+    r = subprocess.run(["bash", str(REPO / "deploy/start_cluster.sh"), "--help"], capture_output=True, text=True,
+                       timeout=30)
+    described = {m.group(1) for m in re.finditer(r"^  (--?[\w-]+)(?:, (--[\w-]+))?\s+[A-Z|a-z ]*?\s{2,}\S", r.stdout,
+                                                  re.M)}
+    described |= {m.group(2) for m in re.finditer(r"^  (-h), (--help)\s", r.stdout, re.M)}
+    assert parsed - {"--"} <= described, parsed - described
+
+
+def test_make_cluster_starts_prometheus_when_asked():
+    def make(*args):
+        return subprocess.run(["make", "-n", "--no-print-directory", "-C", str(REPO), "cluster", *args], capture_output=True, text=True,
+                              timeout=60).stdout.splitlines()[-1]
+
+    assert "--prometheus" in make("PROMETHEUS=1") and "--prometheus" not in make()
+    assert make("ARGS=--new-run algo.eps_high=0.3").endswith("--new-run algo.eps_high=0.3")
+
+
+def test_start_cluster_runs_the_check_first_and_starts_nothing_on_a_problem(tmp_path):
+    problems = tmp_path / "p.jsonl"
+    problems.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n{"prompt": "x"}\n')
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHON": sys.executable}
+    r = subprocess.run(["bash", str(REPO / "deploy/start_cluster.sh"), "--config", str(REPO / "configs/tiny_cpu.toml"),
+                        "--run-dir", str(tmp_path / "run"), "task.kind=files", f"task.train_path={problems}",
+                        f"task.eval_path={problems}"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert f"{problems}:3: missing field 'answer'" in r.stderr and "nothing was started" in r.stderr
+    assert not (tmp_path / "run").exists()
