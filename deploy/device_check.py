@@ -11,8 +11,8 @@ updates on responses of ``--response-tokens`` tokens. Checks, each recorded with
   log-probs and gradients, in float32 (on CUDA only: FlexAttention has no backward on the CPU);
 * DCP save -> resume gives the same next update (loss and gradient norm);
 * ``async-vapo export`` of the checkpoint gives the learner's logits in transformers;
-* tokens/s of an update and peak GPU memory, beside the planned state memory (16 bytes per parameter per model:
-  float32 weight, gradient and two AdamW moments);
+* tokens/s of an update and peak GPU memory, beside ``async-vapo plan``'s state memory (float32 masters and AdamW
+  moments of policy and critic, one model's float32 gradients) and its whole prediction;
 * the weight transfer's NCCL step (``nccl_weight_transfer``, before the rest): a bare NCCL broadcast of 1 GiB
   (about Qwen2.5-0.5B's bf16 weights) in 16 MiB buckets (``cluster.weights.dist_bucket_bytes``) between two fresh
   processes, against a device memcpy of the same bytes; issue 15's goal is the broadcast within 2x the memcpy. Two
@@ -726,6 +726,7 @@ def learner_stage(checks: Checks, args, env: dict, rank: int, world: int, cuda: 
     import transformers
 
     from async_vapo.config import load_config
+    from async_vapo.deploy.scale import Cluster, estimate, resolve_shape
     from async_vapo.learner.export import export
     from async_vapo.learner.sharding import full_state_dict
     from async_vapo.learner.vapo import Learner, make_rollout_batch
@@ -748,7 +749,7 @@ def learner_stage(checks: Checks, args, env: dict, rank: int, world: int, cuda: 
                 "algo.prompts_per_step=2", "algo.mini_batch_size=4", "algo.micro_batch_size=1",
                 f"algo.max_tokens_per_micro_batch={budget}", "algo.value_pretrain_steps=1",
                 "learner.fsdp=on", "learner.activation_checkpointing=true", "learner.logprob_chunk_tokens=4096",
-                "optim.actor_lr=1e-5", "optim.critic_lr=1e-5"])
+                "optim.actor_lr=1e-5", "optim.critic_lr=1e-5", f"async.learner_devices={world}"])
             eos = transformers.AutoTokenizer.from_pretrained(str(d / "model")).eos_token_id
             batch = make_rollout_batch(groups(2, 2, 200, resp, vocab, eos), 0)
             tokens = int(batch.tokens.attention_mask.sum())
@@ -770,10 +771,13 @@ def learner_stage(checks: Checks, args, env: dict, rank: int, world: int, cuda: 
             moved = sum(not torch.equal(before[n], p.detach().to_local()) for n, p in learner.policy.named_parameters())
             checks.record("weights_moved", moved == len(before), moved=moved, of=len(before))
             peak = torch.cuda.max_memory_allocated() if cuda else None
-            # one update: the old-log-prob and value forward, then policy and critic forward + backward
+            # async-vapo plan's figures for this config (rows at their longest: 200 + resp tokens)
+            plan = estimate(cfg, resolve_shape(str(d / "model"))[0], Cluster(prompt_tokens=200), engines=1)
+            # one update: the old-log-prob and value forward, then policy and critic forward + backward; the peak
+            # also spans value pretraining and the first update, which makes the policy's AdamW state
             checks.record("throughput", True, tokens=tokens, value_pretrain_s=t1 - t0, update_s=t2 - t1,
                           update_tokens_per_s=tokens / (t2 - t1), peak_gpu_memory_gib=peak and peak / 2**30,
-                          planned_state_gib=2 * 16 * params / world / 2**30)
+                          planned_state_gib=plan.learner["state"] / 2**30, plan_gib=plan.learner["total"] / 2**30)
 
             # chunked = full, packed = padded (bf16 compute: the same hidden states, so close to exact)
             short = batch.tokens.select([0, 1])
