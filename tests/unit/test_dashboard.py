@@ -193,7 +193,7 @@ def test_each_alert_fires_on_its_failure_and_not_on_a_healthy_cluster(tmp_path):
         r.pop("annotations")
     (tmp_path / "alerts.yml").write_text(yaml.safe_dump(rules))
     alerts = [r["alert"] for r in rules["groups"][0]["rules"]]
-    assert set(alerts) == set(SERVICE)
+    assert set(alerts) == set(SERVICE) | set(PROGRESS_FIRING["40m"])  # the learner's progress: tested below
     cases = [{"eval_time": t, "alertname": a, "exp_alerts": _expected(t, a)} for t in FIRING for a in alerts]
     test = {"rule_files": ["alerts.yml"], "evaluation_interval": "15s",
             "tests": [{"interval": "15s", "input_series": [{"series": s, "values": v} for s, v in SERIES.items()],
@@ -203,4 +203,52 @@ def test_each_alert_fires_on_its_failure_and_not_on_a_healthy_cluster(tmp_path):
                          timeout=120)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     # every rule fires somewhere in the timeline and is silent somewhere, so none passes by always or never matching
-    assert set().union(*FIRING.values()) == set(alerts) and not FIRING["45s"]
+    assert set().union(*FIRING.values()) == set(SERVICE) and not FIRING["45s"]
+
+
+# The learner's progress, on a timeline of its own (40 minutes, 15 s samples): a healthy run (version and losses
+# moving), a run whose learner stops updating after 1m (no change within 5m from about 5m45s; held 30m: firing from
+# about 35m45s), one whose policy loss turns NaN at 2m and one whose value loss is +Inf from 3m (at once).
+R = 'service="learner",replica="0",job="async-vapo",instance="127.0.0.1:9203",run="{}"'
+PROGRESS_SERIES = {
+    f"async_vapo_learner_version{{{R.format('ok')}}}": "0+1x160",
+    f"async_vapo_learner_value_pretrain_steps_total{{{R.format('ok')}}}": "0x160",
+    f'async_vapo_learner_loss{{{R.format("ok")},kind="policy"}}': "0.5+0.01x160",
+    f"async_vapo_learner_version{{{R.format('stuck')}}}": "0 1 2 3 4x156",
+    f"async_vapo_learner_value_pretrain_steps_total{{{R.format('stuck')}}}": "0x160",
+    f"async_vapo_learner_version{{{R.format('nan')}}}": "0+1x160",
+    f"async_vapo_learner_value_pretrain_steps_total{{{R.format('nan')}}}": "0x160",
+    f'async_vapo_learner_loss{{{R.format("nan")},kind="policy"}}': "0.5x7 " + " ".join(["NaN"] * 153),
+    f'async_vapo_learner_loss{{{R.format("nan")},kind="value"}}': "0.1x11 " + " ".join(["Inf"] * 149),
+}
+PROGRESS_FIRING = {  # evaluation time -> {alert: the runs (and loss kinds) it fires for}
+    "1m30s": {"AsyncVapoLearnerNoUpdate": [], "AsyncVapoLearnerLossNotFinite": []},
+    "2m30s": {"AsyncVapoLearnerNoUpdate": [], "AsyncVapoLearnerLossNotFinite": [("nan", "policy")]},
+    "20m": {"AsyncVapoLearnerNoUpdate": [], "AsyncVapoLearnerLossNotFinite": [("nan", "policy"), ("nan", "value")]},
+    "40m": {"AsyncVapoLearnerNoUpdate": [("stuck", None)],
+            "AsyncVapoLearnerLossNotFinite": [("nan", "policy"), ("nan", "value")]},
+}
+
+
+def test_the_learner_progress_alerts_fire_on_a_stuck_learner_and_a_non_finite_loss(tmp_path):
+    yaml = pytest.importorskip("yaml")
+    promtool = _promtool()
+    rules = yaml.safe_load(ALERTS.read_text())
+    for r in rules["groups"][0]["rules"]:
+        r.pop("annotations")
+    (tmp_path / "alerts.yml").write_text(yaml.safe_dump(rules))
+
+    def expected(run: str, kind: str | None) -> dict:
+        labels = dict(kv.split("=") for kv in R.format(run).replace('"', "").split(","))
+        return {"exp_labels": {**labels, **({"kind": kind} if kind else {}), "severity": "critical"}}
+
+    cases = [{"eval_time": t, "alertname": a, "exp_alerts": [expected(*x) for x in fired]}
+             for t, by_alert in PROGRESS_FIRING.items() for a, fired in by_alert.items()]
+    test = {"rule_files": ["alerts.yml"], "evaluation_interval": "15s",
+            "tests": [{"interval": "15s",
+                       "input_series": [{"series": s, "values": v} for s, v in PROGRESS_SERIES.items()],
+                       "alert_rule_test": cases}]}
+    (tmp_path / "progress_test.yml").write_text(yaml.safe_dump(test, sort_keys=False))
+    out = subprocess.run([promtool, "test", "rules", "progress_test.yml"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
