@@ -128,7 +128,7 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
     log = open_row_writer(cfg, run_dir / "metrics.jsonl", truncate=not resume)
     samples_log = JsonlWriter(run_dir / "samples.jsonl", truncate=not resume)
 
-    learner = Learner(cfg, policy_path, critic_path)
+    learner = Learner(cfg, policy_path, critic_path, reference_path=base_path)
     encoder = PromptEncoder.from_config(cfg, tokenizer)
     spec = EngineSpec.from_config(cfg, policy_path, longest_prompt=encoder.longest(train_set + eval_set))
     own_engine = engine is None

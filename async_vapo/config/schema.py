@@ -373,12 +373,26 @@ class RolloutConfig(_Section):
         return self
 
 
+_GROUP_BASELINES = ("grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp_baseline", "gspo", "gspo_token", "cispo")
+"""The objectives whose advantage compares a response with the other samples of its prompt."""
+
+
 class AlgoConfig(_Section):
     """VAPO (arXiv 2504.05118) and its baselines. Defaults are VAPO's settings except where the toy needs
     another value (alpha, sizes); each of the seven components is a switch."""
 
-    name: Literal["vapo", "ppo", "grpo", "dapo"] = "vapo"
-    """vapo / ppo: learned critic + GAE; grpo / dapo: group-normalised advantages, no critic."""
+    name: Literal["vapo", "ppo", "grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo",
+                  "gspo_token", "cispo"] = "vapo"
+    """The objective. vapo / ppo: learned critic + GAE, PPO's clip. Critic-free (math in ``async_vapo.algo``; the
+    other switches below apply as they say): grpo / dapo: group-normalised advantages, PPO's clip; dr_grpo
+    (arXiv 2503.20783): R − group mean (no std) and the policy loss's sum divided by a constant, rows ·
+    ``rollout.max_response_tokens``; rloo (arXiv 2402.14740): leave-one-out group baseline; reinforce_pp /
+    reinforce_pp_baseline (arXiv 2501.03262): returns of the outcome reward (minus its group mean) and a k1 KL
+    penalty to the initial policy in every token's reward (``kl_coef``, 0.01 by default), normalised over the
+    batch; rloo and reinforce_pp use PPO's clip as their papers' implementations do. gspo / gspo_token
+    (arXiv 2507.18071): group-normalised advantages, the clip on the length-normalised sequence ratio
+    (``gspo_eps_low``/``gspo_eps_high``); cispo (arXiv 2506.13585): group-normalised advantages, a REINFORCE token loss
+    weighted by the stop-gradient ratio clipped above at 1 + eps_high (no lower clip, no token dropped)."""
     # 1. value pretraining
     value_pretrain_steps: int = Field(50, ge=0)
     """(1) Critic-only steps on the fixed initial policy with Monte-Carlo targets; 0 = off (paper: 50). With a
@@ -461,8 +475,21 @@ class AlgoConfig(_Section):
     """Weight of the critic loss (the critic has its own optimiser; this scales its gradient)."""
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus (off in VAPO/DAPO)."""
-    kl_coef: float = Field(0.0, ge=0)
-    """KL penalty to the initial policy (off in VAPO/DAPO; not implemented above 0)."""
+    kl_coef: float | None = Field(None, ge=0)
+    """β of the KL penalty to the initial policy, in every token's reward: r_t = −β·KL_t (+ the outcome reward on
+    the last token), KL_t by ``kl_estimator`` from the learner's log-probs at the start of the update and a frozen
+    copy of the initial policy that the learner keeps (one more model's weights in memory). None = the objective's
+    default: 0.01 for reinforce_pp and reinforce_pp_baseline (REINFORCE++), 0 (off, no reference model) for the
+    others. The objectives whose advantages take token rewards only: vapo, ppo (in GAE's rewards) and reinforce_pp*;
+    GRPO's KL is a loss term, not implemented."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """Estimator of KL_t (Schulman 2020; ``algo.kl``): k1 = log π − log π_ref (REINFORCE++'s), k2 = ½(log ratio)²,
+    k3 = (r − 1) − log r with r = π_ref/π."""
+    gspo_eps_low: float = Field(3e-4, gt=0, lt=1)
+    """gspo / gspo_token: lower clip range of the sequence ratio (GSPO's 3e-4: the geometric mean of the token ratios
+    stays within a few 1e-4 of 1, so eps_low's 0.2 would seldom bind)."""
+    gspo_eps_high: float = Field(4e-4, gt=0)
+    """gspo / gspo_token: upper clip range of the sequence ratio (GSPO's 4e-4)."""
     whiten_advantages: bool = False
     """Normalise actor advantages over the batch (not in the paper)."""
     grad_clip: float = Field(1.0, gt=0)
@@ -531,13 +558,16 @@ class AlgoConfig(_Section):
         if self.value_pretrain_pool > self.value_pretrain_steps:
             raise ValueError(f"value_pretrain_pool ({self.value_pretrain_pool}) exceeds value_pretrain_steps "
                              f"({self.value_pretrain_steps}): the pool's batches would outnumber the steps")
-        if self.name in ("grpo", "dapo") and self.group_size < 2:
+        if self.name in _GROUP_BASELINES and self.group_size < 2:
             raise ValueError(f"{self.name} normalises rewards within a group: group_size must be >= 2")
         if self.value_pretrain_min_steps > self.value_pretrain_steps:
             raise ValueError(f"value_pretrain_min_steps ({self.value_pretrain_min_steps}) exceeds value_pretrain_steps "
                              f"({self.value_pretrain_steps})")
-        if self.kl_coef > 0:
-            raise ValueError("kl_coef > 0 is not implemented (VAPO and DAPO use no KL penalty)")
+        if self.effective_kl_coef > 0 and self.advantage_estimator not in ("gae", "reinforce_pp",
+                                                                             "reinforce_pp_baseline"):
+            raise ValueError(f"kl_coef > 0 with {self.name!r}: the KL penalty goes in the token rewards, which only "
+                             "vapo, ppo, reinforce_pp and reinforce_pp_baseline use (GRPO's KL loss term is not "
+                             "implemented)")
         if self.behavior_correction and self.behavior_weight == "off" and self.behavior_mask == "off":
             raise ValueError("behavior_correction = true with behavior_weight = off and behavior_mask = off corrects "
                              "nothing: choose a weight or a mask, or set behavior_correction = false")
@@ -552,6 +582,32 @@ class AlgoConfig(_Section):
     @property
     def uses_critic(self) -> bool:
         return self.name in ("vapo", "ppo")
+
+    @property
+    def advantage_estimator(self) -> Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp",
+                                             "reinforce_pp_baseline"]:
+        """How ``name`` computes advantages (``learner.vapo.Learner.advantages``)."""
+        if self.uses_critic:
+            return "gae"
+        if self.name in ("dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"):
+            return self.name
+        return "grpo"  # grpo, dapo, gspo, gspo_token, cispo
+
+    @property
+    def policy_objective(self) -> Literal["ppo", "gspo", "gspo_token", "cispo"]:
+        """The policy loss ``name`` takes (``algo.losses``): PPO's clipped surrogate unless GSPO's or CISPO's."""
+        return self.name if self.name in ("gspo", "gspo_token", "cispo") else "ppo"
+
+    @property
+    def effective_kl_coef(self) -> float:
+        if self.kl_coef is not None:
+            return self.kl_coef
+        return 0.01 if self.name in ("reinforce_pp", "reinforce_pp_baseline") else 0.0
+
+    @property
+    def constant_loss_normalizer(self) -> bool:
+        """Dr. GRPO: the policy loss's sum over tokens divided by rows · ``rollout.max_response_tokens``."""
+        return self.name == "dr_grpo"
 
     @property
     def effective_eps_high(self) -> float:

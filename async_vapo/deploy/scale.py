@@ -20,8 +20,9 @@ Learner memory per rank (bytes):
 * state: per parameter of each model a float32 master 4 B + AdamW's two moments 8 B = 12 B, and float32 gradients
   4 B per parameter of one model: the learner runs the policy's backward and optimiser step, then the critic's, and
   frees each model's gradients at its step (``zero_grad(set_to_none=True)``), so with a critic 28 B per parameter of
-  one model, without 16 B; divided by the ranks when sharded; in host memory instead with ``learner.cpu_offload``
-  (FSDP2's CPUOffloadPolicy);
+  one model, without 16 B; with the KL penalty's reference policy (``algo.effective_kl_coef`` > 0: REINFORCE++) its
+  frozen float32 weights, 4 B per parameter more; divided by the ranks when sharded; in host memory instead with
+  ``learner.cpu_offload`` (FSDP2's CPUOffloadPolicy);
 * sharded: the gathered units in compute dtype plus their float32 gradients before the reduce-scatter
   (``reduce_dtype`` float32): two decoder layers (one running, one prefetched) and the root unit (embeddings and
   head, which FSDP2 keeps gathered through the forward); unsharded with a 16-bit dtype: autocast's cached 16-bit
@@ -137,6 +138,8 @@ class LearnerSetup:
     cpu_offload: bool = False
     budget: int = 0
     """``algo.max_tokens_per_micro_batch`` (0: ``algo.micro_batch_size`` rows)."""
+    reference: bool = False
+    """A frozen reference policy for the KL penalty (``algo.effective_kl_coef`` > 0): its float32 weights."""
 
     @property
     def tokens(self) -> int:
@@ -153,7 +156,7 @@ class LearnerSetup:
                    compute_bytes=DTYPE_BYTES[cfg.model.dtype], sharded=sharded,
                    activation_checkpointing=lc.activation_checkpointing,
                    logprob_chunk_tokens=lc.logprob_chunk_tokens, cpu_offload=lc.cpu_offload and sharded,
-                   budget=budget)
+                   budget=budget, reference=a.effective_kl_coef > 0)
 
 
 def micro_batch_rows(budget: int, micro_batch_size: int, seq_tokens: int, mini_batch_size: int, ranks: int) -> int:
@@ -166,8 +169,9 @@ def micro_batch_rows(budget: int, micro_batch_size: int, seq_tokens: int, mini_b
 
 
 def state_bytes(shape: ModelShape, s: LearnerSetup) -> int:
-    """Masters and AdamW moments of every model (12 B/param) and one model's gradients (4 B/param) on a rank."""
-    return (s.models * 12 + 4) * shape.params() // (s.ranks if s.sharded else 1)
+    """Masters and AdamW moments of every model (12 B/param), one model's gradients (4 B/param) and a reference
+    policy's float32 weights (4 B/param) on a rank."""
+    return (s.models * 12 + 4 + 4 * s.reference) * shape.params() // (s.ranks if s.sharded else 1)
 
 
 def learner_memory(shape: ModelShape, s: LearnerSetup) -> dict[str, int]:
@@ -197,7 +201,9 @@ def learner_assumptions(shape: ModelShape, s: LearnerSetup) -> list[tuple[str, s
     return [
         ("state", f"fp32 masters + AdamW m, v: 12 B/param x {s.models} model(s) + fp32 grads: 4 B/param x 1 model"
                   + (" (policy and critic step one after the other, each model's grads freed at its step)"
-                     if s.models > 1 else "") + div
+                     if s.models > 1 else "")
+                  + (" + the KL penalty's frozen reference policy: fp32 weights 4 B/param" if s.reference else "")
+                  + div
                   + ("; in host memory (learner.cpu_offload)" if s.cpu_offload else "")),
         ("gathered", "2 decoder layers + root unit (embeddings, head) gathered, "
                      f"{s.compute_bytes} B + fp32 grad 4 B/param" if s.sharded else

@@ -1,4 +1,5 @@
-"""`async-vapo experiment`: the learning comparison (VAPO vs PPO / GRPO / DAPO) and the ablation table.
+"""`async-vapo experiment`: the learning comparison (VAPO vs PPO / GRPO / DAPO, and on request the other objectives
+of :data:`OBJECTIVES`: GSPO, CISPO, RLOO, REINFORCE++, Dr. GRPO) and the ablation table.
 
 ``run`` trains every (config, seed) of the plan with the one-process trainer, ``--parallel`` runs at a
 time (each pinned to its own thread budget), all with the same samples per step and the same number of
@@ -29,6 +30,10 @@ from async_vapo.metrics.jsonl import strict_json
 
 COMPARISON = {"vapo": "configs/tiny_cpu.toml", "dapo": "configs/baselines/dapo.toml",
               "grpo": "configs/baselines/grpo.toml", "ppo": "configs/baselines/ppo.toml"}
+OBJECTIVES = {n: f"configs/baselines/{n}.toml" for n in (
+    "gspo", "gspo_token", "cispo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dr_grpo")}
+"""Further objectives (``algo.name``), each a baseline config beside VAPO's; run only when ``--baselines`` names
+them (the default comparison stays VAPO, PPO, GRPO, DAPO)."""
 ABLATIONS = {
     "no_value_pretrain": ("value pretraining", 11),
     "no_decoupled_gae": ("decoupled GAE", 33),
@@ -53,7 +58,8 @@ class Arms:
     def config(self, name: str) -> str:
         if name == "vapo":
             return self.vapo
-        return f"{self.root}/{'baselines' if name in COMPARISON else 'ablations'}/{name}.toml"
+        baseline = name in COMPARISON or name in OBJECTIVES
+        return f"{self.root}/{'baselines' if baseline else 'ablations'}/{name}.toml"
 
 
 @dataclass(frozen=True)
@@ -74,18 +80,21 @@ class Run:
 def plan(which: str, seeds: list[int], ablation_seeds: list[int], arms: Arms = Arms(),
          ablations: list[str] | None = None, baselines: list[str] | None = None) -> list[Run]:
     """The runs of ``which`` (all, comparison, ablation); ``ablations`` picks rows of :data:`ABLATIONS` (all),
-    ``baselines`` the baselines beside VAPO (all of ppo, grpo, dapo)."""
+    ``baselines`` the baselines beside VAPO, of :data:`COMPARISON` and :data:`OBJECTIVES` (default: ppo, grpo,
+    dapo), in the order given."""
     rows = list(ABLATIONS) if ablations is None else ablations
     unknown = [a for a in rows if a not in ABLATIONS]
     if unknown:
         raise ValueError(f"unknown ablation rows {unknown}; known: {', '.join(ABLATIONS)}")
+    known = [*COMPARISON, *OBJECTIVES]
     arms_compared = list(COMPARISON) if baselines is None else ["vapo", *baselines]
-    unknown = [b for b in arms_compared if b not in COMPARISON]
+    unknown = [b for b in arms_compared if b not in known]
     if unknown:
-        raise ValueError(f"unknown baselines {unknown}; known: {', '.join(n for n in COMPARISON if n != 'vapo')}")
+        raise ValueError(f"unknown baselines {unknown}; known: {', '.join(n for n in known if n != 'vapo')}")
+    order = [n for n in COMPARISON if n in arms_compared] + [n for n in arms_compared if n in OBJECTIVES]
     runs: list[Run] = []
     if which in ("all", "comparison"):
-        runs += [Run(n, s, arms.config(n)) for s in seeds for n in COMPARISON if n in arms_compared]
+        runs += [Run(n, s, arms.config(n)) for s in seeds for n in order]
     if which in ("all", "ablation"):
         if which == "ablation":
             runs += [Run("vapo", s, arms.config("vapo")) for s in ablation_seeds]
@@ -371,7 +380,7 @@ def report(out: Path) -> dict:
         if (d / "summary.json").exists() and "_s" in d.name:
             done.setdefault(d.name.rsplit("_s", 1)[0], []).append(d)
     result: dict = {"runs": {k: [p.name for p in v] for k, v in done.items()}}
-    comp = {k: done[k] for k in COMPARISON if k in done}
+    comp = {k: done[k] for k in [*COMPARISON, *OBJECTIVES] if k in done}
     if comp:
         result["comparison"] = _comparison_report(out, comp)
     if "vapo" in done and any(k in done for k in ABLATIONS):
@@ -392,9 +401,11 @@ def add_arguments(p) -> None:
     pr.add_argument("--parallel", type=int, default=2)
     pr.add_argument("--vapo-config", default=Arms.vapo, help="VAPO's config (the comparison's reference arm)")
     pr.add_argument("--arms-dir", default=Arms.root,
-                    help="folder with baselines/{ppo,grpo,dapo}.toml and ablations/no_*.toml (configs/long: long task)")
+                    help="folder with baselines/NAME.toml and ablations/no_*.toml (configs/long: long task)")
     pr.add_argument("--ablations", default=None, help="comma-separated ablation rows (default: all seven)")
-    pr.add_argument("--baselines", default=None, help="comma-separated baselines beside VAPO (default: ppo,grpo,dapo)")
+    pr.add_argument("--baselines", default=None,
+                    help="comma-separated baselines beside VAPO (default: ppo,grpo,dapo; also "
+                         + ",".join(OBJECTIVES) + ")")
     pr.add_argument("--out", default="benchmarks/results/algorithms")
     pr.add_argument("overrides", nargs="*", help="key.sub=value overrides for every run")
     rp = sub.add_parser("report", help="tables and plots from finished runs")

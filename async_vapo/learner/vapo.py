@@ -39,7 +39,21 @@ from its first gradient step. ``behavior_logprob_gap`` reports the mean |log π_
 Advantages by algorithm (the math lives in ``async_vapo.algo``):
 - vapo / ppo: GAE on the critic's values; actor λ = ``lam_policy`` or, with length-adaptive GAE,
   1 − 1/(α·l) per response; critic targets with ``lam_critic`` (decoupled GAE) or the actor's λ.
-- grpo / dapo: group-normalised terminal reward on every token; no critic.
+- grpo / dapo / gspo / gspo_token / cispo: group-normalised terminal reward on every token; no critic. dr_grpo: the
+  group mean subtracted, no std; rloo: the leave-one-out group mean subtracted.
+- reinforce_pp / reinforce_pp_baseline: per-token returns of the outcome reward (minus its group's mean) and
+  −β·KL_t to the initial policy, normalised over the batch (``algo.advantages.reinforce_pp_advantages``).
+
+The KL penalty (``algo.effective_kl_coef`` > 0: reinforce_pp by default, vapo / ppo when set) puts −β·KL_t in each
+token's reward, KL_t (``algo.kl``) from the proximal log-probs and those of a frozen copy of the initial policy, the
+reference, that the learner builds from ``reference_path`` (the base model; a resumed run passes it, not the
+checkpoint) and keeps beside the policy (``deploy.scale`` counts its weights). The proximal log-probs are then
+needed for every row before the advantages, so the first mini-batch's are not taken from its first gradient step.
+
+Policy losses by ``algo.policy_objective``: PPO's clipped surrogate (``algo.losses.policy_loss``; Dr. GRPO divides
+its sum by rows · ``rollout.max_response_tokens``), GSPO's sequence-ratio clip (``gspo_loss``, ``gspo_eps_*``) or
+CISPO's clipped stop-gradient weights (``cispo_loss``, upper bound 1 + ``eps_high``). Each takes the ratio against
+the proximal log-probs and composes with the behaviour weights and the rejection mask as the PPO surrogate does.
 
 The critic's design (``model.critic_head_layers``, ``model.critic_logprobs``; ``models.rl.CriticDesign``) is built
 from the config over whatever critic it starts from. A log-prob design reads each row's behaviour log-probs
@@ -59,12 +73,20 @@ from pathlib import Path
 
 import torch
 
-from async_vapo.algo.advantages import broadcast_to_tokens, group_normalized_advantages
+from async_vapo.algo.advantages import (
+    broadcast_to_tokens,
+    group_normalized_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
 from async_vapo.algo.dapo import soft_overlong_punishment
 from async_vapo.algo.gae import compute_gae, length_adaptive_lambda
+from async_vapo.algo.kl import kl_metrics, kl_penalty
 from async_vapo.algo.losses import (
+    cispo_loss,
     entropy_loss,
     explained_variance,
+    gspo_loss,
     loss_normalizer,
     microbatch_weight,
     policy_loss,
@@ -189,7 +211,10 @@ def critic_error_by_age(values: torch.Tensor, returns: torch.Tensor, mask: torch
 
 
 class Learner:
-    def __init__(self, cfg: Config, policy_path: str | Path, critic_path: str | Path | None = None):
+    def __init__(self, cfg: Config, policy_path: str | Path, critic_path: str | Path | None = None,
+                 reference_path: str | Path | None = None):
+        """``reference_path``: the initial policy of the KL penalty (``algo.effective_kl_coef`` > 0), None =
+        ``policy_path``; a resumed learner passes the base model here."""
         self.cfg = cfg
         self.algo = cfg.algo
         torch.manual_seed(cfg.train.seed)
@@ -238,6 +263,12 @@ class Learner:
                                                 weight_decay=cfg.optim.weight_decay)
             self.critic_scaler = self.precision.grad_scaler()
         self._critic_reads_logprobs = self.critic is not None and reads_logprobs(self.critic)
+        self.reference = None  # the KL penalty's frozen initial policy
+        if self.algo.effective_kl_coef > 0:
+            ref = reference_path or policy_path
+            self.reference = self._load(lambda: build_policy(ref, attn_implementation=attn),
+                                        lambda: load_policy(ref, attn_implementation=attn))
+            self.reference.requires_grad_(False)
         if self._critic_reads_logprobs and self.packing == SHARED:
             raise ValueError("learner.share_prompts cannot serve a critic design that reads log-probs (a group's "
                              "first response tokens are scored at one shared position); turn one of them off")
@@ -408,15 +439,33 @@ class Learner:
         mask = batch.tokens.response_mask.bool()
         return old_lp.masked_fill(~mask, 0.0), None if values is None else values.masked_fill(~mask, 0.0)
 
+    @torch.no_grad()
+    def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """The reference policy's log-probs of the batch's response tokens (0 on padding), each rank computing its
+        share of the rows as in :meth:`_forward_old`."""
+        n, t = batch.tokens.response_mask.shape
+        ref_lp = torch.zeros(n, t, device=batch.tokens.response_mask.device)
+        seq_tokens, groups = self._seq_tokens(batch), batch.group_ids.tolist()
+        for idx, real in self._my_micro(list(range(n)), seq_tokens, groups):
+            tb = batch.tokens.select(idx)
+            with self.precision.autocast():
+                logits = response_logits(self.reference, tb, self.temperature, self.packing or False,
+                                         self.precision.compute_dtype)
+            if real:
+                ref_lp[idx, : tb.response_ids.shape[1]] = logprobs_from_logits(logits, tb.response_ids)
+        all_reduce_sum_(ref_lp)
+        return ref_lp.masked_fill(~batch.tokens.response_mask.bool(), 0.0)
+
     def _gather_rows(self, rows: list[dict[str, float]]) -> list[dict[str, float]]:
         """Every rank's micro-batch metric rows (so that each rank reports the whole mini-batch's metrics)."""
         return [r for part in all_gather_objects(rows) for r in part] if self.world > 1 else rows
 
-    def _token_rewards(self, batch: RolloutBatch) -> torch.Tensor:
+    def _token_rewards(self, batch: RolloutBatch, outcome: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T]: ``outcome`` (None: the batch's rewards) on each response's last valid token, 0 elsewhere."""
         mask = batch.tokens.response_mask
         last = (batch.lengths - 1).clamp(min=0)
         r = torch.zeros(mask.shape, device=mask.device)
-        r[torch.arange(len(last)), last] = batch.rewards
+        r[torch.arange(len(last)), last] = (batch.rewards if outcome is None else outcome).to(r.dtype)
         return r * mask
 
     def _step(self, model: torch.nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
@@ -491,12 +540,17 @@ class Learner:
         return out
 
     # ---------------------------------------------------------------- advantages
-    def advantages(self, batch: RolloutBatch, values: torch.Tensor | None
+    def advantages(self, batch: RolloutBatch, values: torch.Tensor | None, kl: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+        """Per-token advantages (and the critic's returns) by ``algo.advantage_estimator`` (module docstring).
+        ``kl``: [B, T] per-token KL estimate to the reference, put as −kl_coef·kl in the token rewards (GAE's and
+        REINFORCE++'s); None = no penalty."""
         mask = batch.tokens.response_mask
         stats: dict[str, float] = {}
-        if self.algo.uses_critic:
-            rewards = self._token_rewards(batch)
+        estimator = self.algo.advantage_estimator
+        penalty = 0.0 if kl is None else self.algo.effective_kl_coef * kl
+        if estimator == "gae":
+            rewards = self._token_rewards(batch) - penalty
             if self.algo.length_adaptive_gae:
                 lam_policy = length_adaptive_lambda(batch.lengths.float(), self.algo.alpha)
             else:
@@ -506,8 +560,17 @@ class Learner:
             _, returns = compute_gae(rewards, values, mask, lam_critic, self.algo.gamma)
             stats.update({"lam_policy/mean": float(lam_policy.mean()), "lam_policy/min": float(lam_policy.min()),
                           "lam_policy/max": float(lam_policy.max())})
+        elif estimator in ("reinforce_pp", "reinforce_pp_baseline"):
+            outcome = batch.rewards
+            if estimator == "reinforce_pp_baseline":
+                outcome = group_normalized_advantages(batch.rewards, batch.group_ids, scale=False)
+            rewards = self._token_rewards(batch, outcome) - penalty
+            adv, returns = reinforce_pp_advantages(rewards, mask, self.algo.gamma), None
         else:
-            seq_adv = group_normalized_advantages(batch.rewards, batch.group_ids)
+            if estimator == "rloo":
+                seq_adv = rloo_advantages(batch.rewards, batch.group_ids)
+            else:  # grpo (and dapo, gspo, cispo), dr_grpo
+                seq_adv = group_normalized_advantages(batch.rewards, batch.group_ids, scale=estimator == "grpo")
             adv, returns = broadcast_to_tokens(seq_adv, mask), None
         if self.algo.whiten_advantages:
             adv = masked_whiten(adv, mask) * mask
@@ -531,9 +594,17 @@ class Learner:
         # One unsharded process only: sharded ranks split micro-batches differently in the two passes.
         # A rejection mask needs every row's proximal log-probs before the first mini-batch's loss normaliser.
         masking = self.algo.behavior_correction and self.algo.behavior_mask != "off"
-        reuse = set(plan[0][0]) if self.reuse_first_logprobs and not self.sharded and not masking else set()
+        # the KL penalty's rewards need every row's proximal log-probs before the advantages
+        first = self.reuse_first_logprobs and not self.sharded and not masking and self.reference is None
+        reuse = set(plan[0][0]) if first else set()
         old_lp, values = self._forward_old(batch, skip=sorted(reuse))
-        adv, returns, stats = self.advantages(batch, values)
+        kl, kl_stats = None, {}
+        if self.reference is not None:
+            ref_lp = self._reference_logprobs(batch)
+            kl = kl_penalty(old_lp, ref_lp, mask, self.algo.kl_estimator)
+            kl_stats = {f"kl_ref/{k}": float(v) for k, v in kl_metrics(old_lp, ref_lp, mask).items()}
+        adv, returns, stats = self.advantages(batch, values, kl)
+        stats.update(kl_stats)
         nan_behavior = torch.isnan(batch.behavior_logprobs)
         keep, correction = mask, {}  # the policy loss's tokens: all valid ones, or those the mask keeps
         if masking:
@@ -547,12 +618,12 @@ class Learner:
             # before the update: the critic has not trained on these responses (a held-out measure)
             stats["critic/fresh_ev"] = float(explained_variance(values, returns, mask))
         token_level = self.algo.token_level_loss
-        eps_high = self.algo.effective_eps_high
+        max_tokens = self._max_tokens()
         rows: list[dict[str, float]] = []
         fresh = reuse  # rows whose old log-probs the next forward provides: the first mini-batch's, once
         for epoch in plan:
             for idx in epoch:
-                total = loss_normalizer(keep[idx], token_level)
+                total = loss_normalizer(keep[idx], token_level, max_tokens)
                 ent_total = loss_normalizer(mask[idx], token_level)  # the bonus keeps every token (losses docstring)
                 pos_mask_all = mask[idx].bool() & batch.correct[idx, None]
                 pos_total = loss_normalizer(pos_mask_all, True)
@@ -566,9 +637,8 @@ class Learner:
                         if fresh:
                             old_lp[mi, :w] = lp.detach().masked_fill(~tb.response_mask.bool(), 0.0)
                         bw_mi = self._behavior_weights(batch, old_lp, mi, w)
-                    pl, m = policy_loss(lp, old_lp[mi, :w], adv[mi, :w], keep_mi, self.algo.eps_low,
-                                        eps_high, token_level=token_level, entropy=ent, behavior_weights=bw_mi)
-                    loss = microbatch_weight(keep_mi, total, token_level) * pl
+                    pl, m = self._policy_loss(lp, old_lp[mi, :w], adv[mi, :w], keep_mi, ent, bw_mi)
+                    loss = microbatch_weight(keep_mi, total, token_level, max_tokens=max_tokens) * pl
                     row = {"actor/pg_loss": float(pl.detach()), **{f"actor/{k}": float(x) for k, x in m.items()}}
                     if self.algo.pos_lm_coef > 0:
                         correct = batch.correct[mi]
@@ -602,6 +672,23 @@ class Learner:
         metrics["behavior_logprob_gap"] = float(masked_mean((old_lp - behavior).abs(), mask))
         metrics.update(self._mismatch_metrics(batch, old_lp, token_lags, correction))
         return metrics
+
+    def _max_tokens(self) -> int | None:
+        """L of Dr. GRPO's constant loss normaliser (``rollout.max_response_tokens``); None for the other objectives."""
+        return self.cfg.rollout.max_response_tokens if self.algo.constant_loss_normalizer else None
+
+    def _policy_loss(self, lp: torch.Tensor, old_lp: torch.Tensor, adv: torch.Tensor, keep: torch.Tensor,
+                     ent: torch.Tensor, bw: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The policy loss of one micro-batch by ``algo.policy_objective`` (module docstring)."""
+        a, token_level = self.algo, self.algo.token_level_loss
+        if a.policy_objective in ("gspo", "gspo_token"):
+            return gspo_loss(lp, old_lp, adv, keep, a.gspo_eps_low, a.gspo_eps_high, token_level=token_level,
+                             entropy=ent, behavior_weights=bw, token_variant=a.policy_objective == "gspo_token")
+        if a.policy_objective == "cispo":
+            return cispo_loss(lp, old_lp, adv, keep, a.effective_eps_high, token_level=token_level, entropy=ent,
+                              behavior_weights=bw)
+        return policy_loss(lp, old_lp, adv, keep, a.eps_low, a.effective_eps_high, token_level=token_level,
+                           entropy=ent, behavior_weights=bw, max_tokens=self._max_tokens())
 
     def _mismatch_metrics(self, batch: RolloutBatch, old_lp: torch.Tensor, lags: torch.Tensor,
                           correction: dict[str, torch.Tensor]) -> dict[str, float]:

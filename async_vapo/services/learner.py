@@ -287,7 +287,7 @@ class LearnerService:
             critic_path = resolve_critic_path(cfg, base, progress=False)
         if ckpt is not None and (ckpt / "policy").exists():  # a sharded learner's checkpoint has only dcp/
             policy_path = ckpt / "policy"
-        self.learner = Learner(cfg, policy_path, critic_path)
+        self.learner = Learner(cfg, policy_path, critic_path, reference_path=base)
         self.staleness = StalenessPolicy.from_config(cfg)
         """The bound (``async_vapo.staleness``): the learner owns it and sends its floor with every batch request
         and every announce."""
