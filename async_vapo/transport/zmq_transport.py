@@ -71,8 +71,10 @@ from async_vapo.transport.interface import (
     check_blob,
     check_timeout,
 )
-from async_vapo.transport.interface import blob_checksum as blob_checksum  # noqa: PLC0414 - re-exported, as before
-from async_vapo.transport.interface import verify_checksum as verify_checksum  # noqa: PLC0414
+
+# the checksums live with the blob checks in ``interface``; still importable from here, as before
+from async_vapo.transport.interface import blob_checksum as blob_checksum
+from async_vapo.transport.interface import verify_checksum as verify_checksum
 from async_vapo.transport.messages import (
     Decoder,
     Envelope,
