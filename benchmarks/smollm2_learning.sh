@@ -6,6 +6,11 @@
 # gain measured per problem; then benchmarks/smollm2_learning.py writes the table and the curves.
 #   bash benchmarks/smollm2_learning.sh [key.sub=value ...]
 #   (ALGOS="grpo vapo" SEEDS="0 1" MINUTES=55 EVAL_EVERY=10 SAMPLES=4 OUT=benchmarks/results/smollm2_learning)
+# ALGOS may also name the objectives of configs/baselines/ (issue 49): gspo gspo_token cispo rloo reinforce_pp
+# reinforce_pp_baseline dr_grpo, each with its baseline config's settings over the shared ones below, e.g.
+#   ALGOS="gspo cispo rloo reinforce_pp dr_grpo" SEEDS=0 bash benchmarks/smollm2_learning.sh
+# With one optimiser step per update on fresh samples every ratio is 1 at the step: GSPO's and CISPO's clips
+# never bind, and GSPO's gradient is GRPO's (sample-level), CISPO's a token-level GRPO's.
 # Runs add to OUT: a run of the same algorithm and seed is replaced, the untrained model's evaluation is kept when it
 # was made with the same SAMPLES (every run is paired against it), and the summary covers every run in OUT.
 set -euo pipefail
@@ -33,6 +38,16 @@ common=(task.max_ops=1 algo.prompts_per_step=8 algo.group_size=8 algo.mini_batch
 grpo=(algo.name=grpo algo.value_pretrain_steps=0 algo.clip_higher=false algo.token_level_loss=false
       algo.pos_lm_coef=0.0)
 vapo=(algo.name=vapo)
+# the further objectives: their configs/baselines/*.toml settings (REINFORCE++ without a group: 64 prompts x 1)
+critic_free=(algo.value_pretrain_steps=0 algo.pos_lm_coef=0.0)
+gspo=(algo.name=gspo "${critic_free[@]}" algo.token_level_loss=false)
+gspo_token=(algo.name=gspo_token "${critic_free[@]}" algo.token_level_loss=false)
+cispo=(algo.name=cispo "${critic_free[@]}" algo.clip_higher=true algo.eps_high=0.28 algo.token_level_loss=true)
+rloo=(algo.name=rloo "${critic_free[@]}" algo.clip_higher=false algo.token_level_loss=false)
+reinforce_pp=(algo.name=reinforce_pp "${critic_free[@]}" algo.clip_higher=false algo.group_size=1
+              algo.prompts_per_step=64)
+reinforce_pp_baseline=(algo.name=reinforce_pp_baseline "${critic_free[@]}" algo.clip_higher=false)
+dr_grpo=(algo.name=dr_grpo "${critic_free[@]}" algo.clip_higher=false)
 for algo in $ALGOS; do
   for seed in $SEEDS; do
     run="$out/${algo}_seed$seed"
