@@ -296,6 +296,7 @@ def _comparison_report(out: Path, comp: dict[str, list[Path]]) -> dict:
         "when the one-sided 95 % t lower bound of the mean, mean − t·sd/√n, is above 0.\n\n"
         "| pair | seeds | per seed | mean ± sd | 95 % lower bound | beyond the spread |\n|---|---|---|---|---|---|\n"
         + "\n".join(paired_rows))
+    paired_md += _objectives_report(out, comp, table)
     updates = max(json.loads((d / "config.resolved.json").read_text())["train"]["total_steps"]
                   for runs in comp.values() for d in runs)
     (out / "comparison.md").write_text(
@@ -308,12 +309,47 @@ def _comparison_report(out: Path, comp: dict[str, list[Path]]) -> dict:
     return table
 
 
+def _objectives_report(out: Path, comp: dict[str, list[Path]], table: dict) -> str:
+    """With any of :data:`OBJECTIVES` beside GRPO: each objective's final minus GRPO's, paired by seed, against the
+    two-sided 95 % t interval of the mean (a difference either way), and ``final_accuracy.png`` (every method's
+    final accuracy, mean ± sd over its seeds). Returns the markdown to append ('' without such rows)."""
+    from async_vapo.experiments.plots import bar_chart
+
+    rows = [k for k in comp if k in OBJECTIVES]
+    if not rows or "grpo" not in comp:
+        return ""
+    lines = []
+    for k in rows:
+        g = paired_gain(comp[k], comp["grpo"])  # the objective minus GRPO, seed by seed
+        half = T_95_TWO_SIDED.get(g["seeds"] - 1, 1.96) * g["sd"] / g["seeds"] ** 0.5 if g["seeds"] > 1 else None
+        table[k]["minus_grpo_paired"] = g | {"half_width_95": half}
+        if not g["seeds"]:
+            continue
+        verdict = ("one seed: cannot tell" if half is None else
+                   "yes" if abs(g["mean"]) > half else "no")
+        lines.append(f"| {k} − grpo | {', '.join(map(str, g['by_seed']))} | "
+                     + ", ".join(f"{x:+.3f}" for x in g["by_seed"].values())
+                     + f" | {g['mean']:+.3f} ± {_num(g['sd'], '.3f')} | "
+                     + ("–" if half is None else f"[{g['mean'] - half:+.3f}, {g['mean'] + half:+.3f}]")
+                     + f" | {verdict} |")
+    labels = list(comp)
+    bar_chart(labels, [100 * table[k]["final_mean"] for k in labels], out / "final_accuracy.png",
+              errors=[100 * table[k]["final_sd"] for k in labels],
+              title="final held-out accuracy (%), mean ± sd over seeds", ylabel="accuracy (%)")
+    return ("\n\nEach further objective against GRPO, paired by seed (its final minus GRPO's, same seed): a difference "
+            "beyond the pairs' spread when the two-sided 95 % t interval of the mean, mean ± t·sd/√n, excludes 0.\n\n"
+            "| pair | seeds | per seed | mean ± sd | 95 % interval | beyond the spread |\n|---|---|---|---|---|---|\n"
+            + "\n".join(lines))
+
+
 def _num(x: float | None, fmt: str) -> str:
     return "–" if x is None else format(x, fmt)
 
 
 T_95_ONE_SIDED = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833}
 """Student's t, one-sided 95 %, by degrees of freedom (n − 1 pairs)."""
+T_95_TWO_SIDED = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+"""Student's t, two-sided 95 % (0.975 quantile), by degrees of freedom."""
 
 
 def paired_gain(vapo_runs: list[Path], other_runs: list[Path]) -> dict:

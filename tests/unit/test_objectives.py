@@ -278,7 +278,8 @@ def test_one_learner_update_per_objective(cache, name):
         assert math.isfinite(m["actor/pg_loss"]) and math.isfinite(m["actor/grad_norm"]), m
         if step == 0 and learner.reference is not None:  # the policy is still the reference: every row's KL is 0
             assert abs(m["kl_ref/k1"]) < 1e-6 and m["kl_ref/k3"] < 1e-6, m
-        moved = sum(float((p.detach() - b).abs().sum()) for p, b in zip(learner.policy.parameters(), before))
+        now = learner.policy.parameters()
+        moved = sum(float((p.detach() - b).abs().sum()) for p, b in zip(now, before, strict=True))
         assert moved > 0, step
     if learner.reference is not None:
         for p, q in zip(learner.reference.parameters(), initial, strict=True):
@@ -308,3 +309,28 @@ def test_learner_advantages_follow_the_estimator(cache):
                                          "algo.mini_batch_size=8", "algo.micro_batch_size=4"]).algo
         adv, _, _ = learner.advantages(batch, None)
         torch.testing.assert_close(adv, broadcast_to_tokens(seq, mask), msg=name)
+
+
+def test_report_pairs_each_objective_with_grpo(tmp_path):
+    """``async-vapo experiment report``: a further objective's final minus GRPO's by seed, against the two-sided
+    95 % t interval, and the bar chart of every method's final accuracy."""
+    from test_experiments import _fake_run
+
+    from async_vapo.experiments.comparison import report
+
+    for seed, (grpo, rloo, cispo) in enumerate([(0.40, 0.50, 0.40), (0.50, 0.62, 0.70), (0.60, 0.68, 0.40)]):
+        for name, acc in (("grpo", grpo), ("rloo", rloo), ("cispo", cispo)):
+            _fake_run(tmp_path, f"{name}_s{seed}", [0.2, acc, acc], wall_s=60, cpu_s=None)
+    result = report(tmp_path)["comparison"]
+    # rloo - grpo: +0.10, +0.12, +0.08 -> mean 0.10, sd 0.02, half-width 4.303 * 0.02 / sqrt 3 = 0.0497: beyond
+    r = result["rloo"]["minus_grpo_paired"]
+    assert r["mean"] == pytest.approx(0.10) and r["sd"] == pytest.approx(0.02)
+    assert r["half_width_95"] == pytest.approx(4.303 * 0.02 / 3 ** 0.5)
+    # cispo - grpo: 0, +0.20, -0.20 -> mean 0, not beyond
+    c = result["cispo"]["minus_grpo_paired"]
+    assert c["mean"] == pytest.approx(0.0, abs=1e-12) and c["half_width_95"] > 0.2
+    table = (tmp_path / "comparison.md").read_text()
+    assert "| rloo − grpo | 0, 1, 2 | +0.100, +0.120, +0.080 | +0.100 ± 0.020 | [+0.050, +0.150] | yes |" in table
+    cispo_line = next(x for x in table.splitlines() if x.startswith("| cispo − grpo | 0, 1, 2 |"))
+    assert cispo_line.endswith("| no |")
+    assert (tmp_path / "final_accuracy.png").stat().st_size > 0
