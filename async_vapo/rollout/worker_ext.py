@@ -17,12 +17,23 @@ Importing this module also registers our weight-transfer engines with vLLM (``as
 vLLM's NCCL engine with a receive watchdog), the third way in, which vLLM drives itself; ``async_vapo_dist_stats()``
 reports the gloo engine's last receive.
 
-Both return ``{"tensors": n, "read_s": s, "reload_s": s}``: the time to get tensors out of the file
-(for the shared buffer, to make the views) and the time ``reload_weights`` took.
+Both return ``{"tensors": n, "read_s": s, "reload_s": s, "quiet_layers": n, "not_loaded": [names]}``: the time to
+get tensors out of the file (for the shared buffer, to make the views), the time ``reload_weights`` took, and what
+vLLM's reload reported as layers it loaded nothing into (below).
+
+vLLM's in-place reload (``model_loader/reload/layerwise.py``) moves every layer's parameters and buffers to the meta
+device, loads what the weights hold, and at the end warns "<Layer>: Failed to load weights" for each layer that holds
+tensors of which nothing was loaded, putting its old tensors back. A rotary embedding holds one tensor, the
+``cos_sin_cache`` buffer (non-persistent: computed at start from the head size, the base and the maximum position;
+no checkpoint holds it, HF's ``inv_freq`` is non-persistent too), so it was warned about at every load, although it
+keeps its cache, which no weight changes. Those layers, each of whose tensors is a non-persistent buffer
+(:func:`computed_only_layers`), are quiet here (``quiet_layers`` counts the warnings dropped); a warning about any
+other layer (weights missing from a load, which keeps its old ones) still shows and is named in ``not_loaded``.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import time
@@ -35,7 +46,58 @@ MAX_MAPPINGS = 8
 """Shared weight files a worker keeps mapped (the engine's own buffer plus the learner's slots)."""
 
 
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+"""The logger of vLLM's in-place reload, which warns about layers it loaded nothing into."""
+NOT_LOADED = "%s: Failed to load weights"
+"""That warning's format, its argument the layer's class name."""
+
+
+def computed_only_layers(model) -> set[str]:
+    """Class names of ``model``'s layers whose every tensor, in every instance, is a non-persistent buffer (a rotary
+    embedding's ``cos_sin_cache``): computed at start, in no checkpoint, never loaded by a reload (module docstring)."""
+    computed, loaded = set(), set()
+    for layer in model.modules():
+        params = [p for p in layer._parameters.values() if p is not None]
+        buffers = {n for n, b in layer._buffers.items() if b is not None}
+        if params or buffers:
+            only = not params and buffers <= layer._non_persistent_buffers_set
+            (computed if only else loaded).add(type(layer).__name__)
+    return computed - loaded
+
+
+class _NothingLoaded(logging.Filter):
+    """On :data:`RELOAD_LOGGER`: drops :data:`NOT_LOADED` for the ``quiet`` layers (counted in ``dropped``) and keeps
+    the names of the others it lets through (``not_loaded``) for the load's result."""
+
+    def __init__(self, quiet: set[str]):
+        super().__init__()
+        self.quiet, self.dropped, self.not_loaded = quiet, 0, []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != NOT_LOADED or not record.args:
+            return True
+        name = str(record.args[0])
+        if name in self.quiet:
+            self.dropped += 1
+            return False
+        self.not_loaded.append(name)
+        return True
+
+
 class WeightSyncExtension:
+    def _async_vapo_reload(self, weights) -> dict:
+        """vLLM's ``reload_weights`` over ``weights`` (name, tensor) with its warnings about computed-only layers
+        dropped (module docstring): its seconds and what it reported."""
+        quiet = self.__dict__.get("_async_vapo_reload_filter")
+        if quiet is None:
+            quiet = _NothingLoaded(computed_only_layers(self.model_runner.get_model()))  # type: ignore[attr-defined]
+            logging.getLogger(RELOAD_LOGGER).addFilter(quiet)
+            self._async_vapo_reload_filter = quiet
+        quiet.dropped, quiet.not_loaded = 0, []
+        t0 = time.perf_counter()
+        self.model_runner.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
+        return {"reload_s": time.perf_counter() - t0, "quiet_layers": quiet.dropped, "not_loaded": quiet.not_loaded}
+
     def async_vapo_dist_stats(self) -> dict[str, float]:
         """Stages of the last version received over torch.distributed (``async_vapo.weights.collective``)."""
         engine = getattr(self, "weight_transfer_engine", None)
@@ -50,17 +112,16 @@ class WeightSyncExtension:
         self.finish_weight_update()  # type: ignore[attr-defined]
         return self.async_vapo_dist_stats()
 
-    def async_vapo_load_weights(self, path: str) -> dict[str, float]:
+    def async_vapo_load_weights(self, path: str) -> dict:
         from safetensors.torch import load_file
 
         t0 = time.perf_counter()
         state = load_file(path, device="cpu")
         t1 = time.perf_counter()
-        self.model_runner.reload_weights(weights_iterator=iter(state.items()))  # type: ignore[attr-defined]
-        return {"tensors": len(state), "read_s": t1 - t0, "reload_s": time.perf_counter() - t1}
+        return {"tensors": len(state), "read_s": t1 - t0, **self._async_vapo_reload(iter(state.items()))}
 
     def async_vapo_load_shared(self, path: str, nbytes: int, layout: list[tuple[str, str, list[int], int]]
-                               ) -> dict[str, float]:
+                               ) -> dict:
         import torch
 
         t0 = time.perf_counter()
@@ -95,5 +156,4 @@ class WeightSyncExtension:
             size = count * dt.itemsize
             views.append((name, flat[offset: offset + size].view(dt).view(shape)))
         t1 = time.perf_counter()
-        self.model_runner.reload_weights(weights_iterator=iter(views))  # type: ignore[attr-defined]
-        return {"tensors": len(views), "read_s": t1 - t0, "reload_s": time.perf_counter() - t1}
+        return {"tensors": len(views), "read_s": t1 - t0, **self._async_vapo_reload(iter(views))}
