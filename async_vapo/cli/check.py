@@ -271,7 +271,8 @@ def _ports(cfg, r: Report, hostfile: str | None, local_names: Sequence[str]) -> 
     except (PlacementError, OSError) as e:
         r.problems.append(f"placement: {e}")
         return
-    local = {"localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn(), *local_names}
+    local = {"localhost", "127.0.0.1", socket.gethostname(), socket.gethostname().split(".")[0], socket.getfqdn(),
+             *local_names}
     here = [p for p in service_ports(cfg, placement)
             if placement.get(p[0]).host in local or placement.get(p[0]).host.split(".")[0] in local]
     seen: dict[int, str] = {}
