@@ -287,6 +287,25 @@ def test_one_learner_update_per_objective(cache, name):
         assert m["kl_ref/k3"] > 0 and math.isfinite(m["kl_ref/k1"])
 
 
+@pytest.mark.parametrize("name", ["gspo", "cispo", "dr_grpo"])
+def test_objectives_compose_with_a_rejection_mask(cache, name):
+    """A sequence rejection mask that drops the responses whose engine log-probs are far from the learner's: the
+    loss is over the kept responses only (its value changes when the dropped ones do not count), still finite."""
+    from test_learner import make
+
+    def update(*extra):
+        learner, batch = make(cache, f"algo.name={name}", *extra)
+        proximal, _ = learner._forward_old(batch)
+        batch.behavior_logprobs = proximal.clone()  # ρ = 1: kept
+        batch.behavior_logprobs[:3] -= 5.0  # three responses the engine found far less likely: log ρ_b ≥ 10 > log 1e4
+        return learner.update(batch)
+
+    kept = update("algo.behavior_weight=geometric", "algo.behavior_mask=sequence", "algo.behavior_mask_high=1e4")
+    assert kept["correction/masked_seq_frac"] == 3 / 8 and math.isfinite(kept["actor/pg_loss"])
+    everything = update("algo.behavior_weight=geometric")
+    assert kept["actor/pg_loss"] != everything["actor/pg_loss"]
+
+
 def test_learner_advantages_follow_the_estimator(cache):
     """The learner's advantages are the algo functions' on its batch: the group mean (Dr. GRPO), the leave-one-out
     mean (RLOO), and REINFORCE++-baseline's returns with −β·KL in the token rewards."""
