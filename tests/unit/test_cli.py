@@ -156,10 +156,10 @@ def test_plan_takes_config_like_every_command_and_keeps_its_positional_form(caps
     assert code == 0 and flagged == positional, err
     code, mixed, err = run_cli(capsys, "plan", *shape, PAPER_SHAPE[0], "--config", PAPER, *PAPER_SHAPE[1:])
     assert code == 0 and mixed == positional, err
-    code, _, err = run_cli(capsys, "plan", "--hosts", "2", "--config", PAPER, "--gpus-per-host", "8",
-                           "async.rollout_devices=32", "async.learner_devices=8",
-                           "rollout.tensor_parallel_size=1")  # a shape that does not fit: one line
-    assert code == 2 and err.startswith("async-vapo plan: 32 engine(s)") and len(err.splitlines()) == 1
+    code, out, err = run_cli(capsys, "plan", "--hosts", "2", "--config", PAPER, "--gpus-per-host", "8",
+                             "async.rollout_devices=32", "async.learner_devices=8",
+                             "rollout.tensor_parallel_size=1")  # a shape that does not fit: one line, exit 1
+    assert code == 1 and out.startswith("DOES NOT FIT: 32 engine(s)") and len(out.splitlines()) == 1 and not err
 
 
 def test_version_and_help_exit_0(capsys):
