@@ -192,8 +192,8 @@ def test_start_cluster_help_says_what_every_option_does():
 
 def test_make_cluster_starts_prometheus_when_asked():
     def make(*args):
-        return subprocess.run(["make", "-n", "--no-print-directory", "-C", str(REPO), "cluster", *args], capture_output=True, text=True,
-                              timeout=60).stdout.splitlines()[-1]
+        return subprocess.run(["make", "-n", "--no-print-directory", "-C", str(REPO), "cluster", *args],
+                              capture_output=True, text=True, timeout=60).stdout.splitlines()[-1]
 
     assert "--prometheus" in make("PROMETHEUS=1") and "--prometheus" not in make()
     assert make("ARGS=--new-run algo.eps_high=0.3").endswith("--new-run algo.eps_high=0.3")
