@@ -1,4 +1,5 @@
-"""``async-vapo export``: a learner checkpoint's policy or critic (any number of ranks) as an HF directory.
+"""``async-vapo export``: a learner checkpoint's policy or critic (any number of ranks) as an HF directory; a LoRA
+policy as a PEFT adapter directory, or with ``--merge`` as the merged HF model.
 
 An existing OUT is replaced only with ``--force``, and never when it is a file.
 """
@@ -18,6 +19,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--model", choices=["policy", "critic"], default="policy")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--merge", action="store_true",
+                   help="a LoRA policy (model.lora) as the merged HF model; without it, as a PEFT adapter directory")
     p.set_defaults(run=run)
     return p
 
@@ -35,5 +38,5 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"OUT {args.out} exists; --force replaces it")
     from async_vapo.learner.export import export
 
-    print(export(ckpt, out, args.model, args.dtype))
+    print(export(ckpt, out, args.model, args.dtype, merge=args.merge))
     return 0

@@ -153,6 +153,32 @@ class TaskConfig(_Section):
         return int(self.kind == "files" and (self.few_shot_path is not None or self.few_shot_solution_key is not None))
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Every linear layer of a Qwen2/Llama decoder layer (the embeddings and the LM head stay frozen)."""
+
+
+class LoraConfig(_Section):
+    """LoRA adapters on the policy (``models.lora``, built with ``peft``): the learner trains the adapters only (the
+    base weights frozen, the optimiser given the adapter parameters alone). See docs/guides/lora.md for what works
+    with it and what is refused."""
+
+    rank: int = Field(0, ge=0, le=512)
+    """Adapter rank r. 0 = no LoRA (the default): the whole policy is trained. vLLM serves an adapter of rank up to
+    its ``max_lora_rank``, one of 1, 8, 16, 32, 64, ...; the engine takes the smallest of those >= r."""
+    alpha: float = Field(16.0, gt=0)
+    """Scale numerator: the adapter adds (alpha / rank) B A x to each target layer's output."""
+    dropout: float = Field(0.0, ge=0, le=0)
+    """Dropout on the adapters' input. Only 0: the learner's forwards run in eval mode so that recomputed log-probs
+    equal the engine's and the old policy's; a dropout would be silently ignored, so it is refused."""
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
+    """Names (last component) of the linear layers that get adapters. The default: every linear layer of each
+    decoder layer, which vLLM's LoRA supports for Qwen2 and Llama models."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 class ModelConfig(_Section):
     """The policy and the critic: where their weights come from and the dtype they compute in."""
 
@@ -184,6 +210,8 @@ class ModelConfig(_Section):
     with dynamic loss scaling). Checkpoints hold the float32 masters. float32 on CPU."""
     cache_dir: str = "~/.cache/async-vapo"
     """Where the embedded base model is built once and reused."""
+    lora: LoraConfig = LoraConfig()
+    """LoRA adapters on the policy (off unless ``model.lora.rank`` > 0)."""
 
 
 class RewardModelConfig(_Section):

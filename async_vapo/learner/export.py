@@ -7,6 +7,11 @@ weights from the shards (DCP reshards to one process) and writes ``save_pretrain
 files beside it: a directory that transformers and vLLM load. A critic of another design than the linear head
 (``model.critic_head_layers``, ``model.critic_logprobs``) is rebuilt with it from its config, and its export loads
 again with ``models.rl.load_critic``.
+
+A policy trained with LoRA (``model.lora``: its adapter's config in ``hf_meta/policy/adapter_config.json``) is
+rebuilt with its adapter; export writes the adapter alone as a PEFT adapter directory (``adapter_config.json``,
+``adapter_model.safetensors``: what ``peft.PeftModel.from_pretrained`` and vLLM's ``LoRARequest`` load over the
+base model), or with ``merge`` the merged weights (W + (alpha / r) B A) as an ordinary HF directory.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from pathlib import Path
 import torch
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-_NOT_COPIED = {"model.safetensors.index.json", "BUILD_DONE"}
+_NOT_COPIED = {"model.safetensors.index.json", "BUILD_DONE", "adapter_config.json"}  # an adapter is no HF model
 
 
 def write_meta(model: torch.nn.Module, source: str | Path | None, dest: Path) -> None:
@@ -31,14 +36,18 @@ def write_meta(model: torch.nn.Module, source: str | Path | None, dest: Path) ->
     model.config.save_pretrained(str(dest))  # after the copy: the critic's config is not its source's
 
 
-def export(ckpt: str | Path, out: str | Path, model: str = "policy", dtype: str = "float32") -> Path:
-    """Write ``model`` (policy or critic) of checkpoint ``ckpt`` as an HF directory ``out``."""
+def export(ckpt: str | Path, out: str | Path, model: str = "policy", dtype: str = "float32", merge: bool = False
+           ) -> Path:
+    """Write ``model`` (policy or critic) of checkpoint ``ckpt`` as an HF directory ``out``; a LoRA policy as a PEFT
+    adapter directory, or with ``merge`` as the merged HF model (``merge`` changes nothing for a model without
+    LoRA)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     from async_vapo.learner.precision import DTYPES
     from async_vapo.learner.process_group import single_process_checkpoint
+    from async_vapo.models import lora
     from async_vapo.models.rl import DESIGN_KEY, CriticDesign, apply_critic_design
 
     ckpt, out = Path(ckpt), Path(out)
@@ -58,13 +67,22 @@ def export(ckpt: str | Path, out: str | Path, model: str = "policy", dtype: str 
     net = auto.from_config(config, dtype=torch.float32).eval()
     if model == "critic":
         apply_critic_design(net, design)
+    adapter = lora.load_adapter_config(meta) if (meta / lora.ADAPTER_CONFIG).is_file() else None
+    if adapter is not None:
+        lora.add_lora(net, adapter)
     state = {model: get_model_state_dict(net)}
     with single_process_checkpoint():
         dcp.load(state, checkpoint_id=str(ckpt / "dcp"), no_dist=True)
     set_model_state_dict(net, state[model])
-    net = net.to(DTYPES[dtype])
     if out.exists():
         shutil.rmtree(out)
+    if adapter is not None:
+        trained = {k: v.to(DTYPES[dtype]) for k, v in net.state_dict().items()}
+        if not merge:
+            return lora.save_adapter(out, lora.adapter_tensors(trained), adapter, adapter.base_model_name_or_path)
+        net = auto.from_config(config, dtype=torch.float32).eval()
+        net.load_state_dict(lora.merged_state(state[model], lora.scaling(adapter)))
+    net = net.to(DTYPES[dtype])
     write_meta(net, meta, out)
     net.save_pretrained(str(out), safe_serialization=True)
     return out

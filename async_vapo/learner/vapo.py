@@ -105,6 +105,7 @@ from async_vapo.learner.process_group import (
     local_device,
     single_process_checkpoint,
 )
+from async_vapo.models import lora
 from async_vapo.models.rl import (
     SHARED,
     CriticDesign,
@@ -244,10 +245,16 @@ class Learner:
         self.packing = resolve_packing(cfg.learner.packing, cfg.learner.packed_attention, self.device.type,
                                        cfg.learner.share_prompts)
         attn = attn_implementation(self.packing)
-        self.policy = self._load(lambda: build_policy(policy_path, attn_implementation=attn),
-                                 lambda: load_policy(policy_path, attn_implementation=attn))
+        # model.lora: adapters on the frozen policy (models.lora); the optimiser gets the adapter parameters only
+        self.lora = lora.config_of(cfg)
+        if self.lora is not None and self.sharded:
+            raise ValueError("model.lora with a sharded learner (learner.fsdp, several ranks) is not supported yet: "
+                             "the sharded weight stream publishes the base model's names; train LoRA in one process")
+        self.policy = self._load(lambda: self._with_lora(build_policy(policy_path, attn_implementation=attn)),
+                                 lambda: self._with_lora(load_policy(policy_path, attn_implementation=attn)))
         self._sources = {"policy": policy_path, "critic": critic_path or policy_path}  # for the HF files of a save
-        self.actor_opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optim.actor_lr,
+        self.actor_opt = torch.optim.AdamW([p for p in self.policy.parameters() if p.requires_grad],
+                                           lr=cfg.optim.actor_lr,
                                            betas=(cfg.optim.beta1, cfg.optim.beta2),
                                            weight_decay=cfg.optim.weight_decay)
         self.actor_scaler = self.precision.grad_scaler()
@@ -277,6 +284,10 @@ class Learner:
         self.critic_steps = 0  # critic optimiser steps, value pretraining included
         self.reuse_first_logprobs = True
         """Take the first mini-batch's old log-probs from its own first forward (exact; see ``update``)."""
+
+    def _with_lora(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` with the adapter of ``model.lora`` injected (base frozen), or as it is without LoRA."""
+        return model if self.lora is None else lora.add_lora(model, self.lora)
 
     def _load(self, build, load_full) -> torch.nn.Module:
         """A float32 model on this rank's device (eval mode: no dropout anywhere); sharded with FSDP2 when there is
@@ -737,7 +748,17 @@ class Learner:
         builds the whole version on rank 0 from that same walk only when an engine needs it so."""
         if self.sharded:
             return self.precision.engine_state(sharding.full_state_dict(self.policy))
-        return self.precision.engine_state({k: v.cpu() for k, v in self.policy.state_dict().items()})
+        state = {k: v.cpu() for k, v in self.policy.state_dict().items()}
+        if self.lora is not None:  # the merged weights: what an engine without the adapter serves
+            state = lora.merged_state(state, lora.scaling(self.lora))
+        return self.precision.engine_state(state)
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """The policy's LoRA adapter (``model.lora``) as a PEFT ``adapter_model.safetensors`` names it, on the host in
+        float32 (the masters: adapters are small, and vLLM casts them to its dtype as it loads them)."""
+        if self.lora is None:
+            raise ValueError("the policy has no LoRA adapter (model.lora.rank = 0)")
+        return lora.adapter_tensors({k: v.detach().cpu() for k, v in self.policy.state_dict().items()})
 
     def _train_state(self) -> dict:
         """Models and optimisers as torch.distributed.checkpoint state (each rank's shards when sharded)."""
@@ -756,7 +777,9 @@ class Learner:
         shards with torch.distributed.checkpoint, so any number of ranks can resume from it), ``learner_state.pt``
         (counters, RNG, loss scalers, ``extra``), ``hf_meta/`` (config and tokenizer files, from which
         ``async-vapo export`` writes HF directories) and, from an unsharded learner, ``policy/`` and ``critic/`` in HF
-        format. Written to ``path.tmp`` and renamed."""
+        format. With ``model.lora``: ``policy_adapter/`` (a PEFT adapter directory) instead of ``policy/``, and the
+        adapter's config in ``hf_meta/policy``; the frozen base is in ``dcp/`` too, so a resume from the base model's
+        directory restores the same policy. Written to ``path.tmp`` and renamed."""
         import shutil
 
         import torch.distributed.checkpoint as dcp
@@ -776,10 +799,13 @@ class Learner:
             write_meta(self.policy, self._sources["policy"], tmp / "hf_meta" / "policy")
             if self.critic is not None:
                 write_meta(self.critic, self._sources["critic"], tmp / "hf_meta" / "critic")
-            if not self.sharded:
+            if self.lora is not None:  # the adapter's config beside the base's (export), and the adapter itself
+                self.lora.save_pretrained(str(tmp / "hf_meta" / "policy"))
+                lora.save_adapter(tmp / "policy_adapter", self.adapter_state(), self.lora, str(self._sources["policy"]))
+            elif not self.sharded:
                 self.policy.save_pretrained(tmp / "policy", safe_serialization=True)
-                if self.critic is not None:
-                    self.critic.save_pretrained(tmp / "critic", safe_serialization=True)
+            if not self.sharded and self.critic is not None:
+                self.critic.save_pretrained(tmp / "critic", safe_serialization=True)
             torch.save({
                 "actor_scaler": self.actor_scaler.state_dict(),
                 "critic_scaler": None if self.critic_scaler is None else self.critic_scaler.state_dict(),

@@ -1,0 +1,143 @@
+"""LoRA adapters on the policy (``model.lora``), built with ``peft`` through transformers' adapter integration.
+
+:func:`add_lora` injects one adapter (peft's ``default``) into a plain causal LM in place: each target linear layer
+becomes a peft ``LoraLayer`` (its frozen ``base_layer`` plus ``lora_A``/``lora_B``), the base weights are frozen
+and only the adapter parameters require gradients. The model stays its transformers class, so everything that
+drives a policy (``models.rl``'s forwards, FSDP2's per-layer sharding, DCP checkpoints) drives it unchanged; its
+``state_dict`` keys carry peft's names (``...q_proj.base_layer.weight``, ``...q_proj.lora_A.default.weight``).
+
+Invariants:
+
+* A state dict of a LoRA policy maps to exactly two other forms, both pure functions here, used by the learner,
+  the weight path and ``async-vapo export`` alike: :func:`adapter_tensors` (the adapter alone, under the names of a
+  PEFT ``adapter_model.safetensors``: ``base_model.model.<module>.lora_A.weight``) and :func:`merged_state`
+  (W + (alpha / r) B A per target layer under the plain model's names: what a model without LoRA loads).
+* B starts at zero (peft's default initialisation), so a fresh adapter is the base model exactly.
+* ``lora_dropout`` is 0 (``model.lora.dropout``): the learner's forwards run in eval mode anyway.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+
+ADAPTER = "default"  # peft's adapter name; the only adapter a policy has
+PEFT_PREFIX = "base_model.model."  # the prefix of every key in a PEFT adapter_model.safetensors
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM 0.32 accepts for ``max_lora_rank`` (``vllm.config.lora.MaxLoRARanks``)."""
+
+
+def peft_config(rank: int, alpha: float, target_modules: Iterable[str], dropout: float = 0.0):
+    """The ``peft.LoraConfig`` of ``model.lora``."""
+    from peft import LoraConfig
+
+    if rank < 1:
+        raise ValueError(f"a LoRA adapter needs rank >= 1, got {rank}")
+    return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=sorted(target_modules),
+                      bias="none")
+
+
+def config_of(cfg) -> object | None:
+    """The ``peft.LoraConfig`` of a run's ``Config`` (``model.lora``); None when LoRA is off."""
+    lc = cfg.model.lora
+    return peft_config(lc.rank, lc.alpha, lc.target_modules, lc.dropout) if lc.enabled else None
+
+
+def add_lora(model: torch.nn.Module, config) -> torch.nn.Module:
+    """Inject the adapter of ``config`` (a ``peft.LoraConfig``) into ``model`` in place and return it: base weights
+    frozen, adapter parameters trainable (B zero: the model's outputs are unchanged). A target that matches no
+    layer of the model is an error (peft's)."""
+    model.add_adapter(config, adapter_name=ADAPTER)
+    for name, p in model.named_parameters():
+        p.requires_grad_(".lora_" in name)
+    return model
+
+
+def has_lora(model: torch.nn.Module) -> bool:
+    return bool(getattr(model, "_hf_peft_config_loaded", False))
+
+
+def lora_config_of(model: torch.nn.Module):
+    """The ``peft.LoraConfig`` the adapter of ``model`` was built with."""
+    return model.peft_config[ADAPTER]
+
+
+def scaling(config) -> float:
+    """alpha / r: the factor of B A in each target layer (peft's plain LoRA; rsLoRA is not used)."""
+    return config.lora_alpha / config.r
+
+
+def _module_of(key: str, part: str) -> str | None:
+    """``prefix`` of ``prefix.<part>.default.weight`` (or None if ``key`` is not such a key)."""
+    tail = f".{part}.{ADAPTER}.weight"
+    return key[: -len(tail)] if key.endswith(tail) else None
+
+
+def adapter_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter of a LoRA policy's state dict under the names of a PEFT ``adapter_model.safetensors``
+    (``base_model.model.<module>.lora_A.weight`` / ``lora_B``), in key order."""
+    out = {}
+    for k, v in state.items():
+        for part in ("lora_A", "lora_B"):
+            mod = _module_of(k, part)
+            if mod is not None:
+                out[f"{PEFT_PREFIX}{mod}.{part}.weight"] = v
+    if not out:
+        raise ValueError("the state dict holds no LoRA adapter (no '.lora_A.default.weight' keys)")
+    return out
+
+
+def merged_state(state: Mapping[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """The plain model's state dict of a LoRA policy's: each target layer's W + ``scale`` B A (computed in float32,
+    returned in W's dtype) under ``<module>.weight``, its bias under ``<module>.bias``; every other tensor as it is."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in state.items():
+        if ".lora_A." in k or ".lora_B." in k:
+            continue
+        if ".base_layer." in k:
+            mod, leaf = k.split(".base_layer.")
+            if leaf == "weight":
+                a, b = state[f"{mod}.lora_A.{ADAPTER}.weight"], state[f"{mod}.lora_B.{ADAPTER}.weight"]
+                v = (v.float() + scale * (b.float() @ a.float())).to(v.dtype)
+            out[f"{mod}.{leaf}"] = v
+        else:
+            out[k] = v
+    return out
+
+
+def save_adapter(directory: str | Path, tensors: Mapping[str, torch.Tensor], config,
+                 base_model_name_or_path: str | None = None) -> Path:
+    """A PEFT adapter directory: ``adapter_config.json`` and ``adapter_model.safetensors`` (``tensors`` as
+    :func:`adapter_tensors` names them), which ``peft.PeftModel.from_pretrained`` and vLLM's ``LoRARequest`` load."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    d = config.to_dict()
+    d["base_model_name_or_path"] = base_model_name_or_path
+    d["target_modules"] = sorted(d["target_modules"])
+    d["peft_type"] = "LORA"
+    (directory / ADAPTER_CONFIG).write_text(json.dumps(d, indent=2, sort_keys=True, default=str))
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(directory / ADAPTER_WEIGHTS),
+              metadata={"format": "pt"})
+    return directory
+
+
+def load_adapter_config(directory: str | Path):
+    """The ``peft.LoraConfig`` saved in a PEFT adapter directory (or in a checkpoint's ``hf_meta/policy``)."""
+    from peft import LoraConfig
+
+    return LoraConfig.from_pretrained(str(directory))
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that serves an adapter of ``rank``."""
+    for r in VLLM_LORA_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]})")

@@ -1,0 +1,154 @@
+"""LoRA on the policy (``model.lora``, ``models.lora``): the learner trains the adapter alone; its log-probs equal the
+merged model's (padded, packed, chunked); a checkpoint resumes to the same next update; ``async-vapo export`` writes a
+PEFT adapter directory that ``peft`` loads outside our code, and with ``--merge`` an ordinary HF model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FAST, _groups
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from async_vapo.config import load_config
+from async_vapo.learner.vapo import Learner, make_rollout_batch
+from async_vapo.models import lora
+from async_vapo.models.base_model import ensure_base_model
+from async_vapo.models.rl import chunked_response_logprobs, response_logits
+
+LORA = ["model.lora.rank=4", "model.lora.alpha=8", "algo.name=grpo", "optim.actor_lr=1e-2"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("model-cache")
+
+
+def make(cache, *overrides: str) -> tuple[Learner, object, str]:
+    cfg = load_config([], FAST + [f"model.cache_dir={cache}", *LORA, *overrides])
+    base = ensure_base_model(cfg, progress=False)
+    tok = AutoTokenizer.from_pretrained(str(base))
+    torch.manual_seed(0)
+    return Learner(cfg, base), make_rollout_batch(_groups(tok), tok.pad_token_id), base
+
+
+def randomise_b(learner: Learner, seed: int = 1) -> None:
+    """Non-zero B matrices (a fresh adapter is the base model exactly, which would make every comparison trivial)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in learner.policy.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+
+
+def logprobs(model: torch.nn.Module, batch) -> torch.Tensor:
+    with torch.no_grad():
+        logits = response_logits(model, batch.tokens)
+    return torch.log_softmax(logits, -1).gather(-1, batch.tokens.response_ids[..., None])[..., 0]
+
+
+def test_only_the_adapter_trains(cache):
+    learner, batch, base = make(cache)
+    trainable = {n for n, p in learner.policy.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    in_opt = {id(p) for g in learner.actor_opt.param_groups for p in g["params"]}
+    assert in_opt == {id(p) for n, p in learner.policy.named_parameters() if n in trainable}
+    # every target linear layer of the decoder has an adapter
+    assert len(trainable) == 2 * 7 * learner.policy.config.num_hidden_layers
+    before = {k: v.clone() for k, v in learner.policy.state_dict().items()}
+    learner.update(batch)
+    moved = {k for k, v in learner.policy.state_dict().items() if not torch.equal(before[k], v)}
+    # B starts at zero, so A's first gradient is zero (dL/dA = B^T dL/dh x^T): only the B matrices move at first
+    assert moved and all(".lora_B." in k for k in moved)
+    learner.update(batch)
+    moved = {k for k, v in learner.policy.state_dict().items() if not torch.equal(before[k], v)}
+    assert all(".lora_" in k for k in moved) and any(".lora_A." in k for k in moved)
+
+
+def test_logprobs_with_the_adapter_equal_the_merged_models(cache):
+    learner, batch, base = make(cache)
+    randomise_b(learner)
+    ours = logprobs(learner.policy, batch)
+    plain = AutoModelForCausalLM.from_pretrained(str(base)).eval()
+    base_lp = logprobs(plain, batch)
+    assert (ours - base_lp).abs().max() > 1e-2  # the adapter changes the policy
+    # our merge (what policy_state pushes to an engine without LoRA) ...
+    merged = learner.policy_state()
+    assert set(merged) == set(plain.state_dict())
+    plain.load_state_dict(merged)
+    torch.testing.assert_close(logprobs(plain, batch), ours, rtol=0, atol=2e-5)
+    # ... and peft's own merge agree
+    from peft import PeftModel
+
+    d = lora.save_adapter(cache / "adapter-merge", learner.adapter_state(), learner.lora)
+    fresh = AutoModelForCausalLM.from_pretrained(str(base)).eval()
+    peft_merged = PeftModel.from_pretrained(fresh, str(d)).merge_and_unload()
+    torch.testing.assert_close(logprobs(peft_merged, batch), ours, rtol=0, atol=2e-5)
+
+
+def test_packing_and_chunked_logprobs_work_with_the_adapter(cache):
+    learner, batch, _ = make(cache)
+    randomise_b(learner)
+    tb = batch.tokens
+    with torch.no_grad():
+        padded = torch.log_softmax(response_logits(learner.policy, tb), -1)
+        padded = padded.gather(-1, tb.response_ids[..., None])[..., 0]
+        packed = torch.log_softmax(response_logits(learner.policy, tb, packed="mask"), -1)
+        packed = packed.gather(-1, tb.response_ids[..., None])[..., 0]
+        chunked, _ = chunked_response_logprobs(learner.policy, tb, chunk_tokens=7)
+    m = tb.response_mask.bool()
+    torch.testing.assert_close(packed[m], padded[m], rtol=0, atol=2e-5)
+    torch.testing.assert_close(chunked[m], padded[m], rtol=0, atol=2e-5)
+    # and a learner with packing and chunks trains: only the adapter moves
+    packed_learner, batch, _ = make(cache, "learner.packing=true", "learner.logprob_chunk_tokens=16")
+    before = {k: v.clone() for k, v in packed_learner.policy.state_dict().items()}
+    packed_learner.update(batch)
+    moved = {k for k, v in packed_learner.policy.state_dict().items() if not torch.equal(before[k], v)}
+    assert moved and all(".lora_" in k for k in moved)
+
+
+def test_a_lora_checkpoint_resumes_to_the_same_next_update(cache, tmp_path):
+    learner, batch, base = make(cache)
+    learner.update(batch)
+    ckpt = learner.save(tmp_path / "ckpt")
+    assert not (ckpt / "policy").exists() and (ckpt / "policy_adapter" / lora.ADAPTER_WEIGHTS).is_file()
+    again = Learner(learner.cfg, base)  # the base model's directory, as a resumed service passes it
+    again.load_state(ckpt)
+    for k, v in learner.policy.state_dict().items():
+        torch.testing.assert_close(again.policy.state_dict()[k], v, rtol=0, atol=0)
+    assert again.actor_opt.state_dict()["state"].keys() == learner.actor_opt.state_dict()["state"].keys()
+    first = {k: v.clone() for k, v in learner.adapter_state().items()}
+    learner.update(batch)
+    again.update(batch)
+    for k, v in learner.policy.state_dict().items():
+        torch.testing.assert_close(again.policy.state_dict()[k], v, rtol=0, atol=0)
+    assert any(not torch.equal(first[k], v) for k, v in learner.adapter_state().items())  # the step did move it
+
+
+def test_export_writes_a_peft_adapter_and_with_merge_an_hf_model(cache, tmp_path):
+    from peft import PeftModel
+
+    from async_vapo.cli import main
+
+    learner, batch, base = make(cache)
+    randomise_b(learner)
+    learner.update(batch)
+    want = logprobs(learner.policy, batch)
+    ckpt = learner.save(tmp_path / "ckpt")
+    assert main(["export", str(ckpt), str(tmp_path / "adapter")]) == 0
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS]
+    # peft, outside our code: the base model plus the exported adapter is the trained policy
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base)).eval(),
+                                           str(tmp_path / "adapter")).eval()
+    torch.testing.assert_close(logprobs(peft_model, batch), want, rtol=0, atol=2e-5)
+    assert main(["export", str(ckpt), str(tmp_path / "merged"), "--merge"]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    assert not any("lora" in k for k in merged.state_dict())
+    torch.testing.assert_close(logprobs(merged, batch), want, rtol=0, atol=2e-5)
+
+
+def test_lora_refuses_what_it_does_not_support(cache):
+    with pytest.raises(ValueError, match="less than or equal to 0"):
+        load_config([], FAST + ["model.lora.rank=4", "model.lora.dropout=0.1"])
+    assert lora.vllm_max_lora_rank(4) == 8 and lora.vllm_max_lora_rank(16) == 16
+    with pytest.raises(ValueError, match="largest max_lora_rank"):
+        lora.vllm_max_lora_rank(513)
