@@ -82,6 +82,11 @@ class TaskConfig(_Section):
     """`files` only: a field holding each record's chat message list (``[{"role", "content"}, ...]``), rendered by
     ``prompt_format = "chat"``; its last user message is the prompt unless ``prompt_key`` names another field.
     None: only a prompt field that is itself a message list gives the messages."""
+    extra_keys: list[str] | None = None
+    """`files` only, with ``verifier.reward_fn``: the record fields carried to the reward function besides the prompt
+    and the answer (dotted paths allowed; a missing one is an error naming the record). None: every field but the
+    prompt's and the messages'. At most 16 KiB of JSON per record (``tasks.files.MAX_EXTRA_BYTES``). Without
+    ``verifier.reward_fn`` no field is carried (the maths check takes none)."""
     prompt_template: str = "{prompt}"
     """Python format string wrapped around each prompt before tokenisation (`{prompt}` is the problem). With
     `prompt_format = "chat"` it makes the user message of a problem that has no message list of its own."""
@@ -108,7 +113,7 @@ class TaskConfig(_Section):
         if self.kind == "files" and not (self.train_path and self.eval_path):
             raise ValueError("kind='files' needs both train_path and eval_path")
         self._check_kind_settings()
-        keys = [k for k in ("prompt_key", "answer_key", "messages_key") if getattr(self, k) is not None]
+        keys = [k for k in ("prompt_key", "answer_key", "messages_key", "extra_keys") if getattr(self, k) is not None]
         if keys and self.kind != "files":
             raise ValueError(f"task.{keys[0]} names a field of problem files: it is for kind='files' only, "
                              f"got kind={self.kind!r}")
@@ -310,8 +315,11 @@ class VerifierConfig(_Section):
 
     reward_fn: str | None = None
     """"module:function": grade with this function instead of the maths check, for datasets whose answers are not
-    maths. ``def f(response: str, answer: str) -> float``, importable in the verifier's environment (installed, or on
-    PYTHONPATH); it runs inside the sandboxed workers with the limits above. Its number is the reward (correct when at
+    maths. ``def f(response: str, answer: str) -> float``, or with the prompt and the record's fields by keyword
+    (``f(response, answer, *, prompt, extra_info, <field>)``), verl's ``compute_score(data_source, solution_str,
+    ground_truth, extra_info=None)`` unchanged, or TRL's ``f(completions, prompts, **columns)`` (one response at a
+    time), importable in the verifier's environment (installed, or on PYTHONPATH); it runs inside the sandboxed
+    workers with the limits above. Which fields travel: task.extra_keys. Its number is the reward (correct when at
     least reward_correct; True/False mean reward_correct/reward_incorrect); an exception or a result that is no finite
     number gives the verdict 'reward_error' (reward_incorrect). answer_format is then unused. See
     ``async_vapo.verify.reward_fn``. None: the maths check."""

@@ -17,6 +17,13 @@ list, kept in ``Problem.messages``; its last user message is the prompt unless `
 record's ``id``, ``ID`` or ``extra_info.index`` becomes its ``uid``; otherwise the uid is the prompt's hash
 (:func:`~async_vapo.tasks.task.prompt_uid`), so duplicated prompts share a uid.
 
+A record's extra fields (``Problem.extra``, what a reward function may take besides the response and the answer:
+``async_vapo.verify.reward_fn``) are read when ``extra_keys`` asks for them: ``None`` every top-level field but the
+prompt's and the messages' (a dotted key's field stays whole: verl's ``extra_info`` arrives as it is), a list of
+keys (dotted paths allowed, each stored under the key as written) exactly those, ``()`` (the default) none. They
+must encode as JSON in at most :data:`MAX_EXTRA_BYTES`: each group carries them to the verifier once, and each
+response's check once more, so a record over that is an error naming its largest fields.
+
 No record is ever skipped: a missing field, a wrong type, an empty prompt or answer, an invalid
 JSON line or an empty file raises :class:`ProblemFileError` naming the file and the 1-based line
 (JSONL: the physical line, blank lines counted), record (JSON) or row (Parquet). Blank JSONL lines
@@ -27,7 +34,7 @@ from __future__ import annotations
 
 import difflib
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +48,9 @@ ID_KEYS = ("id", "ID", "extra_info.index")
 """Fields that, when present, become the problem's uid (first match wins)."""
 DIFFICULTY_KEYS = ("difficulty", "level")
 """Record fields read as the problem's difficulty (``meta["difficulty"]``), first found wins."""
+
+MAX_EXTRA_BYTES = 16 * 1024
+"""The most a record's extra fields may take as JSON (UTF-8 bytes)."""
 
 _PARQUET_BATCH_ROWS = 4096
 
@@ -215,6 +225,7 @@ def load_problems(
     answer_key: str | None = None,
     messages_key: str | None = None,
     limit: int | None = None,
+    extra_keys: Sequence[str] | None = (),
 ) -> list[Problem]:
     """Every problem in ``path`` in file order (the first ``limit`` when given; reading stops there).
 
@@ -225,7 +236,7 @@ def load_problems(
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 or None, got {limit}")
     problems: list[Problem] = []
-    for problem in _problems(path, prompt_key, answer_key, messages_key, None):
+    for problem in _problems(path, prompt_key, answer_key, messages_key, None, extra_keys):
         problems.append(problem)
         if limit is not None and len(problems) >= limit:
             break
@@ -240,6 +251,7 @@ def check_problems(
     prompt_key: str | None = None,
     answer_key: str | None = None,
     messages_key: str | None = None,
+    extra_keys: Sequence[str] | None = (),
 ) -> tuple[list[Problem], list[str]]:
     """Every record of ``path`` read as :func:`load_problems` reads it, but each bad record (or invalid JSONL line)
     is one message and the reading goes on: the problems read and the messages, in file order (``async-vapo
@@ -247,7 +259,7 @@ def check_problems(
     path = Path(path)
     errors: list[str] = []
     try:
-        problems = list(_problems(path, prompt_key, answer_key, messages_key, errors))
+        problems = list(_problems(path, prompt_key, answer_key, messages_key, errors, extra_keys))
     except (ProblemFileError, ImportError) as e:
         return [], [*errors, str(e)]
     if not problems and not errors:
@@ -256,7 +268,7 @@ def check_problems(
 
 
 def _problems(path: Path, prompt_key: str | None, answer_key: str | None, messages_key: str | None,
-              errors: list[str] | None) -> Iterator[Problem]:
+              errors: list[str] | None, extra_keys: Sequence[str] | None = ()) -> Iterator[Problem]:
     """The problems of ``path`` in file order; a bad record raises, or with ``errors`` is appended there and
     skipped. Keys not given are detected from the first record that has one of the candidates."""
     detected = "detected from the first record"
@@ -283,6 +295,7 @@ def _problems(path: Path, prompt_key: str | None, answer_key: str | None, messag
             answer = _answer_text(_field(record, answer_key, answer_setting, where), answer_key, where)
             if messages is None:
                 messages = _messages(value, source, where)
+            extra = _extra(record, extra_keys, (prompt_key, messages_key), where)
         except ProblemFileError as e:
             if errors is None:
                 raise
@@ -296,4 +309,30 @@ def _problems(path: Path, prompt_key: str | None, answer_key: str | None, messag
         level = next((v for v in (record.get(k) for k in DIFFICULTY_KEYS) if isinstance(v, str | int)), None)
         if level is not None and not isinstance(level, bool):
             meta["difficulty"] = level
-        yield Problem(uid=uid, prompt=prompt, answer=answer, meta=meta, messages=messages)
+        yield Problem(uid=uid, prompt=prompt, answer=answer, meta=meta, messages=messages, extra=extra)
+
+
+def _extra(record: Mapping[str, Any], keys: Sequence[str] | None, used: tuple[str | None, ...],
+           where: str) -> dict[str, Any]:
+    """The record's extra fields as ``keys`` selects them (see the module docstring), checked to encode as JSON
+    within :data:`MAX_EXTRA_BYTES`."""
+    if keys is None:
+        out = {k: v for k, v in record.items() if k not in used}
+    else:
+        out = {k: _field(record, k, "task.extra_keys", where) for k in keys}
+    if not out:
+        return {}
+    sizes = {}
+    for k, v in out.items():
+        try:
+            sizes[k] = len(json.dumps(v, ensure_ascii=False).encode())
+        except (TypeError, ValueError) as e:
+            raise ProblemFileError(f"{where}: extra field {k!r} does not encode as JSON ({e}); name the fields the "
+                                   "reward function takes in task.extra_keys") from None
+    total = len(json.dumps(out, separators=(",", ":"), ensure_ascii=False).encode())
+    if total > MAX_EXTRA_BYTES:
+        largest = ", ".join(f"{k!r} {n} B" for k, n in sorted(sizes.items(), key=lambda kv: -kv[1])[:3])
+        raise ProblemFileError(f"{where}: the record's extra fields take {total} bytes as JSON, above the "
+                               f"{MAX_EXTRA_BYTES} a problem carries to the verifier (largest: {largest}); name the "
+                               "fields the reward function takes in task.extra_keys")
+    return out

@@ -22,7 +22,8 @@ def load_task(cfg: Config) -> tuple[list[Problem], list[Problem]]:
         return splits
     if t.kind == "wordprob":
         return wordprob.make_splits(t.num_train, t.num_eval, t.seed, t.min_ops, t.max_ops, t.shots)
-    keys = {"prompt_key": t.prompt_key, "answer_key": t.answer_key, "messages_key": t.messages_key}
+    keys = {"prompt_key": t.prompt_key, "answer_key": t.answer_key, "messages_key": t.messages_key,
+            "extra_keys": t.extra_keys if cfg.verifier.reward_fn else ()}  # the maths check takes no extra field
     train, held_out = load_problems(t.train_path, **keys), load_problems(t.eval_path, **keys)
     if not t.shots:
         return train, held_out

@@ -38,6 +38,10 @@ class Problem:
     messages: tuple[tuple[str, str], ...] | None = None
     """The record's whole chat, as ``(role, content)`` pairs, when it came as a message list (DAPO-Math-17k,
     verl); ``prompt`` is then its last user message. ``task.prompt_format = "chat"`` renders all of it."""
+    extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    """The record's fields a reward function may take besides the response and the answer (``data_source``,
+    ``extra_info``, a tolerance...; ``async_vapo.verify.reward_fn``): JSON values, carried to the verifier in
+    ``Group.extra``. Empty for generated tasks, and for files unless ``verifier.reward_fn`` is set."""
 
     def __post_init__(self) -> None:
         for name in ("uid", "prompt", "answer"):

@@ -57,7 +57,8 @@ Wire protocol (private to this module; both ends live here)
 - worker -> pool ``{"kind": "ready", "v": PROTOCOL_VERSION, "pid", "startup_s", "isolation"}``, once; or, when
   ``reward_fn`` does not load, ``{"kind": "start_error", "v", "error"}`` and the worker exits (the pool raises
   ``WorkerStartError`` with that error: a configuration mistake stops the start, never a check).
-- pool -> worker ``{"items": [[index, response, answer], ...]}``: a chunk, graded in order.
+- pool -> worker ``{"items": [[index, response, answer(, context)], ...]}``: a chunk, graded in order; ``context``
+  (``{"prompt", "extra"}``, only with a ``reward_fn``) is what the function may take besides the pair.
 - worker -> pool ``{"kind": "result", "i", "reason", "seconds", "detail"}``, one per item, sent as
   soon as that item is done. With a ``reward_fn`` (:mod:`async_vapo.verify.reward_fn`) the reason is "scored"
   with ``"reward"`` (a finite number or a bool), which the pool turns into "correct" (reward at least
@@ -121,7 +122,7 @@ REASONS = (
     "correct", "incorrect", "no_answer", "parse_error", "timeout", "crash", "too_long", "bad_input", "over_budget",
     "reward_error",
 )  # fmt: skip
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4  # 4: items may carry a reward function's context
 
 log = logging.getLogger(__name__)
 
@@ -425,8 +426,10 @@ class VerifierPool:
                    max_processes=v.max_processes, sandbox_uid_base=v.sandbox_uid_base, answer_format=v.answer_format,
                    reward_fn=v.reward_fn)
 
-    def verify(self, items: Sequence[tuple[str, str]], budget_s: float | None = None) -> list[VerifyResult]:
-        """Grade ``(response, answer)`` pairs; results come back in input order.
+    def verify(self, items: Sequence[tuple], budget_s: float | None = None) -> list[VerifyResult]:
+        """Grade ``(response, answer)`` pairs, or ``(response, answer, context)`` triples whose ``context``
+        (``{"prompt": str, "extra": JSON object text}``) a ``reward_fn`` may take (:mod:`async_vapo.verify.reward_fn`;
+        the maths check ignores it); results come back in input order.
 
         ``budget_s``: wall-clock seconds the whole call may take (None: ``message_budget_s``; ``math.inf``:
         no budget); items not graded when it is spent get "over_budget"."""
@@ -548,23 +551,28 @@ class VerifierPool:
             if w.inflight or w.outbuf:  # left over from a call interrupted mid-flight (KeyboardInterrupt)
                 self._replace(w, [], deque(), None, "")
         results: list[VerifyResult | None] = [None] * len(items)
-        payload: dict[int, tuple[str, str]] = {}
+        payload: dict[int, tuple] = {}
         self._unread_requeues.clear()
         pending: deque[int] = deque()
         for i, item in enumerate(items):
             try:
                 if isinstance(item, str):
                     raise TypeError
-                response, answer = item
+                response, answer, *context = item
+                if len(context) > 1:
+                    raise ValueError
             except (TypeError, ValueError):
-                results[i] = self._result("bad_input", detail="item is not a (response, answer) pair")
+                results[i] = self._result("bad_input", detail="item is not a (response, answer[, context]) tuple")
                 continue
             if not isinstance(response, str) or not isinstance(answer, str):
                 results[i] = self._result("bad_input", detail="response and answer must be str")
+            elif context and not (context[0] is None or isinstance(context[0], Mapping)):
+                results[i] = self._result("bad_input", detail="context must be a mapping or None")
             elif len(response) > self.max_response_chars or len(answer) > self.max_response_chars:
                 results[i] = self._result("too_long", detail=f"over {self.max_response_chars} chars")
             else:
-                payload[i] = (response, answer)
+                ctx = dict(context[0]) if context and context[0] and self.reward_fn is not None else None
+                payload[i] = (response, answer) if ctx is None else (response, answer, ctx)
                 pending.append(i)
 
         while pending or any(w.inflight for w in self._workers):
@@ -1162,10 +1170,10 @@ def _serve(args: argparse.Namespace) -> int:
         check_answer(response, answer, answer_format=args.answer_format)
     reward_fn = None
     if args.reward_fn is not None:  # the operator's code, imported like math-verify (see verify.reward_fn)
-        from async_vapo.verify.reward_fn import RewardFnError, load_reward_fn, score
+        from async_vapo.verify.reward_fn import RewardFnError, load_reward_fn, reward_call, score
 
         try:
-            reward_fn = load_reward_fn(args.reward_fn)
+            reward_fn = reward_call(load_reward_fn(args.reward_fn), args.reward_fn)
         except RewardFnError as e:
             _write_all(args.resp_fd, _encode({"kind": "start_error", "v": PROTOCOL_VERSION, "error": str(e)}))
             return 2
@@ -1182,7 +1190,7 @@ def _serve(args: argparse.Namespace) -> int:
         body = _read_exact(args.req_fd, _HEADER.unpack(header)[0])
         if body is None:
             return 0
-        for i, response, answer in json.loads(body)["items"]:
+        for i, response, answer, *context in json.loads(body)["items"]:
             start = time.perf_counter()
             detail, reward = "", None
             try:
@@ -1194,7 +1202,7 @@ def _serve(args: argparse.Namespace) -> int:
                     if hooked is not None:
                         reason, detail = hooked
                     elif reward_fn is not None:
-                        reason, reward, detail = score(reward_fn, response, answer)
+                        reason, reward, detail = score(reward_fn, response, answer, *context)
                     else:
                         reason = check_answer(response, answer, answer_format=args.answer_format)[1]
                 finally:
