@@ -8,9 +8,11 @@ what it cannot see.
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from pathlib import Path
 
+import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,9 +70,10 @@ def test_a_field_row_has_its_key_type_default_bounds_and_description():
 
 def test_generated_pages_are_current():
     pages = gen.generate()
-    assert set(pages) == {"reference/config.md", "reference/metrics.md", "reference/cli.md"}
+    assert set(pages) == {"reference/config.md", "reference/metrics.md", "reference/cli.md", "results/index.md"}
     stale = gen.stale_pages(pages)
     assert not stale, f"stale generated pages {stale}: run make docs-gen and commit them"
+    assert not gen.readme_is_stale(), "README.md's results table is stale: run make docs-gen and commit it"
 
 
 def test_the_stale_check_sees_an_edited_or_missing_page(tmp_path):
@@ -140,3 +143,78 @@ def test_every_file_the_pages_name_exists():
             if not any(c in path for c in "{*<") and not (ROOT / path).exists():
                 missing.append(f"{page.relative_to(ROOT)}: {path}")
     assert not missing, f"pages name files that do not exist: {missing}"
+
+
+def test_every_headline_figure_is_on_both_pages_as_its_file_gives_it():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    index = (DOCS / "results" / "index.md").read_text(encoding="utf-8")
+    rows = gen.figure_rows()
+    assert len(rows) >= 12
+    for row in rows:
+        assert row["text"] in readme and row["text"] in index, f"{row['result']}: {row['text']}"
+
+
+def _tiny_results(tmp_path, accuracy):
+    run = tmp_path / "benchmarks" / "results" / "run"
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"final": accuracy, "seeds": [{"seed": 0}, {"seed": 1}]}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        {"kind": "eval", "step": 0, "acc": 0.25}, {"kind": "train", "step": 1, "acc": 0.9},
+        {"kind": "eval", "step": 10, "acc": 0.5})))
+    table = tmp_path / "figures.toml"
+    table.write_text('''[[row]]
+result = "a run"
+page = "run.md"
+title = "Run"
+commands = ["bash run.sh"]
+figure = "{first} % → {final} % (peak {peak} %, {seeds} seeds, {delta})"
+[row.values]
+final = {file = "benchmarks/results/run/summary.json", key = ["final"], scale = 100, format = ".1f"}
+seeds = {file = "benchmarks/results/run/summary.json", key = ["seeds", "*"], reduce = "count", format = "d"}
+delta = {file = "benchmarks/results/run/summary.json", key = ["final"], scale = -1, format = "+.2f"}
+[row.values.first]
+file = "benchmarks/results/run/metrics.jsonl"
+key = [{kind = "eval", step = 0}, "acc"]
+reduce = "one"
+scale = 100
+format = ".1f"
+[row.values.peak]
+file = "benchmarks/results/run/metrics.jsonl"
+key = [{kind = "eval"}, "acc"]
+reduce = "max"
+scale = 100
+format = ".0f"
+''')
+    return table
+
+
+def test_a_figure_is_read_from_its_file_and_the_pages_follow_it(tmp_path):
+    table = _tiny_results(tmp_path, 0.8125)
+    rows = gen.figure_rows(table, tmp_path)
+    # 0.25 → 25.0; 0.8125 → 81.2 (round half to even at .25); the train row's 0.9 is not an eval; minus written as −
+    assert rows[0]["text"] == "25.0 % → 81.2 % (peak 50 %, 2 seeds, −0.81)"
+    readme = "intro\n" + gen.README_BEGIN + "\n| an old row |\n" + gen.README_END + "\nafter\n"
+    written = gen.readme_text(readme, rows)
+    assert written.startswith("intro\n") and written.endswith(gen.README_END + "\nafter\n")
+    row = "| a run | 25.0 % → 81.2 % (peak 50 %, 2 seeds, −0.81) | `bash run.sh` | [Run](docs/results/run.md) |"
+    assert row in written
+    assert "an old row" not in written and gen.readme_text(written, rows) == written
+    assert "`benchmarks/results/run/summary.json`<br>`benchmarks/results/run/metrics.jsonl`" in gen.results_page(rows)
+    (tmp_path / "benchmarks/results/run/summary.json").write_text(json.dumps({"final": 0.9, "seeds": []}))
+    assert gen.readme_text(written, gen.figure_rows(table, tmp_path)) != written  # a changed file: a stale page
+
+
+def test_a_figure_its_file_does_not_give_is_an_error(tmp_path):
+    _tiny_results(tmp_path, 0.5)
+    base = {"file": "benchmarks/results/run/metrics.jsonl", "format": ".2f"}
+    assert gen.figure_value({**base, "key": [{"kind": "eval"}, "acc"], "reduce": "last"}, tmp_path) == "0.50"
+    for spec, message in [
+        ({**base, "key": [{"kind": "eval"}, "acc"], "reduce": "one"}, "2 items where exactly one"),
+        ({**base, "key": [{"kind": "eval"}, "acc"]}, "a list needs a reduce"),
+        ({**base, "key": [0, "loss"]}, "no 'loss'"),
+        ({**base, "key": [{"kind": "pretrain"}, "acc"], "reduce": "max"}, "no items to max"),
+        ({**base, "file": "benchmarks/results/run/missing.json", "key": ["x"]}, "no such file"),
+        ({**base, "key": [0, "kind"]}, "not a number"),
+    ]:
+        with pytest.raises(gen.FigureError, match=message):
+            gen.figure_value(spec, tmp_path)
