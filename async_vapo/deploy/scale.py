@@ -33,8 +33,9 @@ Learner memory per rank (bytes):
   Large Transformer Models", s·b·h·(34 + 5·a·s/h), the attention-score term dropped: SDPA / flash attention),
   scaled by compute bytes / 2;
 * logits: ``learner.logprob_chunk_tokens`` > 0 computes them that many tokens at a time under checkpointing,
-  else the whole micro-batch at once; tokens x vocab x (compute bytes + 4 B float32 log-softmax + 4 B its
-  gradient).
+  else the whole micro-batch at once; tokens x vocab x the peak bytes per logit of the learner's own head code,
+  :data:`LOGIT_BYTES` (the compute-dtype logits, their float32 copy, the softmax the entropy reads, and their
+  gradients: measured by counting live tensors, ``tests/unit/test_scale.py``).
 
 The parts are live tensors, what a GPU's allocator is asked for. A learner on the CPU also keeps what glibc's heap
 holds after tensors are freed: with glibc's default (dynamic) mmap threshold, FSDP2's per-layer gathered parameters
@@ -140,6 +141,8 @@ class LearnerSetup:
     """``algo.max_tokens_per_micro_batch`` (0: ``algo.micro_batch_size`` rows)."""
     reference: bool = False
     """A frozen reference policy for the KL penalty (``algo.effective_kl_coef`` > 0): its float32 weights."""
+    entropy_grad: bool = False
+    """The entropy bonus has a gradient (``algo.entropy_coef`` > 0): unchunked logits keep more for its backward."""
 
     @property
     def tokens(self) -> int:
@@ -156,7 +159,23 @@ class LearnerSetup:
                    compute_bytes=DTYPE_BYTES[cfg.model.dtype], sharded=sharded,
                    activation_checkpointing=lc.activation_checkpointing,
                    logprob_chunk_tokens=lc.logprob_chunk_tokens, cpu_offload=lc.cpu_offload and sharded,
-                   budget=budget, reference=a.effective_kl_coef > 0)
+                   budget=budget, reference=a.effective_kl_coef > 0, entropy_grad=a.entropy_coef > 0)
+
+
+LOGIT_BYTES = {"chunked": 24, "whole": 16, "whole_entropy_grad": 28}
+"""Peak bytes per response token per vocabulary entry of the learner's log-prob and entropy code, forward and
+backward, counted as live tensors on the CPU (``tests/unit/test_scale.py`` measures them again and holds these
+within 15 %; the same within 0.3 B for bfloat16 and float32 compute): ``chunked`` = ``models.rl.
+chunked_response_logprobs``'s checkpointed chunk (its recompute keeps the bf16 and float32 logits, the softmax the
+entropy reads and their gradients; 20 B when the entropy also has a gradient); ``whole`` = ``response_logits`` then
+``logprobs_from_logits`` with the entropy under no_grad, and with its gradient (the entropy bonus)."""
+
+
+def logit_bytes(s: LearnerSetup) -> int:
+    """:data:`LOGIT_BYTES` for the learner's setup."""
+    if s.logprob_chunk_tokens:
+        return LOGIT_BYTES["chunked"]
+    return LOGIT_BYTES["whole_entropy_grad" if s.entropy_grad else "whole"]
 
 
 def micro_batch_rows(budget: int, micro_batch_size: int, seq_tokens: int, mini_batch_size: int, ranks: int) -> int:
@@ -189,7 +208,7 @@ def learner_memory(shape: ModelShape, s: LearnerSetup) -> dict[str, int]:
     else:
         out["activations"] = shape.num_layers * layer
     logit_tokens = min(s.logprob_chunk_tokens, t) if s.logprob_chunk_tokens else t
-    out["logits"] = logit_tokens * shape.vocab_size * (cb + 4 + 4)
+    out["logits"] = logit_tokens * shape.vocab_size * logit_bytes(s)
     out["total"] = sum(out.values())
     out["host"] = state if s.cpu_offload else 0
     return out
@@ -212,7 +231,7 @@ def learner_assumptions(shape: ModelShape, s: LearnerSetup) -> list[tuple[str, s
                         + ("checkpointed: layer inputs + one layer recomputed (34 x tokens x hidden)"
                            if s.activation_checkpointing else "no checkpointing: 34 x tokens x hidden per layer")),
         ("logits", (f"chunked, {s.logprob_chunk_tokens:,} tokens at a time" if s.logprob_chunk_tokens
-                    else "not chunked: the whole micro-batch") + f" x vocab x ({s.compute_bytes} + 4 + 4) B"),
+                    else "not chunked: the whole micro-batch") + f" x vocab x {logit_bytes(s)} B (measured peak)"),
     ]
 
 
