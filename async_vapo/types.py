@@ -106,6 +106,10 @@ class Group(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defau
     """The rollout engine that generated it (its service name; empty: generated in-process, or a log written before
     protocol 9): a group the replay drops as stale gives its share back to that engine's admission budget
     (``async_vapo.staleness``)."""
+    extra: str = ""
+    """The problem record's extra fields (``Problem.extra``) as the text of a JSON object, for a reward function that
+    takes them (``async_vapo.verify.reward_fn``); empty: none (the maths check, a generated task, or a log written
+    before protocol 10). Text, not a nested value: the wire's schema stays flat, so its nesting stays bounded."""
 
     def __post_init__(self) -> None:
         ids = self.prompt_ids

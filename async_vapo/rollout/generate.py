@@ -6,6 +6,7 @@ rollout service (generate; the verifier service scores) and evaluation (both, on
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -124,7 +125,9 @@ def make_group(problem: Problem, prompt_ids: Sequence[int], samples: Sequence, v
     they are more than ``version`` alone; the group's version is its oldest token's (``async_vapo.types``)."""
     spans = [[tuple(x) for x in getattr(s, "version_spans", None) or ()] or [(version, 0)] for s in samples]
     oldest = min(sp[0][0] for sp in spans) if spans else version
+    extra = json.dumps(problem.extra, separators=(",", ":"), ensure_ascii=False) if problem.extra else ""
     return Group(uid=problem.uid, prompt=problem.prompt, answer=problem.answer, prompt_ids=prompt_ids, version=oldest,
+                 extra=extra,
                  samples=[Trajectory(response_ids=s.token_ids, behavior_logprobs=s.logprobs,
                                      finish_reason=s.finish_reason,
                                      version_spans=[] if sp == [(oldest, 0)] else sp)
@@ -135,8 +138,10 @@ def score_groups(groups: Sequence[Group], verifier, decode: Callable[[Sequence[i
                  budget_s: float | None = None) -> list:
     """Grade every sample with ``verifier`` (a VerifierPool), filling reward, correct and verdict in place;
     returns the pool's results in sample order. ``budget_s``: wall-clock budget of the whole call (None: the
-    pool's default)."""
-    items = [(decode(s.response_ids), g.answer) for g in groups for s in g.samples]
+    pool's default). Each response goes with its group's prompt and record fields, for a reward function that takes
+    them (``async_vapo.verify.reward_fn``; the pool sends them to its workers only then)."""
+    items = [(decode(s.response_ids), g.answer, {"prompt": g.prompt, "extra": g.extra})
+             for g in groups for s in g.samples]
     results = verifier.verify(items, budget_s=budget_s)
     it = iter(results)
     for g in groups:

@@ -70,7 +70,7 @@ class ProtocolError(TransportError):
         self.reason = reason
         self.detail = detail
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 """Version of the envelope and every body below; a peer speaking another version is rejected.
 
 2: token ids and log-probs in groups are packed bytes (int32 / float32 LE) instead of msgpack arrays.
@@ -89,12 +89,14 @@ PROTOCOL_VERSION = 9
 9: ``Group.engine`` (the engine that generated it), ``BatchMsg.stale_dropped_by_engine`` /
    ``late_dropped_by_engine`` and ``Heartbeat.stale_dropped`` / ``late_dropped``: groups dropped as stale go back to
    their engine's admission budget (``async_vapo.staleness``). A replay log written before still opens (its groups
-   name no engine)."""
+   name no engine).
+10: ``Group.extra``: the problem record's extra fields (JSON text) for a reward function that takes them
+   (``async_vapo.verify.reward_fn``). A replay log written before still opens (its groups carry none)."""
 
 DEFAULT_MAX_BYTES = 256 * 2**20
 """Default size limit of one frame (a socket carrying batches of long responses may need more)."""
 
-TransferKind = Literal["shm", "file", "zmq", "nccl"]
+TransferKind = Literal["shm", "file", "zmq", "nccl", "adapter"]  # adapter: a LoRA version (weights.adapter)
 ServiceStatus = Literal["starting", "ready", "busy", "draining", "error"]
 
 
@@ -115,6 +117,7 @@ def group_wire_bytes(g: Group) -> int:
     """An upper bound on ``g``'s encoded size: 4 bytes per prompt token, 8 per response token (id + log-prob),
     its strings and a fixed overhead per group and per sample."""
     n = _GROUP_OVERHEAD + 4 * len(g.prompt_ids) + len(g.uid) + len(g.prompt.encode()) + len(g.answer.encode())
+    n += len(g.engine) + len(g.extra.encode())
     for s in g.samples:
         n += _SAMPLE_OVERHEAD + 4 * len(s.response_ids) + 4 * len(s.behavior_logprobs) + len(s.verdict)
         n += len(s.finish_reason)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 
 from async_vapo.tasks import ProblemFileError, load_problems
@@ -106,3 +107,165 @@ def test_each_form_gets_the_prompt_and_the_record_fields():
                                                 "(its extra fields: ['data_source']; task.extra_keys selects them)")
     reason, _, detail = score(lambda completions, **kw: 1.0, "a", "b")
     assert (reason, detail) == ("reward_error", "reward_fn (TRL form) returned float, not a one-float list")
+
+
+# ---------------------------------------------------------------------- the wire
+
+
+def test_a_group_without_extra_fields_encodes_as_before_and_old_logs_open(tmp_path):
+    from async_vapo.replay.store import GroupStore
+    from async_vapo.transport.messages import group_wire_bytes
+    from async_vapo.types import Group, Trajectory, enc_hook
+
+    g = Group(uid="u", prompt="p", answer="a", prompt_ids=[1], version=0,
+              samples=[Trajectory(response_ids=[1], behavior_logprobs=[0.0], finish_reason="stop")])
+    assert b"extra" not in msgspec.msgpack.encode(g, enc_hook=enc_hook)  # a protocol-9 group's bytes
+    path = tmp_path / "replay.log"  # a log of such groups (what protocol 9 wrote) opens with them whole
+    store = GroupStore(path, fsync="never")
+    store.append(g)
+    store.close()
+    (back,) = (group for _seq, group in GroupStore(path, fsync="never").live())
+    assert back.extra == "" and back.uid == "u"
+    g.extra = json.dumps({"notes": "é" * 4000})  # multi-byte text counts by its bytes
+    frame = msgspec.msgpack.encode(g, enc_hook=enc_hook)
+    assert msgspec.msgpack.decode(frame, type=Group).extra == g.extra
+    assert group_wire_bytes(g) >= len(frame)
+
+
+# ---------------------------------------------------------------------- through the sandbox
+
+USER_REWARDS = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """verl's signature, unchanged: a data_source switch and a tolerance only the record holds."""
+    if data_source == "gauge":
+        return 1.0 if abs(float(solution_str) - float(ground_truth)) <= extra_info["tolerance"] else 0.0
+    return 1.0 if solution_str.strip() == ground_truth else 0.0
+
+def reward_len(completions, prompts, **kwargs):
+    """TRL's form: a list in, a list out; the columns as lists."""
+    return [1.0 if len(c) <= kwargs["max_chars"][0] and p.startswith("Say") else 0.0
+            for c, p in zip(completions, prompts)]
+
+def graded(response, answer, *, prompt, tolerance=0.0, **fields):
+    if "where" in fields:
+        import os
+        return float(os.getpid())
+    return 1.0 if abs(float(response) - float(answer)) <= tolerance and prompt.startswith("Read") else 0.0
+'''
+
+GAUGE = {"data_source": "gauge", "prompt": [{"role": "user", "content": "Read the gauge."}],
+         "reward_model": {"ground_truth": "3.0"}, "extra_info": {"tolerance": 0.5}}
+LABEL = {"data_source": "label", "prompt": [{"role": "user", "content": "Name the animal."}],
+         "reward_model": {"ground_truth": "cat"}, "extra_info": {"tolerance": 0.5}}
+RESPONSES = {"gauge": ["3.4", "3.6", "cat"], "label": ["cat", "3.4"]}
+EXPECTED = {"gauge": [1.0, 0.0, "reward_error"], "label": [1.0, 0.0]}  # float("cat") raises in compute_score
+
+
+@pytest.fixture(scope="module")
+def user_rewards(tmp_path_factory):
+    where = tmp_path_factory.mktemp("ctx-rewards")
+    (where / "vapo_ctx_rewards.py").write_text(USER_REWARDS)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", str(where))  # the workers read it when they start
+        mp.syspath_prepend(str(where))
+        yield where
+
+
+def _chars(ids) -> str:
+    return "".join(map(chr, ids))
+
+
+def _verl_run(tmp_path, extra_overrides=()):
+    """The config and the groups of a verl-layout file, made as the one-process trainer and the rollout service
+    make them (load_task, then make_group around the engine's samples; token ids are characters here)."""
+    from async_vapo.config import load_config
+    from async_vapo.rollout.engine import Sample
+    from async_vapo.rollout.generate import make_group
+    from async_vapo.tasks import load_task
+
+    path = _jsonl(tmp_path / "verl.jsonl", [GAUGE, LABEL])
+    cfg = load_config([], ["task.kind=files", f"task.train_path={path}", f"task.eval_path={path}",
+                           "verifier.reward_fn=vapo_ctx_rewards:compute_score", "verifier.num_workers=1",
+                           *extra_overrides])
+    train, _ = load_task(cfg)
+    groups = [make_group(p, [1, 2], [Sample(token_ids=[ord(c) for c in text], logprobs=[0.0] * len(text),
+                                            finish_reason="stop") for text in RESPONSES[p.extra["data_source"]]],
+                         version=0) for p in train]
+    return cfg, groups
+
+
+def _outcome(group) -> list:
+    return [s.reward if s.verdict != "reward_error" else s.verdict for s in group.samples]
+
+
+def test_verl_compute_score_grades_on_the_record_in_the_one_process_path(tmp_path, user_rewards):
+    from async_vapo.rollout.generate import score_groups
+    from async_vapo.verify import VerifierPool
+
+    cfg, groups = _verl_run(tmp_path)
+    assert json.loads(groups[0].extra) == {"data_source": "gauge", "reward_model": {"ground_truth": "3.0"},
+                                           "extra_info": {"tolerance": 0.5}}
+    with VerifierPool.from_config(cfg.verifier) as pool:
+        results = score_groups(groups, pool, _chars)
+    # 3.4 is within the gauge record's tolerance of 0.5, 3.6 is not; the label record compares strings
+    assert [_outcome(g) for g in groups] == [EXPECTED["gauge"], EXPECTED["label"]]
+    assert [s.correct for s in groups[0].samples] == [True, False, False]
+    assert "reward_fn raised ValueError: could not convert string to float: 'cat'" in results[2].detail
+
+
+def test_verl_compute_score_grades_on_the_record_through_the_verifier_service(tmp_path, user_rewards):
+    import threading
+
+    from async_vapo.services.context import make_context
+    from async_vapo.services.verifier import VerifierService
+    from async_vapo.transport import GroupsMsg, ZmqTransport, make_envelope
+    from async_vapo.transport.messages import Decoder
+
+    cfg, groups = _verl_run(tmp_path)
+    ctx = make_context("verifier", cfg=cfg, run_dir=tmp_path, serve_metrics=False, install_signals=False)
+    transport = ZmqTransport()
+    out = transport.receiver("tcp://127.0.0.1:*", decoder=Decoder((GroupsMsg,)), bind=True)
+    svc = VerifierService(ctx, transport, in_endpoint="tcp://127.0.0.1:*", out_endpoint=out.endpoint)
+    loop = threading.Thread(target=svc.run, args=(_chars,), daemon=True)
+    loop.start()
+    try:
+        transport.sender(svc.pull.endpoint).send(make_envelope(GroupsMsg(groups=groups), sender="rollout-0"), 5.0)
+        env = out.recv(60.0)
+        assert env is not None, "no verified groups came out"
+        assert [_outcome(g) for g in env.body.groups] == [EXPECTED["gauge"], EXPECTED["label"]]
+        assert [g.extra for g in env.body.groups] == [g.extra for g in groups]  # on to the replay as they came
+    finally:
+        ctx.stop.set()
+        loop.join(10)
+        svc.close()
+        transport.close()
+
+
+def test_keyword_and_trl_forms_run_in_the_sandbox(user_rewards):
+    from async_vapo.verify import VerifierPool
+
+    gauge = {"prompt": "Read the gauge.", "extra": json.dumps({"tolerance": 0.5})}
+    with VerifierPool(num_workers=1, reward_fn="vapo_ctx_rewards:graded") as pool:
+        results = pool.verify([("3.4", "3", gauge), ("3.4", "3", {"prompt": "Read the gauge."}),  # default 0
+                               ("3.4", "3"), ("0", "0", {"prompt": "x", "extra": json.dumps({"where": 1})})])
+        assert [r.reward for r in results[:3]] == [1.0, 0.0, 0.0]  # 0.0 is below reward_correct: incorrect
+        assert [r.reason for r in results[:3]] == ["correct", "incorrect", "incorrect"]
+        assert results[3].reward == float(pool.worker_pids[0])  # computed in the worker, not here
+    say = {"prompt": "Say hi.", "extra": json.dumps({"max_chars": 5})}
+    with VerifierPool(num_workers=1, reward_fn="vapo_ctx_rewards:reward_len") as pool:
+        results = pool.verify([("hi", "", say), ("hello there", "", say), ("hi", "")])
+    assert [r.reason for r in results] == ["correct", "incorrect", "reward_error"]
+    assert results[2].detail == "reward_fn raised KeyError: 'max_chars'"
+
+
+def test_without_a_reward_fn_no_field_is_read_and_the_maths_check_ignores_the_context(tmp_path):
+    from async_vapo.config import load_config
+    from async_vapo.tasks import load_task
+    from async_vapo.verify import VerifierPool
+
+    path = _jsonl(tmp_path / "verl.jsonl", [{**GAUGE, "notes": "x" * MAX_EXTRA_BYTES}])  # too large to carry
+    cfg = load_config([], ["task.kind=files", f"task.train_path={path}", f"task.eval_path={path}"])
+    assert dict(load_task(cfg)[0][0].extra) == {}
+    with VerifierPool(num_workers=1) as pool:
+        results = pool.verify([("\\boxed{3}", "3", {"prompt": "Read the gauge.", "extra": "{}"})])
+    assert results[0].reason == "correct"

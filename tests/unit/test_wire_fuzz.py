@@ -119,3 +119,21 @@ def test_msgpack_depth_stops_at_its_limits():
     assert msgpack_depth(b"\xdd\xff\xff\xff\xff") is None  # declares more items than the frame holds
     assert msgpack_depth(msgspec.msgpack.encode(list(range(10_000)))) is None  # not worth scanning
     assert msgpack_depth(b"\xc1") is None
+
+
+def test_a_groups_extra_fields_travel_as_text_never_as_nesting():
+    # Group.extra is JSON text (a reward function's record fields): a frame that puts a nested map there is a
+    # counted reject, and deep JSON inside the text is just characters to the decoder (depth stays 7)
+    from async_vapo.transport import encode, make_envelope
+    from async_vapo.types import Group, Trajectory
+
+    dec = Decoder((GroupsMsg,), max_bytes=MAX_BYTES)
+    g = Group(uid="u", prompt="p", answer="a", prompt_ids=[1], version=0, extra="[" * 5000 + "]" * 5000,
+              samples=[Trajectory(response_ids=[1], behavior_logprobs=[0.0], finish_reason="stop")])
+    frame = encode(make_envelope(GroupsMsg(groups=[g]), sender="rollout-0"))
+    assert _check(dec, frame) is None and msgpack_depth(frame) <= 7
+    raw = msgspec.msgpack.decode(frame)
+    raw["body"]["groups"][0]["extra"] = "{}"
+    assert _check(dec, msgspec.msgpack.encode(raw)) is None  # the frame as re-encoded here decodes
+    raw["body"]["groups"][0]["extra"] = {"a": {"b": 1}}
+    assert _check(dec, msgspec.msgpack.encode(raw)) == "malformed"
