@@ -99,7 +99,8 @@ def _data(cfg, r: Report, shown_per_file: int | None) -> list:
     train: list = []
     for path in dict.fromkeys((t.train_path, t.eval_path)):
         problems, errors = check_problems(path, prompt_key=t.prompt_key, answer_key=t.answer_key,
-                                          messages_key=t.messages_key)
+                                          messages_key=t.messages_key,
+                                          extra_keys=t.extra_keys if cfg.verifier.reward_fn else ())
         train = train or problems
         keys = ", ".join(f"task.{k} = {getattr(t, k)!r}" for k in ("prompt_key", "answer_key", "messages_key")
                          if getattr(t, k) is not None) or "keys detected from the first record"
@@ -122,11 +123,12 @@ def reference_response(answer: str, answer_format: str) -> str:
 def _answer_format(cfg, problems: list, r: Report) -> None:
     v = cfg.verifier
     if v.reward_fn:
-        from async_vapo.verify.reward_fn import RewardFnError, load_reward_fn
+        from async_vapo.verify.reward_fn import RewardFnError, load_reward_fn, reward_call
 
         try:
-            load_reward_fn(v.reward_fn)
-            r.ok.append(f"answers: verifier.reward_fn = {v.reward_fn!r} imports (it grades, not answer_format)")
+            form = reward_call(load_reward_fn(v.reward_fn), v.reward_fn).form
+            r.ok.append(f"answers: verifier.reward_fn = {v.reward_fn!r} imports, called in its {form!r} form (it "
+                        "grades, not answer_format)")
         except RewardFnError as e:
             r.problems.append(str(e))
         return

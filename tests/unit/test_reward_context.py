@@ -269,3 +269,17 @@ def test_without_a_reward_fn_no_field_is_read_and_the_maths_check_ignores_the_co
     with VerifierPool(num_workers=1) as pool:
         results = pool.verify([("\\boxed{3}", "3", {"prompt": "Read the gauge.", "extra": "{}"})])
     assert results[0].reason == "correct"
+
+
+def test_check_reads_the_fields_the_reward_fn_takes_and_names_its_form(tmp_path, user_rewards):
+    from async_vapo.cli.check import check
+    from async_vapo.config import load_config
+
+    path = _jsonl(tmp_path / "verl.jsonl", [GAUGE, LABEL, {**GAUGE, "notes": "x" * MAX_EXTRA_BYTES}])
+    cfg = load_config([], ["task.kind=files", f"task.train_path={path}", f"task.eval_path={path}",
+                           "verifier.reward_fn=vapo_ctx_rewards:compute_score", f"train.output_dir={tmp_path}/r"])
+    report = check(cfg, app="train")
+    (line,) = [p for p in report.problems if p.startswith(str(path))]  # the third record's, as the loader says it
+    assert line == check_problems(path, extra_keys=None)[1][0] and line.startswith(f"{path}:3: the record's extra")
+    assert ("answers: verifier.reward_fn = 'vapo_ctx_rewards:compute_score' imports, called in its 'verl' form "
+            "(it grades, not answer_format)") in report.ok
