@@ -17,6 +17,9 @@ Each received message is verified within ``verifier.message_budget_s`` of wall-c
 graded by then get the verdict "over_budget" (``checks_total{reason="over_budget"}``) and the message goes
 on, so a message full of hanging responses holds the pipeline for at most its budget. ``/health`` carries
 ``sandbox``: the isolation the pool's workers have (``VerifierPool.isolation``).
+
+Each response goes to the pool with its group's prompt and record fields (``Group.extra``), which a
+``verifier.reward_fn`` may take (``async_vapo.verify.reward_fn``): the verifier grades as the one-process trainer does.
 """
 
 from __future__ import annotations

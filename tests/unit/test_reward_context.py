@@ -267,8 +267,11 @@ def test_without_a_reward_fn_no_field_is_read_and_the_maths_check_ignores_the_co
     cfg = load_config([], ["task.kind=files", f"task.train_path={path}", f"task.eval_path={path}"])
     assert dict(load_task(cfg)[0][0].extra) == {}
     with VerifierPool(num_workers=1) as pool:
-        results = pool.verify([("\\boxed{3}", "3", {"prompt": "Read the gauge.", "extra": "{}"})])
-    assert results[0].reason == "correct"
+        results = pool.verify([("\\boxed{3}", "3", {"prompt": "Read the gauge.", "extra": "{}"}), ("3", "3", 42),
+                               ("3", "3", None, None)])
+    assert [r.reason for r in results] == ["correct", "bad_input", "bad_input"]
+    assert [r.detail for r in results[1:]] == ["context must be a mapping or None",
+                                               "item is not a (response, answer[, context]) tuple"]
 
 
 def test_check_reads_the_fields_the_reward_fn_takes_and_names_its_form(tmp_path, user_rewards):
