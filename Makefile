@@ -8,11 +8,13 @@ RUN ?=
 setup:
 	@bash deploy/setup.sh
 
-# Debian's prometheus server, for the end-to-end scrape test, and OpenSSH's server, for the --hostfile test
-# (installed when this user may apt-get).
+# Debian's prometheus server, for the end-to-end scrape test, OpenSSH's server, for the --hostfile test (installed when
+# this user may apt-get), and bubblewrap, for the tool sandbox's attack tests: as root (CI) they must run, so a failed
+# install stops here; as another user they skip (the sandbox needs root).
 test-deps: setup
 	@bash .ci/install_prometheus.sh || echo "[test] prometheus not installed: the scrape test will be skipped" >&2
 	@bash .ci/install_sshd.sh || echo "[test] sshd not installed: the --hostfile (ssh) test will be skipped" >&2
+	@bash .ci/install_bubblewrap.sh || { [ "$$(id -u)" -ne 0 ] && echo "[test] bubblewrap not installed: the tool sandbox tests will be skipped" >&2; }
 
 train: setup
 	.venv/bin/async-vapo train --config $(CONFIG) $(RUN) $(ARGS)
