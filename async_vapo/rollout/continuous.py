@@ -33,6 +33,12 @@ Invariants:
 * Nothing half-loaded is served: a load that raises sets ``version`` to -1 and leaves the engine paused; the next
   ``apply_weights`` that loads a whole version resumes it. A pause or load past its deadline raises.
 
+LoRA (``EngineSpec.max_lora_rank`` > 0, ``model.lora``): a version is an adapter (``load_adapter``), and the base
+weights never change. A group gets the newest adapter at :meth:`ContinuousEngine.submit` and every one of its tokens
+is sampled under it, so its spans name that one version; an update loads the next adapter without pausing anything
+(``weight_update`` does not apply), and an adapter is retired (vLLM's ``remove_lora``) once it is neither the newest
+nor used by a running group.
+
 Departures and limits: the ``n`` samples of a group are ``n`` requests (seeds ``seed + j``, as vLLM seeds the
 children of one request with ``n``), so each sample's finish is known as it happens. With
 ``recompute_kv_after_update=False``, prompts already in vLLM's prefix cache keep their old-weight KV for requests
@@ -101,6 +107,8 @@ class _Group:
     running: int = 0
     resubmitted: int = 0
     done: bool = False
+    lora: Any = None
+    """The vLLM ``LoRARequest`` every sample of the group runs under (None: the base weights)."""
 
 
 @dataclass
@@ -140,6 +148,7 @@ class ContinuousEngine(EngineWeights):
         self.last_load_seconds: float | None = None
         self.last_load_stages: dict[str, float] = {}
         self._shared = SharedWeightBuffer()
+        self._lora_state()
 
         self.updates_total = 0
         self.pause_seconds_total = 0.0
@@ -208,6 +217,26 @@ class ContinuousEngine(EngineWeights):
         return self._call(self.llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs), timeout + 30.0,
                           f"RPC {method}")
 
+    def _lora_call(self, method: str, arg):
+        return self._call(getattr(self.llm, method)(arg), self.spec.weights_timeout_s, f"LoRA {method}")
+
+    def _adapters_in_use(self) -> set[int]:
+        return self._call(self._in_use(), 60.0, "adapters in use")
+
+    async def _in_use(self) -> set[int]:
+        return {g.lora.lora_int_id for g in self._groups.values() if g.lora is not None and not g.done}
+
+    async def _retire_if_idle(self, lora) -> None:
+        """Retire the adapter of a group that just finished, unless it is the newest or another group runs on it."""
+        current = self._lora
+        if lora is None or (current is not None and current.lora_int_id == lora.lora_int_id):
+            return
+        if lora.lora_int_id in await self._in_use() or lora.lora_int_id not in self._adapters:
+            return
+        with self._lock:
+            self._adapters.pop(lora.lora_int_id, None)
+        await self.llm.remove_lora(lora.lora_int_id)
+
     # ---------------------------------------------------------------- requests
     def submit(self, key: str, prompt_ids: Sequence[int], *, n: int, temperature: float, top_p: float,
                max_tokens: int, stop_token_ids: Sequence[int], seed: int | None = None,
@@ -222,7 +251,7 @@ class ContinuousEngine(EngineWeights):
                                   output_kind=RequestOutputKind.FINAL_ONLY, ignore_eos=ignore_eos)
                   for j in range(n)]
         group = _Group(key=key, prompt_ids=list(prompt_ids), params=params, submitted_version=self.version,
-                       submitted_at=time.perf_counter(), samples=[None] * n, running=n)
+                       submitted_at=time.perf_counter(), samples=[None] * n, running=n, lora=self._lora)
         with self._lock:
             self._in_flight += n
         try:
@@ -246,7 +275,7 @@ class ContinuousEngine(EngineWeights):
                 version = self.version
                 final = None
                 async for out in self.llm.generate(TokensPrompt(prompt_token_ids=g.prompt_ids), g.params[j],
-                                                   f"{g.key}#{j}.{attempt}"):
+                                                   f"{g.key}#{j}.{attempt}", lora_request=g.lora):
                     final = out
                 o = final.outputs[0] if final is not None and final.outputs else None
                 if o is not None and o.finish_reason != "abort":
@@ -261,7 +290,9 @@ class ContinuousEngine(EngineWeights):
         except Exception as exc:  # an errored request ships nothing but the error
             self._fail(g, f"{type(exc).__name__}: {exc}")
             return
-        g.samples[j] = to_sample(o, version_spans=self._spans(o, version, len(g.prompt_ids)))
+        # with LoRA every token of the group is its adapter's (vLLM's labels follow the engine's version instead)
+        spans = [(g.submitted_version, 0)] if self.spec.max_lora_rank else self._spans(o, version, len(g.prompt_ids))
+        g.samples[j] = to_sample(o, version_spans=spans)
         self.generated_tokens_total += len(o.token_ids)
         g.running -= 1
         with self._lock:
@@ -301,6 +332,8 @@ class ContinuousEngine(EngineWeights):
     def _ship(self, g: _Group, fg: FinishedGroup) -> None:
         g.done = True
         self._groups.pop(g.key, None)
+        if g.lora is not None:
+            self._loop.create_task(self._retire_if_idle(g.lora))
         self.finished_groups_total += 1
         with self._lock:
             waiter = self._waiters.pop(g.key, None)
@@ -393,6 +426,8 @@ class ContinuousEngine(EngineWeights):
         reports) around a pause of the kind ``weight_update`` names (module docstring). A pause past
         ``pause_timeout_s`` raises ``TimeoutError`` with the old weights still served; a load that raises leaves the
         engine paused at version -1."""
+        if self.spec.max_lora_rank:
+            return self._apply_adapter(version, load)
         mode = self.weight_update
         clear_cache = self.recompute_kv_after_update if mode == "keep" else True
         with self._update_lock:
@@ -425,6 +460,20 @@ class ContinuousEngine(EngineWeights):
             self.update_stats = self.update_stats[-999:] + [stats]
             self.updates_total += 1
             self.pause_seconds_total += stats.total_s
+            return result
+
+    def _apply_adapter(self, version: int, load: Callable[[], T]) -> T:
+        """``apply_weights`` of a LoRA engine: no pause (running groups keep their adapters), ``load`` loads the next
+        adapter (``load_adapter``) and new groups get it."""
+        with self._update_lock:
+            in_flight = self.in_flight()
+            t0 = time.perf_counter()
+            result = load()  # a load that raises has invalidated the engine (load_adapter)
+            self._set_version(version)
+            stats = UpdateStats(version=version, mode="adapter", pause_s=0.0, load_s=time.perf_counter() - t0,
+                                total_s=0.0, in_flight=in_flight)
+            self.update_stats = self.update_stats[-999:] + [stats]
+            self.updates_total += 1
             return result
 
     def stats(self) -> dict[str, float]:

@@ -26,6 +26,9 @@ Weights reach the engine's workers (``worker_ext.py``) in one of these ways, all
 * ``receive_buffer(nbytes)`` then ``load_received(layout, version)`` (the cluster, an engine on another
   host): the caller fills the engine's own shared buffer (fetched over ZeroMQ) and it is loaded as above.
 * ``load_weights_from_file(path, version)``: a safetensors file (``cluster.weights.transfer = "file"``).
+* ``load_adapter(path, version)``: a LoRA version (``model.lora``) as its PEFT adapter directory, loaded by vLLM's
+  LoRA support (``EngineSpec.max_lora_rank`` > 0: ``enable_lora``; on the CPU, vLLM's ``PunicaWrapperCPU`` and no
+  compilation). The base weights stay; each request gets the newest adapter when it is submitted and keeps it.
 * ``join_weight_group(init_info)`` then ``receive_weights_dist(update_info, version)`` per version: streamed by the
   learner over a torch.distributed group through vLLM's own weight-transfer API (``async_vapo.weights.collective``;
   ``cluster.weights.transfer = "dist"``, or "auto" on another host), loaded by vLLM's layerwise reload rather than
@@ -46,6 +49,7 @@ vLLM spawns its engine process: code that constructs an engine must run under
 
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
 import time
@@ -56,6 +60,7 @@ from typing import Literal, TypeVar
 
 import torch
 
+from async_vapo.models.lora import vllm_max_lora_rank
 from async_vapo.weights.collective import VLLM_BACKENDS, engine_backend
 from async_vapo.weights.layout import Layout, SharedWeightBuffer, shm_dir, tensor_nbytes, unshared_state
 
@@ -92,6 +97,12 @@ class EngineSpec:
     dist_backend: str = "auto"
     """``cluster.weights.dist_backend``: the weight-transfer engine the workers get (``weights.dist.engine_backend``:
     "auto" is NCCL on CUDA, gloo on the CPU)."""
+    max_lora_rank: int = 0
+    """vLLM's ``max_lora_rank`` (1, 8, 16, 32, ...): > 0 starts the engine with LoRA, serving versions as adapters
+    (``load_adapter``); 0 = no LoRA."""
+    max_loras: int = 4
+    """Adapters vLLM holds at once (its ``max_loras`` and ``max_cpu_loras``): the newest plus those of requests still
+    running (continuous generation); requests of more adapters than this wait for a slot."""
 
     @classmethod
     def from_config(cls, cfg, model_path, *, longest_prompt: int, instance: int = 0) -> EngineSpec:
@@ -102,7 +113,8 @@ class EngineSpec:
                    kv_cache_gib=r.kv_cache_gib, max_model_len=longest_prompt + r.max_response_tokens + 1,
                    gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
                    max_num_seqs=r.max_num_seqs, tensor_parallel_size=r.tensor_parallel_size,
-                   dist_backend=cfg.cluster.weights.dist_backend, idle_spin_s=r.idle_spin_s)
+                   dist_backend=cfg.cluster.weights.dist_backend, idle_spin_s=r.idle_spin_s,
+                   max_lora_rank=vllm_max_lora_rank(cfg.model.lora.rank) if cfg.model.lora.enabled else 0)
 
 
 def engine_cpu_env(cpus: Sequence[int]) -> dict[str, str]:
@@ -151,6 +163,8 @@ def engine_kwargs(spec: EngineSpec, weight_backend: str, *, on_cpu: bool) -> dic
         # samples) and on chat-template prompts of the real model in batches of a few dozen; the same runs
         # with this flag completed. On the CPU every prompt is prefilled whole.
         **({"enable_chunked_prefill": False} if on_cpu else {}),
+        **({"enable_lora": True, "max_lora_rank": spec.max_lora_rank, "max_loras": spec.max_loras,
+            "max_cpu_loras": spec.max_loras} if spec.max_lora_rank else {}),
     )
 
 
@@ -189,6 +203,19 @@ class EngineWeights:
 
     def _collective_rpc(self, method: str, *, timeout: float, args: tuple = (), kwargs: dict | None = None) -> list:
         raise NotImplementedError
+
+    def _lora_call(self, method: str, arg):
+        """vLLM's ``add_lora(request)`` / ``remove_lora(int_id)`` on the engine (the concrete engine's way)."""
+        raise NotImplementedError
+
+    def _adapters_in_use(self) -> set[int]:
+        """The adapter ids of requests still running (none between two lock-step calls)."""
+        return set()
+
+    def _lora_state(self) -> None:
+        self._lora = None  # the LoRARequest new requests get; None: the base weights
+        self._adapters: dict[int, int] = {}  # adapter id loaded in vLLM -> its version
+        self._lora_ids = itertools.count(1)  # unique per engine: vLLM caches an adapter by its id
 
     @property
     def version(self) -> int:
@@ -247,6 +274,39 @@ class EngineWeights:
         self._rpc("async_vapo_load_shared", path, nbytes, layout)
         self.last_load_stages["write_s"] = 0.0
         self._set_version(version)
+
+    def load_adapter(self, path: str, version: int) -> None:
+        """Load version ``version``'s LoRA adapter from the PEFT directory ``path`` and give it to every request
+        submitted from now on; retire the adapters no running request uses (``WeightEngine.load_adapter``)."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.spec.max_lora_rank:
+            raise ValueError("this engine was started without LoRA (EngineSpec.max_lora_rank = 0): it cannot load an "
+                             "adapter")
+        t0 = time.perf_counter()
+        request = LoRARequest(lora_name=f"v{version}", lora_int_id=next(self._lora_ids), lora_path=str(path))
+        try:
+            if not self._lora_call("add_lora", request):
+                raise RuntimeError(f"vLLM did not load the adapter of version {version} from {path}")
+        except BaseException:
+            self.invalidate()
+            raise
+        self._adapters[request.lora_int_id] = version
+        self._lora = request
+        self._set_version(version)
+        self._retire_adapters()
+        self.last_load_seconds = time.perf_counter() - t0
+        self.last_load_stages = {"adapter_s": self.last_load_seconds}
+
+    def _retire_adapters(self) -> None:
+        keep = self._adapters_in_use() | ({self._lora.lora_int_id} if self._lora is not None else set())
+        for i in [i for i in self._adapters if i not in keep]:
+            self._lora_call("remove_lora", i)
+            del self._adapters[i]
+
+    def adapter_version(self, lora_request) -> int | None:
+        """The version of an adapter this engine loaded (None: the base weights)."""
+        return None if lora_request is None else self._adapters.get(lora_request.lora_int_id)
 
     def join_weight_group(self, init_info: dict) -> None:
         """Join the learner's torch.distributed group for this engine (``async_vapo.weights.collective``); blocks
@@ -326,6 +386,7 @@ class VLLMEngine(EngineWeights):
         process), ``read_s`` and ``reload_s`` (in the slowest worker: tensors out of the file, vLLM's
         ``reload_weights``), ``rpc_s`` (the rest of the RPC's wall time)."""
         self._shared = SharedWeightBuffer()
+        self._lora_state()
 
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float,
                  max_tokens: int, stop_token_ids: Sequence[int], seed: int | None = None) -> list[list[Sample]]:
@@ -338,11 +399,15 @@ class VLLMEngine(EngineWeights):
         params = [sampling_params(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                                   stop_token_ids=stop_token_ids, seed=None if seed is None else seed + i)
                   for i in range(len(prompts))]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False,
+                                 lora_request=self._lora)
         return [[to_sample(o, version_spans=[(self.version, 0)]) for o in out.outputs] for out in outs]
 
     def _collective_rpc(self, method: str, *, timeout: float, args: tuple = (), kwargs: dict | None = None) -> list:
         return self.llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
+
+    def _lora_call(self, method: str, arg):
+        return getattr(self.llm.llm_engine, method)(arg)
 
     def apply_weights(self, version: int, load: Callable[[], T]) -> T:
         """The one entry point of a new version from the cluster (``weights.client.EngineWeightClient``): ``load``

@@ -14,8 +14,9 @@ Invariants (each engine keeps them; ``tests/integration/test_engine_interface.py
 * A version from the cluster comes in through :meth:`WeightEngine.apply_weights`; the load methods are called only
   inside its ``load`` (the engine quiescent around them), or by a one-process trainer between two generate calls.
 
-A new way for a version to arrive (a LoRA adapter: a version becomes an adapter) is one more load method here,
-implemented once in ``EngineWeights``, and one more branch in ``receive.load_announced``.
+A LoRA version (``model.lora``) arrives as its adapter: :meth:`WeightEngine.load_adapter`, implemented once in
+``EngineWeights`` over vLLM's LoRA support, and the "adapter" branch of ``receive.load_announced``. Such an engine
+keeps its base weights; the version is the adapter that new requests get.
 """
 
 from __future__ import annotations
@@ -79,6 +80,13 @@ class WeightEngine(Protocol):
     def load_received(self, layout: Layout, version: int) -> None:
         """Load what the caller wrote into :meth:`receive_buffer` (``layout`` offsets from its start). Leaves
         ``version`` = ``version``."""
+        ...
+
+    def load_adapter(self, path: str, version: int) -> None:
+        """Load the LoRA adapter of ``version`` from the PEFT directory ``path`` (already checked against its
+        announce) and route every request submitted after it to that adapter; a request already running keeps the
+        adapter it started with. Adapters no running request uses are retired. Leaves ``version`` = ``version``;
+        an engine started without LoRA raises."""
         ...
 
     def join_weight_group(self, init_info: dict) -> None:

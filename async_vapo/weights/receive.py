@@ -6,6 +6,7 @@ from pathlib import Path
 
 from async_vapo.transport.interface import Transport, verify_checksum
 from async_vapo.transport.messages import WeightsAnnounce
+from async_vapo.weights.adapter import check_adapter
 from async_vapo.weights.engine import WeightEngine
 from async_vapo.weights.fetch import fetch_weights
 from async_vapo.weights.slots import WeightsUnavailable, slot_holds
@@ -14,7 +15,8 @@ from async_vapo.weights.slots import WeightsUnavailable, slot_holds
 def load_announced(engine: WeightEngine, a: WeightsAnnounce, *, transport: Transport, mode: str,
                    fetch_endpoint: str, chunk_bytes: int, timeout_s: float, engine_id: str, max_bytes: int) -> str:
     """Load the announced version into ``engine`` through its load methods (inside its ``apply_weights``); returns
-    the way it came: "shm", "zmq" (fetched from ``fetch_endpoint`` over ``transport``) or "file". ``mode`` is
+    the way it came: "shm", "zmq" (fetched from ``fetch_endpoint`` over ``transport``), "file" or "adapter" (a LoRA
+    version's PEFT directory, ``weights.adapter``). ``mode`` is
     ``cluster.weights.transfer``. Raises on anything that does not match the announce; after a torn slot load (the
     learner rewrote the slot meanwhile) the engine is invalidated (version -1)."""
     if a.transfer == "file":
@@ -24,8 +26,12 @@ def load_announced(engine: WeightEngine, a: WeightsAnnounce, *, transport: Trans
         del data
         engine.load_weights_from_file(a.location, a.version)
         return "file"
+    if a.transfer == "adapter":
+        check_adapter(a)
+        engine.load_adapter(a.location, a.version)
+        return "adapter"
     if a.transfer != "shm":
-        raise ValueError(f"transfer {a.transfer!r} is not one an engine loads (shm, file)")
+        raise ValueError(f"transfer {a.transfer!r} is not one an engine loads (shm, file, adapter)")
     if not a.layout:
         raise ValueError(f"the announce of version {a.version} has no layout")
     if not a.location:
