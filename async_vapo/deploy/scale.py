@@ -116,6 +116,15 @@ class ModelShape:
     def params(self) -> int:
         return self.num_layers * self.layer_params() + self.root_params()
 
+    def lora_params(self, rank: int, targets) -> int:
+        """Parameters of a LoRA adapter of ``rank`` on the decoder's linear layers named in ``targets``
+        (``model.lora``): r x (in + out) per target layer, A and B."""
+        h, q, kv, m = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
+            self.intermediate_size
+        dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, m),
+                "up_proj": (h, m), "down_proj": (m, h)}
+        return self.num_layers * sum(rank * sum(dims[t]) for t in targets if t in dims)
+
     def kv_bytes_per_token(self, dtype_bytes: int, tp: int = 1) -> int:
         """KV cache bytes per token on one of ``tp`` GPUs."""
         heads_per_gpu = max(1, self.num_kv_heads // tp)
@@ -143,6 +152,10 @@ class LearnerSetup:
     """A frozen reference policy for the KL penalty (``algo.effective_kl_coef`` > 0): its float32 weights."""
     entropy_grad: bool = False
     """The entropy bonus has a gradient (``algo.entropy_coef`` > 0): unchunked logits keep more for its backward."""
+    lora_rank: int = 0
+    """``model.lora.rank``: 0 = the whole policy trained; else a frozen float32 base and an adapter on
+    ``lora_targets``."""
+    lora_targets: tuple[str, ...] = ()
 
     @property
     def tokens(self) -> int:
@@ -159,7 +172,8 @@ class LearnerSetup:
                    compute_bytes=DTYPE_BYTES[cfg.model.dtype], sharded=sharded,
                    activation_checkpointing=lc.activation_checkpointing,
                    logprob_chunk_tokens=lc.logprob_chunk_tokens, cpu_offload=lc.cpu_offload and sharded,
-                   budget=budget, reference=a.effective_kl_coef > 0, entropy_grad=a.entropy_coef > 0)
+                   budget=budget, reference=a.effective_kl_coef > 0, entropy_grad=a.entropy_coef > 0,
+                   lora_rank=cfg.model.lora.rank, lora_targets=tuple(cfg.model.lora.target_modules))
 
 
 LOGIT_BYTES = {"chunked": 24, "whole": 16, "whole_entropy_grad": 28}
@@ -189,8 +203,16 @@ def micro_batch_rows(budget: int, micro_batch_size: int, seq_tokens: int, mini_b
 
 def state_bytes(shape: ModelShape, s: LearnerSetup) -> int:
     """Masters and AdamW moments of every model (12 B/param), one model's gradients (4 B/param) and a reference
-    policy's float32 weights (4 B/param) on a rank."""
-    return (s.models * 12 + 4 + 4 * s.reference) * shape.params() // (s.ranks if s.sharded else 1)
+    policy's float32 weights (4 B/param) on a rank. With LoRA the policy is its frozen float32 base (4 B/param) and
+    the adapter's masters, moments and gradients (16 B per adapter parameter); a critic's gradients, when there is
+    one, are the larger (the models step one after the other)."""
+    p = shape.params()
+    if not s.lora_rank:
+        return (s.models * 12 + 4 + 4 * s.reference) * p // (s.ranks if s.sharded else 1)
+    adapter = shape.lora_params(s.lora_rank, s.lora_targets)
+    critic = (s.models - 1) * 12 * p
+    grads = 4 * p if s.models > 1 else 4 * adapter
+    return (4 * p + 12 * adapter + critic + grads + 4 * s.reference * p) // (s.ranks if s.sharded else 1)
 
 
 def learner_memory(shape: ModelShape, s: LearnerSetup) -> dict[str, int]:
@@ -218,7 +240,11 @@ def learner_assumptions(shape: ModelShape, s: LearnerSetup) -> list[tuple[str, s
     """(label, what it assumed) for each line of :func:`learner_memory`, in its order."""
     div = f" / {s.ranks} ranks" if s.sharded else " (one unsharded rank)"
     return [
-        ("state", f"fp32 masters + AdamW m, v: 12 B/param x {s.models} model(s) + fp32 grads: 4 B/param x 1 model"
+        ("state", (f"LoRA rank {s.lora_rank}: frozen fp32 policy base 4 B/param + "
+                   f"{shape.lora_params(s.lora_rank, s.lora_targets):,} adapter params x 16 B (masters, AdamW m, v, "
+                   f"grads)" + (" + critic: 12 B/param + its grads 4 B/param" if s.models > 1 else "")
+                   if s.lora_rank else
+                   f"fp32 masters + AdamW m, v: 12 B/param x {s.models} model(s) + fp32 grads: 4 B/param x 1 model")
                   + (" (policy and critic step one after the other, each model's grads freed at its step)"
                      if s.models > 1 else "")
                   + (" + the KL penalty's frozen reference policy: fp32 weights 4 B/param" if s.reference else "")
@@ -245,9 +271,11 @@ def engine_memory(shape: ModelShape, tp: int, *, gpu_bytes: int, utilization: fl
             "sequences": max(0, kv_space) // per_seq}
 
 
-def weight_sync(shape: ModelShape, engines: int, *, dtype_bytes: int, bandwidth_bytes_s: float) -> dict[str, float]:
-    """Bytes of one version per engine, and seconds to send it to one and to every engine at the bandwidth."""
-    nbytes = shape.params() * dtype_bytes
+def weight_sync(shape: ModelShape, engines: int, *, dtype_bytes: int, bandwidth_bytes_s: float,
+                adapter_params: int = 0) -> dict[str, float]:
+    """Bytes of one version per engine, and seconds to send it to one and to every engine at the bandwidth. With
+    LoRA (``adapter_params`` > 0) a version is its float32 adapter (``weights.adapter``)."""
+    nbytes = adapter_params * 4 if adapter_params else shape.params() * dtype_bytes
     return {"bytes_per_engine": nbytes, "bytes_total": nbytes * engines,
             "seconds_per_engine": nbytes / bandwidth_bytes_s, "seconds_all": nbytes * engines / bandwidth_bytes_s}
 
@@ -422,7 +450,8 @@ def estimate(cfg, shape: ModelShape, cl: Cluster, *, engines: int, budget: int |
     lm = learner_memory(shape, s)
     em = engine_memory(shape, tp, gpu_bytes=gpu_bytes, utilization=r.gpu_memory_utilization, dtype_bytes=dt,
                        seq_tokens=s.seq_tokens)
-    ws = weight_sync(shape, engines, dtype_bytes=dt, bandwidth_bytes_s=cl.bandwidth_gbytes_s * 1e9)
+    ws = weight_sync(shape, engines, dtype_bytes=dt, bandwidth_bytes_s=cl.bandwidth_gbytes_s * 1e9,
+                     adapter_params=shape.lora_params(s.lora_rank, s.lora_targets) if s.lora_rank else 0)
     mean_resp = cl.mean_response(cfg)
     profile = cl.profile or published_profile(
         shape, GPUS[cl.gpu], tp=tp, dtype_bytes=dt, utilization=r.gpu_memory_utilization,
