@@ -37,8 +37,10 @@ Outputs in the run directory, as the one-process trainer: ``metrics.jsonl`` (``k
 eval rows come from rollout 0), ``checkpoints/step_N/`` (policy, critic, optimisers, version, and in
 ``extra`` the step, the replay cursor and samples seen) every ``train.checkpoint_every`` updates, at the end
 and when stopped mid-run (``--resume auto`` continues from the latest), ``summary.json`` and a ``DONE``
-marker. After the last update the service keeps serving /metrics and heartbeats until it is stopped
-(start_cluster.sh --wait stops the cluster on DONE).
+marker. After the last update the service keeps serving /metrics and heartbeats until it is stopped, the heartbeats
+saying it is done ("draining"), so that rollout 0 evaluates that last version even when it is not due by
+``train.eval_every`` (a run stopped by ``train.max_minutes``); start_cluster.sh --wait stops the cluster on DONE once
+that evaluation is written.
 """
 
 from __future__ import annotations
@@ -379,7 +381,8 @@ class LearnerService:
         if not self.replay.handshake():
             self.loop.source.close()
             return None
-        if self.loop.run():
+        finished = self.loop.run()
+        if finished:
             step = self.loop.step
             summary = {"run_dir": str(self.ctx.run_dir), "steps": step, "version": self.learner.version,
                        "wall_s": self.ctx.elapsed(), "samples_seen": self.loop.samples_seen,
@@ -389,7 +392,8 @@ class LearnerService:
             self.ctx.metrics.set_health(phase="done")
             self.ctx.log.info("learner: done after %d updates", step)
         while not self.ctx.stop.is_set():  # keep heartbeats and /metrics up until stopped
-            self.sync.heartbeat(self.learner.version)
+            # "draining" once finished: rollout 0 evaluates the last version (one out of time included)
+            self.sync.heartbeat(self.learner.version, status="draining" if finished else "ready")
             self.sync.poll(0.5)
         return None
 

@@ -26,9 +26,13 @@ arrives.
 
 Evaluation: rollout 0 evaluates the held-out split (``rollout.generate.evaluate``, with its own one-worker
 ``VerifierPool``) whenever it serves the learner's latest version and that is a multiple of
-``train.eval_every`` or the last one (``train.total_steps``), and appends ``kind="eval"`` rows, in the
-one-process trainer's format, to ``RUN_DIR/metrics.jsonl`` (shared with the learner, see
-:class:`~async_vapo.metrics.jsonl.JsonlWriter`).
+``train.eval_every`` or the last one (``train.total_steps``, or the version of a learner that says it has finished:
+a run stopped by ``train.max_minutes`` ends with an evaluation of its last version, as the one-process trainer's
+does), and appends ``kind="eval"`` rows, in the one-process trainer's format, to ``RUN_DIR/metrics.jsonl`` (shared
+with the learner, see :class:`~async_vapo.metrics.jsonl.JsonlWriter`). An evaluation stalls nothing on the learner's
+side, however long: the engine's heartbeats go on from a thread meanwhile ("busy": the learner keeps it alive and
+in rotation, ``EngineWeightClient.beating``), and the loop takes the learner's latest version as soon as it ends,
+before it starts groups again.
 """
 
 from __future__ import annotations
@@ -140,11 +144,17 @@ class RolloutService:
         latest = self.weights.latest
         if latest is None or latest.version != v:  # catching up: evaluate the learner's weights only
             return False
-        if v % cfg.train.eval_every and v != cfg.train.total_steps:
+        if v % cfg.train.eval_every and v != cfg.train.total_steps and not self.weights.learner_done:
             return False
         self.evaluated.add(v)
+        with self.weights.beating():  # the learner keeps this engine alive and in rotation, however long it takes
+            self._evaluate(v)
+        return True
+
+    def _evaluate(self, v: int) -> None:
         from async_vapo.verify.sandbox import VerifierPool
 
+        cfg = self.ctx.cfg
         if self.eval_pool is None:
             self.eval_pool = VerifierPool.from_config(cfg.verifier, num_workers=1)
             pids = self.ctx.run_dir / "pids"
@@ -158,11 +168,10 @@ class RolloutService:
                 warn_if_truncated(m, cfg, self.ctx.log)
         except Exception:
             self.ctx.processing_error("evaluate", f"evaluation of version {v}")
-            return True
+            return
         self.metrics_log.write({"kind": "eval", "step": v, "version": v, "wall_s": self.ctx.elapsed(),
                                 "samples_seen": self.samples_generated, **m})
         self.ctx.log.info("%s: held-out accuracy of version %d: %.3f", self.engine_id, v, m["eval/accuracy"])
-        return True
 
     # -- loop -----------------------------------------------------------------------------------------------------
     def run(self) -> None:

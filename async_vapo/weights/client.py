@@ -47,8 +47,10 @@ logged with its way and acked with it (``WeightsAck.via``). The service learns o
 from __future__ import annotations
 
 import math
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from async_vapo.transport import (
     Heartbeat,
@@ -101,6 +103,8 @@ class EngineWeightClient:
         self.latest: WeightsAnnounce | None = None
         """The learner's last word (an announce, or a heartbeat's copy of it); None before the first."""
         self.learner_version = 0
+        self.learner_done = False
+        """The learner's heartbeats say it has finished ("draining": its last update made, done or out of time)."""
         self.failed_versions: set[int] = set()
         self._next_retry = 0.0
         self._last_beat = 0.0
@@ -158,6 +162,8 @@ class EngineWeightClient:
         elif isinstance(body, Heartbeat):
             if body.weights is not None:
                 self._on_announce(body.weights)
+            if body.service == "learner":
+                self.learner_done = body.status == "draining"
             if body.service == "learner" and self.on_learner_waiting is not None:
                 self.on_learner_waiting(body.waiting_s)
             if body.service == "learner" and self.on_dropped is not None:
@@ -286,15 +292,41 @@ class EngineWeightClient:
                                                           load_seconds=seconds, error=error, via=via),
                                                sender=self.engine_id, policy_version=self.engine.version), "ack")
 
-    def heartbeat(self, force: bool = False) -> None:
-        """Tell the learner this engine is alive and the version it serves (every ``cluster.wire.heartbeat_s``)."""
+    def heartbeat(self, force: bool = False, status: str = "ready") -> None:
+        """Tell the learner this engine is alive and the version it serves (every ``cluster.wire.heartbeat_s``);
+        ``status`` "busy": it serves that version on purpose while it does other work (:meth:`beating`)."""
         now = time.monotonic()
         if force or now - self._last_beat >= self.ctx.cfg.cluster.wire.heartbeat_s:
             self._last_beat = now
             env = make_envelope(Heartbeat(service="rollout", instance=str(self.ctx.instance),
-                                          served_version=self.engine.version), sender=self.engine_id,
-                                policy_version=self.engine.version)
+                                          served_version=self.engine.version, status=status),
+                                sender=self.engine_id, policy_version=self.engine.version)
             self.ctx.send(self.acks, env, "heartbeat")
+
+    @contextmanager
+    def beating(self) -> Iterator[None]:
+        """Heartbeats ("busy") every ``cluster.wire.heartbeat_s`` from a thread while the service's loop does one
+        long piece of work that takes no weights (a held-out evaluation), however long: the learner neither
+        declares the engine dead (``cluster.wire.peer_dead_s``) nor drops it from rotation for the versions it
+        publishes meanwhile (``WeightBroadcast``: a busy engine is excused from the ack deadline). A "ready"
+        heartbeat at the end says the engine takes versions again. The ``acks`` socket is the thread's alone
+        meanwhile: the loop sends nothing while it works, and starting and joining the thread order the
+        hand-over (a ZeroMQ socket may move between threads so), so the learner reads one ordered stream."""
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(self.ctx.cfg.cluster.wire.heartbeat_s):
+                self.heartbeat(force=True, status="busy")
+
+        self.heartbeat(force=True, status="busy")
+        thread = threading.Thread(target=beat, daemon=True, name=f"{self.engine_id}-heartbeats")
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+            self.heartbeat(force=True)
 
     def close(self) -> None:
         for sock in (self.acks, self.sub):

@@ -12,8 +12,10 @@ Rotation (:class:`Rotation`): an engine joins with an ok ack of the latest versi
 serves it); a version counts once every engine in rotation acked it (``broadcast_seconds``). An engine leaves
 rotation when it misses a version's ack deadline (``cluster.weights.ack_timeout_s``) or when it has been silent
 for ``cluster.wire.peer_dead_s`` (the liveness policy: any envelope on the acks socket is proof of life,
-``transport.HeartbeatMonitor``). Either way it rejoins with its next ack of the latest version (engines always
-load the latest). The learner never waits for acks: they are serviced between batch requests, so a dead
+``transport.HeartbeatMonitor``). An engine whose heartbeats say "busy" (rollout 0 during a held-out evaluation,
+which takes no weights however long it lasts) is excused from the ack deadline until ``ack_timeout_s`` after it
+says it is ready again (``Rotation.excused``). Either way it rejoins with its next ack of the latest version
+(engines always load the latest). The learner never waits for acks: they are serviced between batch requests, so a dead
 engine costs nothing but its share of the groups; its groups need no special treatment (once older than
 the replay's floor they are dropped as stale).
 
@@ -44,6 +46,7 @@ they use, and the log says which way each engine takes and why.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import time
@@ -77,6 +80,10 @@ class Rotation:
     members: set[str] = field(default_factory=set)
     pending: dict[int, float] = field(default_factory=dict)
     """version -> monotonic time it was published."""
+    excused: dict[str, float] = field(default_factory=dict)
+    """Engine -> monotonic time until which it is excused from ack deadlines: ``inf`` while its heartbeats say
+    "busy" (it serves an older version on purpose while it does other work, a held-out evaluation however long, and
+    takes the latest when done), then ``ack_timeout_s`` more from its first heartbeat that does not, to load it."""
 
     def published(self, version: int, now: float) -> None:
         self.latest = version
@@ -106,15 +113,27 @@ class Rotation:
             return True
         return False
 
+    def set_busy(self, engine: str, busy: bool, now: float) -> None:
+        """An engine's heartbeat says whether it is busy (see ``excused``)."""
+        if busy:
+            self.excused[engine] = math.inf
+        elif self.excused.get(engine) == math.inf:
+            self.excused[engine] = now + self.ack_timeout_s
+
     def expire(self, now: float) -> list[str]:
-        """Take engines that missed a version's deadline out of rotation; returns them."""
+        """Take engines that missed a version's deadline out of rotation, excused ones excepted (the version waits
+        for their acks); returns them."""
+        excused = {e for e, t in self.excused.items() if now <= t}
+        self.excused = {e: self.excused[e] for e in excused}
         dropped: list[str] = []
         for v, t in sorted(self.pending.items()):
             if now - t > self.ack_timeout_s:
-                late = sorted(e for e in self.members if self.acked.get(e, -1) < v)
-                self.members.difference_update(late)
-                dropped += late
-                del self.pending[v]
+                late = {e for e in self.members if self.acked.get(e, -1) < v}
+                out = sorted(late - excused)
+                self.members.difference_update(out)
+                dropped += out
+                if not late & excused:
+                    del self.pending[v]
         return dropped
 
 
@@ -323,16 +342,17 @@ class WeightBroadcast:
             self.chooser.sent(engine, version, got)
 
     def heartbeat(self, version: int, waiting_s: float = 0.0, stale_dropped: dict[str, int] | None = None,
-                  late_dropped: dict[str, int] | None = None) -> None:
+                  late_dropped: dict[str, int] | None = None, status: str = "ready") -> None:
         """Publish a Heartbeat (at most every ``cluster.wire.heartbeat_s``) with the latest announce and, while the
         learner waits for a batch, how long it has waited, and the groups the replay dropped as stale by engine, all
-        and those that arrived stale (the engines' admission makes up lost groups by them)."""
+        and those that arrived stale (the engines' admission makes up lost groups by them). ``status`` "draining":
+        the learner has made its last version (rollout 0 evaluates it)."""
         now = time.monotonic()
         self.pub.pump()
         if now - self._last_beat >= self.ctx.cfg.cluster.wire.heartbeat_s:
             self._last_beat = now
             self.pub.publish(make_envelope(Heartbeat(service="learner", instance=str(self.ctx.instance),
-                                                     served_version=version, weights=self.latest,
+                                                     served_version=version, weights=self.latest, status=status,
                                                      waiting_s=waiting_s, stale_dropped=dict(stale_dropped or {}),
                                                      late_dropped=dict(late_dropped or {})),
                                            sender=self.ctx.name, policy_version=version))
@@ -368,6 +388,7 @@ class WeightBroadcast:
                 counted, rejoined = self.rotation.on_ack(body.engine_id, body.version, body.ok, now)
                 self._joined(body.engine_id, counted, rejoined, body.version)
             elif isinstance(body, Heartbeat) and body.service == "rollout" and body.served_version >= 0:
+                self.rotation.set_busy(env.sender, body.status == "busy", now)
                 # serving a version is as good as having acked it: an engine that was silent rejoins here
                 counted, rejoined = self.rotation.on_ack(env.sender, body.served_version, True, now)
                 self._joined(env.sender, counted, rejoined, body.served_version)

@@ -1,0 +1,138 @@
+"""Rollout 0's held-out evaluation stalls nothing on the learner's side: an evaluation longer than the liveness
+timeout (``cluster.wire.peer_dead_s``) and than the ack deadline (``cluster.weights.ack_timeout_s``) keeps the
+engine's heartbeats coming, the engine alive and in the learner's rotation, also while the learner publishes a
+version the engine cannot take before its evaluation ends; and a learner that has finished (a run stopped by
+``train.max_minutes`` too) gets its last version evaluated.
+
+Real parts only: the session's vLLM engine (tests/conftest.py), the rollout service's own evaluation and weight client,
+the learner's ``WeightBroadcast``, over the in-process transport. The timeouts are shrunk (0.6 s) and the held-out set
+made larger, so that the evaluation outlasts them by construction; its length is measured and checked. About 30 s on
+the session's engine."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from conftest import TINY_TEST_OVERRIDES
+
+from async_vapo.config import load_config
+from async_vapo.services.context import make_context
+
+pytestmark = pytest.mark.slow
+
+DEAD_S = 0.6
+
+
+def _services(tiny_cfg, tiny_base, vllm_engine, tmp_path, *extra):
+    from transformers import AutoTokenizer
+
+    from async_vapo.models.rl import load_policy
+    from async_vapo.services.rollout import RolloutService
+    from async_vapo.tasks import load_task
+    from async_vapo.transport import InprocTransport
+    from async_vapo.weights import WeightBroadcast
+
+    cfg = load_config([], [*TINY_TEST_OVERRIDES, f"model.cache_dir={tiny_cfg.model.cache_dir}",
+                           "cluster.weights.transfer=shm", f"cluster.weights.dir={tmp_path / 'w'}",
+                           "cluster.wire.heartbeat_s=0.1", f"cluster.wire.peer_dead_s={DEAD_S}",
+                           f"cluster.weights.ack_timeout_s={DEAD_S}", "cluster.rollout.eval=true", *extra])
+    run_dir = tmp_path / "run"
+    ctxs = {s: make_context(s, cfg=cfg, run_dir=run_dir, serve_metrics=False, install_signals=False)
+            for s in ("learner", "rollout")}
+    transport = InprocTransport()
+    sync = WeightBroadcast(ctxs["learner"], transport, device="cpu")
+    tok = AutoTokenizer.from_pretrained(str(tiny_base))
+    state = load_policy(tiny_base).state_dict()
+    vllm_engine.load_weights(state, 0)
+    train_set, eval_set = load_task(cfg)
+    rollout = RolloutService(ctxs["rollout"], transport, vllm_engine, tok, train_set, eval_set, pretrain_batches=1)
+    return cfg, run_dir, transport, sync, rollout, state
+
+
+def _serve(sync, rollout, version: int, state) -> None:
+    """The learner publishes ``version``; the engine loads it and the learner has it in rotation."""
+    sync.publish(version, state)
+    deadline = time.monotonic() + 30
+    while rollout.engine.version != version or rollout.engine_id not in sync.rotation.members:
+        assert time.monotonic() < deadline, "the engine did not take the version"
+        rollout.weights.poll(0.05)
+        rollout.weights.heartbeat()
+        sync.heartbeat(sync.rotation.latest)
+        sync.poll(0.05)
+
+
+def _close(sync, rollout, transport) -> None:
+    rollout.close()
+    sync.pub.close()
+    sync.acks.close()
+    sync.close()
+    transport.close()
+
+
+def _eval_rows(run_dir) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "eval"]
+
+
+def test_an_evaluation_longer_than_the_liveness_timeout_keeps_the_engine_alive_and_in_rotation(
+        tiny_cfg, tiny_base, vllm_engine, tmp_path):
+    cfg, run_dir, transport, sync, rollout, state = _services(
+        tiny_cfg, tiny_base, vllm_engine, tmp_path, "task.num_eval=200", "rollout.eval_samples=2",
+        "train.eval_every=1")
+    try:
+        rollout.weights.start()
+        _serve(sync, rollout, 1, state)
+        ran: dict = {}
+
+        def evaluate():
+            t0 = time.monotonic()
+            ran["evaluated"] = rollout.maybe_evaluate()
+            ran["s"] = time.monotonic() - t0
+
+        thread = threading.Thread(target=evaluate, daemon=True)
+        thread.start()
+        time.sleep(0.3)
+        sync.publish(2, state)  # a version the engine takes only after its evaluation
+        out_of_rotation, dead = [], []
+        while thread.is_alive():  # the learner's side, as it services acks while it waits for a batch
+            sync.heartbeat(2)
+            sync.poll(0.05)
+            if rollout.engine_id not in sync.rotation.members:
+                out_of_rotation.append(round(time.monotonic(), 2))
+            if rollout.engine_id in sync.liveness.dead_peers():
+                dead.append(round(time.monotonic(), 2))
+        thread.join()
+        assert ran["evaluated"] and [r["version"] for r in _eval_rows(run_dir)] == [1]
+        # the case is the one meant: the evaluation outlasted both the liveness timeout and the ack deadline
+        assert ran["s"] > 2 * DEAD_S, f"the evaluation took {ran['s']:.2f} s only"
+        assert not dead, f"the engine was declared dead during its {ran['s']:.1f} s evaluation"
+        assert not out_of_rotation, f"the engine left rotation during its {ran['s']:.1f} s evaluation"
+        m = sync.ctx.metrics
+        assert m.get("engines_dead_total")._value.get() == 0
+        assert m.get("engines_dropped_total")._value.get() == 0
+        # done, it takes the version published meanwhile at once and acks it in time
+        _serve(sync, rollout, 2, state)
+        print(f"evaluation of {len(rollout.eval_set)} problems: {ran['s']:.1f} s; engine alive and in rotation")
+    finally:
+        _close(sync, rollout, transport)
+
+
+def test_the_last_version_of_a_learner_that_finished_is_evaluated(tiny_cfg, tiny_base, vllm_engine, tmp_path):
+    """A run stopped by ``train.max_minutes`` ends at a version that is neither a multiple of ``train.eval_every`` nor
+    ``train.total_steps``: the learner's heartbeats say it is done ("draining"), and rollout 0 evaluates that version,
+    as the one-process trainer evaluates its last update."""
+    cfg, run_dir, transport, sync, rollout, state = _services(
+        tiny_cfg, tiny_base, vllm_engine, tmp_path, "train.eval_every=10", "train.total_steps=50")
+    try:
+        rollout.weights.start()
+        _serve(sync, rollout, 3, state)
+        assert not rollout.maybe_evaluate()  # version 3 is not due while the learner goes on
+        sync._last_beat = 0.0
+        sync.heartbeat(3, status="draining")
+        rollout.weights.poll(5.0)
+        assert rollout.maybe_evaluate()
+        assert [r["version"] for r in _eval_rows(run_dir)] == [3]
+    finally:
+        _close(sync, rollout, transport)
