@@ -28,7 +28,7 @@ from async_vapo.metrics.rows import open_row_writer
 from async_vapo.models.base_model import ensure_base_model
 from async_vapo.models.reward import resolve_critic_path
 from async_vapo.rollout.engine import EngineSpec, VLLMEngine, engine_cpu_env
-from async_vapo.rollout.generate import PromptEncoder, Rollout, run_evaluation
+from async_vapo.rollout.generate import PromptEncoder, Rollout, run_evaluation, warn_if_truncated
 from async_vapo.tasks import PromptSampler, load_task
 from async_vapo.types import Group
 from async_vapo.verify.sandbox import VerifierPool
@@ -178,6 +178,7 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
             publish(learner.version, learner.policy_state())
     try:
         first_eval = run_eval(loop.start_step)
+        warn_if_truncated(first_eval, cfg)
         summary["initial_eval_accuracy"] = first_eval["eval/accuracy"]
         if progress:
             tqdm.write(f"[eval] step {loop.start_step}: held-out accuracy {first_eval['eval/accuracy']:.3f} "
