@@ -133,11 +133,21 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
     spec = EngineSpec.from_config(cfg, policy_path, longest_prompt=encoder.longest(train_set + eval_set))
     own_engine = engine is None
 
+    adapters = None  # model.lora on a LoRA engine: a version is its adapter (weights.adapter), not the merged weights
+
     def publish(version: int, state: dict) -> float:
+        if adapters is not None and engine_weights is None:
+            t0 = time.perf_counter()
+            engine.load_adapter(adapters.publish(version, learner.adapter_state()).location, version)
+            return time.perf_counter() - t0
         return engine.load_weights(state if engine_weights is None else engine_weights(state, version), version)
 
     if engine is None:
         engine = _start_engine(cfg, spec, learner.version)
+    if learner.lora is not None and engine.spec.max_lora_rank:
+        from async_vapo.weights.adapter import AdapterPublisher
+
+        adapters = AdapterPublisher(None, learner.lora, base_model=str(base_path))
     if not own_engine or engine_weights is not None:
         publish(learner.version, learner.policy_state())
     verifier = VerifierPool.from_config(cfg.verifier)
@@ -189,6 +199,8 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
         return summary
     finally:
         verifier.close()
+        if adapters is not None:
+            adapters.close()
         if own_engine:
             engine.close()
         log.close()

@@ -139,3 +139,30 @@ def test_a_group_keeps_the_adapter_it_started_with(lora_engine, learner, tiny_ba
         time.sleep(0.05)
     assert set(lora_engine._adapters.values()) == {12}  # 11 retired once no group used it
     publisher.close()
+
+
+def test_a_lora_training_run_pushes_adapters_and_its_checkpoint_loads_in_peft(lora_engine, tiny_cfg, tiny_base):
+    """The one-process trainer with model.lora on a LoRA engine: each version reaches the engine as its adapter, and
+    the final checkpoint's PEFT directory, loaded by peft over the base model outside our code, is exactly the policy
+    the engine serves (and vLLM loaded that same kind of directory through LoRARequest for every push)."""
+    import json
+
+    from peft import PeftModel
+
+    from async_vapo.models.rl import load_policy
+    from async_vapo.trainer import train
+
+    cfg = tiny_cfg.model_copy(deep=True)
+    cfg.model.lora.rank, cfg.model.lora.alpha = 4, 8.0
+    cfg.train.name = "lora-run"
+    summary = train(cfg, progress=False, engine=lora_engine)
+    assert lora_engine.version == 3 == summary["steps"]
+    rows = [json.loads(x) for x in (cfg.run_dir() / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows if r["kind"] == "train"] == [1, 2, 3]
+    ckpt = cfg.run_dir() / "checkpoints" / "step_3"
+    assert not (ckpt / "policy").exists()
+    tok = AutoTokenizer.from_pretrained(str(tiny_base))
+    policy = PeftModel.from_pretrained(load_policy(tiny_base), str(ckpt / "policy_adapter")).eval()
+    assert_engine_serves(lora_engine, policy, tok)
+    with pytest.raises(AssertionError):  # the adapter learned something: the engine no longer serves the base
+        assert_engine_serves(lora_engine, load_policy(tiny_base), tok)
