@@ -205,6 +205,8 @@ def run_python(
         raise ToolSandboxUnavailable(reason)
     if not isinstance(code, str):
         raise ValueError(f"code must be str, got {type(code).__name__}")
+    if not _mount_ns and backend != "own":
+        raise ValueError("only the own backend can leave out its mount namespace")
     data = code.encode("utf-8", "replace")
     if len(data) > limits.code_bytes:
         return ToolResult("too_long", backend=backend, detail=f"{len(data)} bytes of code, over {limits.code_bytes}")
@@ -225,12 +227,8 @@ def run_python(
         if result.status in ("timeout", "output_limit", "sandbox_error"):
             _clear_uid(uid)  # the tree was killed from outside: no process of the uid may outlive the lease
         return result
-    finally:
-        for fd in (status_r, status_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+    finally:  # _supervise closed status_w
+        os.close(status_r)
         shutil.rmtree(workdir, ignore_errors=True)
         _release_uids(leases)
 
@@ -290,7 +288,7 @@ def _bwrap_command(uid: int, limits: ToolLimits, status_w: int) -> tuple[list, d
 def _supervise(argv: list, kwargs: dict, code: bytes, status_r: int, status_w: int, limits: ToolLimits,
                backend: str, start: float, uid: int) -> ToolResult:
     """Start the sandbox, write the code to its stdin, read its output and status until all its pipes close or a
-    limit ends it, and make a result of it."""
+    limit ends it, and make a result of it. Closes ``status_w`` (the sandbox holds the only write end)."""
     deadline = start + limits.wall_s
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -298,7 +296,8 @@ def _supervise(argv: list, kwargs: dict, code: bytes, status_r: int, status_w: i
     except OSError as e:
         return ToolResult("sandbox_error", backend=backend, detail=f"could not start {argv[0]}: {e}",
                           seconds=time.monotonic() - start, uid=uid)
-    os.close(status_w)
+    finally:
+        os.close(status_w)
     out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
     streams = {out_fd: bytearray(), err_fd: bytearray(), status_r: bytearray()}
     caps = {out_fd: limits.output_bytes, err_fd: limits.output_bytes, status_r: 1 << 16}
