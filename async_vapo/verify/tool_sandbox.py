@@ -12,9 +12,9 @@ What holds, for both backends (the attack tests in tests/integration/test_tool_s
   (``sandbox._lease_uids``, an exclusive lock per uid, shared with the verifier's pools) and the tool runs under
   it with no supplementary groups, no capabilities and ``PR_SET_NO_NEW_PRIVS``. It can neither read the service's
   files (its CURVE keys are 0600) nor signal the service's processes.
-- **Its own file system view** (a mount namespace): a read-only ``/usr`` (``/bin``, ``/lib``, ``/lib64`` as the
-  symlinks a merged-/usr system has), the interpreter's prefix when it lives elsewhere (own backend only),
-  a minimal ``/dev`` (null, zero, full, random, urandom), a ``/proc`` of its own pid namespace, and a writable
+- **Its own file system view** (a mount namespace): a read-only ``/usr`` and ``/bin``, ``/sbin``, ``/lib*``
+  (symlinks where the host has symlinks, as on a merged-/usr system), the interpreter's prefix if elsewhere, a
+  minimal ``/dev`` (null, zero, full, random, urandom), a ``/proc`` of its own pid namespace, and a writable
   ``/scratch`` (cwd, HOME, TMPDIR): a tmpfs of ``scratch_bytes``, gone with the call. ``/tmp``, ``/dev/shm``,
   ``/etc``, ``/root``, ``/home``, the repository and every run directory are absent; the root is read-only.
 - **No network**: a network namespace of its own (no route anywhere; bubblewrap brings its loopback up, ours

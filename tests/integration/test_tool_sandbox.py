@@ -306,7 +306,14 @@ def test_concurrent_calls_get_their_own_sandboxes(backend):
     assert len({r.uid for r in results}) == 4
 
 
-def test_unavailable_reason_names_the_backend():
+def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="backend"):
         unavailable_reason("docker")
+    with pytest.raises(ValueError, match="max_processes"):
+        ToolLimits(max_processes=2)
+    with pytest.raises(ValueError, match="drain_bytes"):
+        ToolLimits(output_bytes=1 << 20, drain_bytes=1 << 20)
+    if unavailable_reason("bwrap") is None:
+        with pytest.raises(ValueError, match="mount namespace"):
+            run_python("print(1)", backend="bwrap", _mount_ns=False)
 
