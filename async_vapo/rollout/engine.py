@@ -353,10 +353,12 @@ class EngineWeights:
         """A worker call that changes the weights. One that raises may have changed some of them (a worker failed
         part-way, or some workers did and others not): the engine is invalidated before the error propagates."""
         try:
-            return self._collective_rpc(method, timeout=self.spec.weights_timeout_s, args=args)
+            results = self._collective_rpc(method, timeout=self.spec.weights_timeout_s, args=args)
         except BaseException:
             self.invalidate()
             raise
+        self._lora = None  # whole weights loaded (a LoRA engine too): they are the version, with no adapter over them
+        return results
 
     def _rpc(self, method: str, *args) -> None:
         t0 = time.perf_counter()

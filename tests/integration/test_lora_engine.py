@@ -166,3 +166,13 @@ def test_a_lora_training_run_pushes_adapters_and_its_checkpoint_loads_in_peft(lo
     assert_engine_serves(lora_engine, policy, tok)
     with pytest.raises(AssertionError):  # the adapter learned something: the engine no longer serves the base
         assert_engine_serves(lora_engine, load_policy(tiny_base), tok)
+
+
+def test_whole_weights_on_a_lora_engine_replace_the_adapter(lora_engine, learner, tiny_base):
+    """A LoRA engine also loads whole (merged) weights, as the cluster's learner service publishes them: requests
+    then run on those weights with no adapter over them."""
+    tok = AutoTokenizer.from_pretrained(str(tiny_base))
+    set_adapter(learner, seed=21)
+    lora_engine.apply_weights(21, lambda: lora_engine.load_weights(learner.policy_state(), 21))
+    assert lora_engine.version == 21 and lora_engine._lora is None
+    assert_engine_serves(lora_engine, learner.policy, tok)
