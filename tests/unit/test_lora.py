@@ -152,3 +152,14 @@ def test_lora_refuses_what_it_does_not_support(cache):
     assert lora.vllm_max_lora_rank(4) == 8 and lora.vllm_max_lora_rank(16) == 16
     with pytest.raises(ValueError, match="largest max_lora_rank"):
         lora.vllm_max_lora_rank(513)
+
+
+def test_a_sharded_learner_refuses_lora(cache, tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="model.lora with a sharded learner"):
+            make(cache, "learner.fsdp=on")
+    finally:
+        dist.destroy_process_group()
