@@ -14,6 +14,11 @@ Per run:
   every side is compared at the moment the fastest one has finished.
 Per side: the mean over seeds, with min and max; ``x_trl`` is the side's mean ``updates_per_s`` over TRL's, and
 ``x_trl_same_seed`` the ratio run by run against TRL's run of the same seed (mean, min, max).
+
+A real-model run (``run.py --setting smollm2``) also has ``process_t``: per update, seconds from the process's
+launch, start-up included, held-out evaluations excluded, and ``budget_s``. :func:`summarize_time_to` reads it: per
+run the process seconds to the first evaluation at or above each threshold (``time_to``), censored at the budget
+when none is (``reached`` false), the seconds per update after the first, the last evaluation.
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ LABELS = {"trl": "TRL 1.16 GRPOTrainer (HF generate)",
           "grpo": "async-vapo train, configs/baselines/grpo.toml (one process)",
           "vapo": "async-vapo train, configs/tiny_cpu.toml (VAPO, one process)",
           "cluster": "deploy/start_cluster.sh, configs/baselines/grpo.toml (services, max_staleness 1)"}
+LABELS_REAL = {"trl": "TRL 1.16 GRPOTrainer (HF generate)",
+               "grpo": "async-vapo train, configs/smollm2_grpo_cpu.toml (one process)",
+               "vapo": "async-vapo train, configs/smollm2_cpu.toml (VAPO, one process)",
+               "cluster": "deploy/start_cluster.sh, configs/smollm2_grpo_cpu.toml (services)"}
 SAMPLES_PER_UPDATE = 128
 METRICS = ["updates_per_s", "samples_per_s", "time_to_n_s", "accuracy_at_n", "accuracy_at_equal_wall"]
 
@@ -74,6 +83,86 @@ def summarize(runs: list[dict], *, updates: int) -> dict:
             if paired:
                 side["x_trl_same_seed"] = _spread(paired)
     return out
+
+
+THRESHOLDS = (0.8, 0.9)
+
+
+def time_to(run: dict, threshold: float) -> tuple[float, bool]:
+    """(process seconds at the end of the first update evaluated at >= ``threshold``, True), or (the budget, False):
+    a run that never reaches it is censored at its budget."""
+    t, acc = _ints(run["process_t"]), _ints(run["accuracy"])
+    hits = [k for k in sorted(acc) if acc[k] >= threshold and (k in t or k == 0)]
+    if hits:
+        return (0.0 if hits[0] == 0 else t[hits[0]]), True
+    return float(run["budget_s"]), False
+
+
+def summarize_time_to(runs: list[dict], thresholds: tuple[float, ...] = THRESHOLDS) -> dict:
+    out: dict = {"thresholds": list(thresholds), "sides": {}}
+    for s in [s for s in SIDES if any(r["side"] == s and "process_t" in r for r in runs)]:
+        per_run, mine = [], [x for x in runs if x["side"] == s and "process_t" in x]
+        for r in mine:
+            t, acc = _ints(r["process_t"]), _ints(r["accuracy"])
+            n = max(t)
+            last = max(acc)
+            row = {"seed": r["seed"], "updates": n, "budget_s": r["budget_s"], "first_update_s": t[1],
+                   "s_per_update": (t[n] - t[1]) / (n - 1) if n > 1 else None, "base_accuracy": acc[0],
+                   "last_eval_update": last, "last_accuracy": acc[last], "time_to": {}}
+            for thr in thresholds:
+                secs, reached = time_to(r, thr)
+                row["time_to"][str(thr)] = {"s": secs, "reached": reached}
+            per_run.append(row)
+        threads = "/".join(map(str, sorted({x["threads"] for x in mine if "threads" in x})))
+        out["sides"][s] = {"label": LABELS_REAL[s] + (f", torch threads {threads}" if threads else ""),
+                           "runs": per_run}
+    return out
+
+
+def markdown_time_to(summary: dict) -> str:
+    thr = summary["thresholds"]
+    head = " | ".join(f"s to {x}" for x in thr)
+    lines = ["# TRL beside async-vapo on SmolLM2-135M-Instruct, level-1 word problems", "",
+             "Process wall-clock from launch (start-up included, held-out evaluations excluded). Held-out accuracy: "
+             "our evaluator, 200 problems x 1 sample, temperature 0.7. '> B' is a run censored at its budget B.", "",
+             f"| side | seed | updates | s, first update | s per update after it | base accuracy | last evaluation "
+             f"| {head} |", "|---|---|---|---|---|---|---|" + "---|" * len(thr)]
+    for side in summary["sides"].values():
+        for r in side["runs"]:
+            spu = "—" if r["s_per_update"] is None else f"{r['s_per_update']:.1f}"
+            cells = []
+            for x in thr:
+                tt = r["time_to"][str(x)]
+                cells.append(f"{tt['s']:.0f}" if tt["reached"] else f"> {tt['s']:.0f}")
+            lines.append(f"| {side['label']} | {r['seed']} | {r['updates']} | {r['first_update_s']:.0f} | {spu} | "
+                         f"{r['base_accuracy']:.3f} | {r['last_accuracy']:.3f} at update {r['last_eval_update']} | "
+                         + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_time_to(summary: dict, runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    colors = dict(zip(SIDES, ["tab:gray", "tab:blue", "tab:green", "tab:orange"], strict=True))
+    for s in summary["sides"]:
+        for r in (x for x in runs if x["side"] == s and "process_t" in x):
+            t, acc = _ints(r["process_t"]), _ints(r["accuracy"])
+            ks = [k for k in sorted(acc) if k == 0 or k in t]
+            ax.plot([0.0 if k == 0 else t[k] for k in ks], [acc[k] for k in ks], "o-", color=colors[s], alpha=0.8,
+                    label=f"{s} seed {r['seed']}")
+    for x in summary["thresholds"]:
+        ax.axhline(x, color="k", ls=":", lw=1)
+    ax.set(xlabel="seconds since launch (held-out evaluations excluded)", ylabel="held-out accuracy",
+           title="SmolLM2-135M-Instruct, level-1 word problems")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _fmt(s: dict, digits: int = 2) -> str:
@@ -131,5 +220,9 @@ def plot(summary: dict, runs: list[dict], path: Path) -> None:
 def write_report(summary: dict, out: Path) -> None:
     runs = json.loads((out / "runs.json").read_text())
     (out / "peers.json").write_text(json.dumps(summary, indent=1) + "\n")
+    if "thresholds" in summary:
+        (out / "peers.md").write_text(markdown_time_to(summary))
+        plot_time_to(summary, runs, out / "peers.png")
+        return
     (out / "peers.md").write_text(markdown(summary))
     plot(summary, runs, out / "peers.png")

