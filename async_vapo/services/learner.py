@@ -48,8 +48,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from async_vapo.learner.loop import Control
@@ -312,7 +314,7 @@ class LearnerService:
                              pad_id=self.tokenizer.pad_token_id, run_dir=ctx.run_dir, log_writer=self.log,
                              leader=leader, publish=self.publish if leader and not self.streams else None,
                              publish_collective=self.publish_all if self.streams else None,
-                             on_row=self._export if leader else None, busy=ctx.busy, should_stop=ctx.stop.is_set,
+                             on_row=self._export if leader else None, busy=self.busy, should_stop=ctx.stop.is_set,
                              wall=ctx.elapsed, logger=ctx.log)
         if ckpt is not None:
             self.loop.resume(self.learner.load_state(ckpt))
@@ -332,6 +334,33 @@ class LearnerService:
                             late_dropped=self.replay.late_dropped)
         self.sync.poll(wait_s)
         return REPUBLISH if self.streams and self.sync.needs_whole() else None
+
+    @contextmanager
+    def busy(self, stage: str) -> Iterator[None]:
+        """``ctx.busy(stage)``; on rank 0 an update ("learn") services the weight broadcast from a thread meanwhile,
+        as ``idle`` does while the learner waits: heartbeats go on, and each ack is read when it arrives, so the
+        rotation and a version's "loaded by every engine" line and ``broadcast_seconds`` say when the engines loaded
+        it (read after the update, they said when the next version was made). The broadcast is the thread's alone
+        meanwhile: an update publishes nothing, and starting and joining the thread order the hand-over."""
+        with self.ctx.busy(stage):
+            if stage != "learn" or self.sync is None:
+                yield
+                return
+            done = threading.Event()
+
+            def serve() -> None:
+                while not done.is_set():
+                    self.sync.heartbeat(self.learner.version, stale_dropped=self.replay.stale_dropped,
+                                        late_dropped=self.replay.late_dropped)
+                    self.sync.poll(0.1)
+
+            thread = threading.Thread(target=serve, daemon=True, name="learner-weights")
+            thread.start()
+            try:
+                yield
+            finally:
+                done.set()
+                thread.join()
 
     def control(self, what: Control) -> None:
         """A :class:`Control` of rank 0, on every rank (``BroadcastSource``)."""

@@ -363,7 +363,9 @@ class WeightBroadcast:
             self.ctx.log.info("learner: %s in rotation (serves version %d)", engine, version)
         for v, seconds in counted:
             self.ctx.metrics.learner.broadcast_seconds.observe(seconds)
-            self.ctx.log.info("learner: version %d acked by every engine in rotation in %.2f s", v, seconds)
+            # logged as the last ack is read: while the learner updates or waits for a batch, as it arrives
+            self.ctx.log.info("learner: version %d loaded by every engine in rotation, the last ack %.2f s after "
+                              "its announce", v, seconds)
 
     def poll(self, timeout_s: float) -> None:
         """Service acks and heartbeats for up to ``timeout_s`` (returns early once the pipe is drained after the

@@ -26,7 +26,9 @@ pytestmark = pytest.mark.slow
 DEAD_S = 0.6
 
 
-def _services(tiny_cfg, tiny_base, vllm_engine, tmp_path, *extra):
+def _services(tiny_cfg, tiny_base, vllm_engine, tmp_path, *extra, learner_service: bool = False):
+    """The rollout service and the learner's weight broadcast (of a whole ``LearnerService`` with
+    ``learner_service``), over one in-process transport."""
     from transformers import AutoTokenizer
 
     from async_vapo.models.rl import load_policy
@@ -43,7 +45,12 @@ def _services(tiny_cfg, tiny_base, vllm_engine, tmp_path, *extra):
     ctxs = {s: make_context(s, cfg=cfg, run_dir=run_dir, serve_metrics=False, install_signals=False)
             for s in ("learner", "rollout")}
     transport = InprocTransport()
-    sync = WeightBroadcast(ctxs["learner"], transport, device="cpu")
+    if learner_service:
+        from async_vapo.services.learner import LearnerService
+
+        sync = LearnerService(ctxs["learner"], transport)
+    else:
+        sync = WeightBroadcast(ctxs["learner"], transport, device="cpu")
     tok = AutoTokenizer.from_pretrained(str(tiny_base))
     state = load_policy(tiny_base).state_dict()
     vllm_engine.load_weights(state, 0)
@@ -136,3 +143,36 @@ def test_the_last_version_of_a_learner_that_finished_is_evaluated(tiny_cfg, tiny
         assert [r["version"] for r in _eval_rows(run_dir)] == [3]
     finally:
         _close(sync, rollout, transport)
+
+
+def test_an_ack_that_arrives_during_an_update_is_read_as_it_arrives(tiny_cfg, tiny_base, vllm_engine, tmp_path):
+    """Item 5 of issue 46: the learner read acks only while it waited for a batch, so the ack of a version the engine
+    loaded at the start of an update was counted (``broadcast_seconds``, "loaded by every engine" in the log) when
+    the next version was made: 112 s for a load of 1-2 s. The learner service's ``busy("learn")`` is what its step
+    loop wraps each update in; the engine loads the version and acks during it, and the learner reads the ack then."""
+    cfg, run_dir, transport, learner, rollout, state = _services(
+        tiny_cfg, tiny_base, vllm_engine, tmp_path, "cluster.wire.peer_dead_s=30", "cluster.weights.ack_timeout_s=120",
+        learner_service=True)
+    sync = learner.sync
+    try:
+        rollout.weights.start()
+        learner.publish(1, learner.learner.policy_state())
+        with learner.busy("learn"):  # an update 3 s long
+            t0 = time.monotonic()
+            while rollout.engine.version != 1:
+                assert time.monotonic() - t0 < 30, "the engine did not take the version"
+                rollout.weights.poll(0.05)
+            loaded_s = time.monotonic() - t0
+            while 1 in sync.rotation.pending and time.monotonic() - t0 < 3:
+                time.sleep(0.05)
+            read_during_update = 1 not in sync.rotation.pending
+            time.sleep(max(0.0, 3 - (time.monotonic() - t0)))
+        counted = sync.ctx.metrics.learner.broadcast_seconds
+        assert read_during_update, "the ack was not read during the update"
+        assert rollout.engine_id in sync.rotation.members
+        # the figure is the ack's: from the announce to the load's ack, not to the end of the update
+        assert counted._sum.get() < min(loaded_s + 1.0, 2.5), (counted._sum.get(), loaded_s)
+    finally:
+        rollout.close()
+        learner.close()
+        transport.close()
