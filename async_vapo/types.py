@@ -80,6 +80,19 @@ class Trajectory(msgspec.Struct, kw_only=True, gc=False, forbid_unknown_fields=T
     version_spans: list[tuple[int, int]] = []
     """``(version, first token index)`` per weight version that sampled this response, in order from index 0;
     empty: every token is the group's ``version`` (a lock-step engine, or a log written before protocol 8)."""
+    env_spans: list[tuple[int, int]] = []
+    """``(first token index, token count)`` of each run of environment tokens in ``response_ids`` (a multi-turn
+    rollout, ``async_vapo.rollout.env``: tool output and the chat template's turn markers), in order, disjoint; the
+    other response tokens are the model's. Environment tokens stay in the sequence (the model reads them) but are
+    not the policy's actions: their ``behavior_logprobs`` are 0, and the learner leaves them out of every loss,
+    its denominators, GAE's steps and the mismatch and entropy terms (:func:`model_token_mask`). Empty: every token
+    is the model's (single-turn, or a log written before protocol 11)."""
+    tool_calls: int = 0
+    """Tool calls the environment ran for this sample (a multi-turn rollout)."""
+    tool_errors: int = 0
+    """Of those, the calls that did not end with status ``ok`` (an exception, a timeout, a limit, a kill)."""
+    tool_seconds: float = 0.0
+    """Wall seconds of this sample's tool calls."""
 
     def __post_init__(self) -> None:
         # Runs after construction and after decoding (once per sample of every message), so it is inline.
@@ -159,4 +172,26 @@ def spans_error(sample: Trajectory, group_version: int) -> str | None:
         return "a span starting past the response"
     if spans[0][0] < group_version:
         return "a token older than the group's version"
+    return None
+
+
+def model_token_mask(sample: Trajectory) -> list[bool]:
+    """One flag per response token of ``sample``: True for the model's tokens, False for the environment's
+    (``env_spans``)."""
+    keep = [True] * len(sample.response_ids)
+    for first, count in sample.env_spans:
+        keep[first: first + count] = [False] * len(keep[first: first + count])
+    return keep
+
+
+def env_spans_error(sample: Trajectory) -> str | None:
+    """What is wrong with ``sample``'s environment spans, or None: each has a positive count, they are in order and
+    disjoint, and they lie within the response."""
+    end = 0
+    for first, count in sample.env_spans:
+        if count < 1 or first < end:
+            return "environment spans that are empty, overlap or are out of order"
+        end = first + count
+    if end > len(sample.response_ids):
+        return "an environment span past the response"
     return None

@@ -165,6 +165,9 @@ def make_rollout_batch(groups: Sequence[Group], pad_id: int, *, overlong_max_len
             versions.append(g.version)
             blp.append(s.behavior_logprobs)
     tokens = make_token_batch(prompts, responses, pad_id)
+    for i, s in enumerate(s for g in groups for s in g.samples):  # environment tokens: context, not actions
+        for first, count in s.env_spans:
+            tokens.response_mask[i, first: first + count] = 0
     behavior = torch.full(tokens.response_mask.shape, float("nan"))  # NaN: not reported by the engine
     for i, lp in enumerate(blp):
         behavior[i, : len(lp)] = torch.as_tensor(lp, dtype=torch.float)
@@ -474,7 +477,8 @@ class Learner:
     def _token_rewards(self, batch: RolloutBatch, outcome: torch.Tensor | None = None) -> torch.Tensor:
         """[B, T]: ``outcome`` (None: the batch's rewards) on each response's last valid token, 0 elsewhere."""
         mask = batch.tokens.response_mask
-        last = (batch.lengths - 1).clamp(min=0)
+        t = mask.shape[-1]  # the last model token (environment tokens may follow it or lie between the model's)
+        last = (t - 1 - mask.flip(-1).to(torch.int8).argmax(-1)).clamp(min=0)
         r = torch.zeros(mask.shape, device=mask.device)
         r[torch.arange(len(last)), last] = (batch.rewards if outcome is None else outcome).to(r.dtype)
         return r * mask

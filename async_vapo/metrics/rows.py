@@ -233,7 +233,8 @@ def open_row_writer(cfg: Config, path: Path, service_metrics: ServiceMetrics | N
 
 
 def group_stats(groups: Sequence[Group], prefix: str) -> dict[str, float]:
-    """Mean reward, accuracy, response length, truncated fraction and each non-plain verdict's fraction."""
+    """Mean reward, accuracy, response length, truncated fraction and each non-plain verdict's fraction; with
+    multi-turn samples also turns, tool calls, tool errors, tool seconds and environment tokens per sample."""
     samples = [s for g in groups for s in g.samples]
     n = max(len(samples), 1)
     out = {f"{prefix}/reward": sum(s.reward for s in samples) / n,
@@ -244,4 +245,10 @@ def group_stats(groups: Sequence[Group], prefix: str) -> dict[str, float]:
     for s in samples:
         verdicts[s.verdict] += 1
     out.update({f"{prefix}/verdict_{k}": v / n for k, v in verdicts.items() if k not in ("correct", "incorrect")})
+    if any(s.env_spans or s.tool_calls for s in samples):  # multi-turn rollouts (rollout.env): per sample
+        out |= {f"{prefix}/turns": sum(len(s.env_spans) + 1 for s in samples) / n,
+                f"{prefix}/tool_calls": sum(s.tool_calls for s in samples) / n,
+                f"{prefix}/tool_errors": sum(s.tool_errors for s in samples) / n,
+                f"{prefix}/tool_seconds": sum(s.tool_seconds for s in samples) / n,
+                f"{prefix}/env_tokens": sum(c for s in samples for _, c in s.env_spans) / n}
     return out

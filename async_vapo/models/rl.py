@@ -280,7 +280,8 @@ class TokenBatch:
     """Prompt and response token ids laid out for one forward pass.
 
     ``input_ids`` is ``[B, P + T]``: prompts left-padded to P, responses right-padded to T.
-    ``response_mask`` is ``[B, T]``: 1 on generated tokens (EOS included).
+    ``response_mask`` is ``[B, T]``: 1 on generated tokens (EOS included); 0 on padding and on a multi-turn
+    response's environment tokens (``Trajectory.env_spans``), which are in ``input_ids`` and ``attention_mask``.
     """
 
     input_ids: torch.Tensor
@@ -303,7 +304,7 @@ class TokenBatch:
         am = self.attention_mask[idx]
         rm = self.response_mask[idx]
         p_used = int(am[:, : self.prompt_len].sum(1).max())
-        t_used = max(1, int(rm.sum(1).max()))
+        t_used = max(1, int(am[:, self.prompt_len:].sum(1).max()))  # environment tokens are not in rm
         cut = slice(self.prompt_len - p_used, self.prompt_len + t_used)
         return TokenBatch(
             input_ids=self.input_ids[idx][:, cut],

@@ -52,7 +52,7 @@ import msgspec
 
 from async_vapo.replay.store import GroupStore
 from async_vapo.staleness import DROP_FUTURE, DROP_STALE, StalenessPolicy, drop_reason
-from async_vapo.types import Group, spans_error
+from async_vapo.types import Group, env_spans_error, spans_error
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def validate_group(group: object, group_size: int | None = None, limits: GroupLi
         return REJECT_VERSION_RANGE
     if not group.prompt_ids or any(s.finish_reason not in ("stop", "length") for s in group.samples):
         return REJECT_FIELDS
-    if any(spans_error(s, group.version) is not None for s in group.samples):
+    if any(spans_error(s, group.version) is not None or env_spans_error(s) is not None for s in group.samples):
         return REJECT_SPANS
     if any(s.version_spans for s in group.samples) and min(
             group.spans_of(i)[0][0] for i in range(len(group.samples))) != group.version:

@@ -70,7 +70,7 @@ class ProtocolError(TransportError):
         self.reason = reason
         self.detail = detail
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 """Version of the envelope and every body below; a peer speaking another version is rejected.
 
 2: token ids and log-probs in groups are packed bytes (int32 / float32 LE) instead of msgpack arrays.
@@ -91,7 +91,10 @@ PROTOCOL_VERSION = 10
    their engine's admission budget (``async_vapo.staleness``). A replay log written before still opens (its groups
    name no engine).
 10: ``Group.extra``: the problem record's extra fields (JSON text) for a reward function that takes them
-   (``async_vapo.verify.reward_fn``). A replay log written before still opens (its groups carry none)."""
+   (``async_vapo.verify.reward_fn``). A replay log written before still opens (its groups carry none).
+11: ``Trajectory.env_spans`` (the environment's tokens of a multi-turn response: no loss on them) and
+   ``tool_calls`` / ``tool_errors`` / ``tool_seconds``. A replay log written before still opens (its samples are
+   wholly the model's); a single-turn group encodes as before (every new field at its default is omitted)."""
 
 DEFAULT_MAX_BYTES = 256 * 2**20
 """Default size limit of one frame (a socket carrying batches of long responses may need more)."""
@@ -120,7 +123,7 @@ def group_wire_bytes(g: Group) -> int:
     n += len(g.engine) + len(g.extra.encode())
     for s in g.samples:
         n += _SAMPLE_OVERHEAD + 4 * len(s.response_ids) + 4 * len(s.behavior_logprobs) + len(s.verdict)
-        n += len(s.finish_reason)
+        n += len(s.finish_reason) + 16 * len(s.env_spans)
     return n
 
 
