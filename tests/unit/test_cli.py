@@ -182,7 +182,8 @@ def test_build_parser_has_every_command_and_option():
     for name in ("train", "check", "make-base", "eval", "config", "plan"):
         assert "--config" in options[name], name
     assert {"--force", "--model", "--dtype"} <= options["export"]
-    assert {"--resume", "--new-run", "--no-check"} <= options["train"] and {"--hosts", "--model-config"} <= options["plan"]
+    assert {"--resume", "--new-run", "--no-check"} <= options["train"]
+    assert {"--hosts", "--model-config"} <= options["plan"]
     # experiment and report carry their own modules' arguments
     experiment = next(a for a in sub.choices["experiment"]._actions if a.dest == "cmd").choices
     assert {"--plan", "--seeds", "--parallel"} <= {s for a in experiment["run"]._actions for s in a.option_strings}
