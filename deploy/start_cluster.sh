@@ -62,7 +62,9 @@
 # are taken to be alike). A shape that does not fit is refused before anything starts.
 # Placement on one machine without GPUs: the cores are split between rollout engines and learner by the ratio
 # async.rollout_devices : async.learner_devices (taskset; each engine gets its own slice when there are enough
-# cores); replay and verifier are not pinned. --no-pin disables both. Learner ranks > 1 are launched with torchrun.
+# cores); replay and verifier are not pinned. With cluster.deploy.lend_cpus (the default) and one learner rank the
+# engines lend theirs: the learner may run on every core, with its share as train.threads, and takes every core while
+# all engines wait for a version. --no-pin disables both. Learner ranks > 1 are launched with torchrun.
 # --dry-run: print the plan (host, CUDA_VISIBLE_DEVICES or cores, command of every process) and exit; nothing is
 # started or written. With GPUs it also runs `async-vapo plan`'s memory check of that placement (per learner rank
 # and engine GPU, GPUs of ASYNC_VAPO_GPU_MEMORY_GIB, default 80) and exits 1 when something does not fit.
@@ -213,7 +215,7 @@ eval "$PLAN"
 read -ra LEARNERS <<< "$LEARNER_AGENTS"  # the learner's torchrun agents by node rank: learner, learner-1, ...
 
 # -- CPU placement (GPUs: the plan's GPUS_<NAME>) -----------------------------------------------------------------------------------------------------
-ROLLOUT_CPUS=() LEARNER_CPUS=""
+ROLLOUT_CPUS=() LEARNER_CPUS="" LEARNER_OVERRIDES=()
 ncpu=$(nproc)
 if [ "$PIN" = 1 ] && [ -z "$HOSTFILE" ] && [ "$GPUS_PER_HOST" = 0 ] && command -v taskset >/dev/null \
    && ! command -v nvidia-smi >/dev/null && [ "$ncpu" -ge 2 ]; then
@@ -221,6 +223,11 @@ if [ "$PIN" = 1 ] && [ -z "$HOSTFILE" ] && [ "$GPUS_PER_HOST" = 0 ] && command -
   [ "$r" -lt 1 ] && r=1
   [ "$r" -ge "$ncpu" ] && r=$(( ncpu - 1 ))
   LEARNER_CPUS="$r-$(( ncpu - 1 ))"
+  if [ "$LEND_CPUS" = 1 ] && [ "$N_LEARNER" = 1 ]; then
+    # cores follow the work (cluster.deploy.lend_cpus): the learner may run on every core; its own share is its torch
+    # threads while an engine generates, and it takes every core while all engines wait for a version
+    LEARNER_CPUS="0-$(( ncpu - 1 ))" LEARNER_OVERRIDES=("train.threads=$(( ncpu - r ))")
+  fi
   for ((i = 0; i < N_ROLLOUT; i++)); do
     if [ "$r" -ge "$N_ROLLOUT" ]; then
       lo=$(( i * r / N_ROLLOUT )); hi=$(( (i + 1) * r / N_ROLLOUT - 1 ))
@@ -470,7 +477,7 @@ elif [ "$N_LEARNER" -gt 1 ]; then
     --nproc-per-node "$N_LEARNER" -m async_vapo.services.learner "${svc_args[@]}" "${learn_extra[@]}" -- "${OVERRIDES[@]}"
 else
   start learner "$(host_of learner)" "$LEARNER_CPUS" "$PY" -m async_vapo.services.learner "${svc_args[@]}" \
-    "${learn_extra[@]}" -- "${OVERRIDES[@]}"
+    "${learn_extra[@]}" -- "${OVERRIDES[@]}" "${LEARNER_OVERRIDES[@]}"
 fi
 [ "$DRY_RUN" = 1 ] && exit 0
 PROM_LAUNCHED=""

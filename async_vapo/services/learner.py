@@ -299,9 +299,13 @@ class LearnerService:
         leader = self.rank == 0
         if leader:
             self.sync = WeightBroadcast(ctx, transport, device=str(self.learner.device))
-            self.replay = ReplaySource(ctx, transport, self.learner, self.staleness, self.idle, row_extra=lambda: {
-                "cluster/engines_in_rotation": len(self.sync.rotation.members)})
+            self.replay = ReplaySource(ctx, transport, self.learner, self.staleness, self.idle,
+                                       row_extra=self._row_extra)
             self.log = open_row_writer(cfg, ctx.run_dir / "metrics.jsonl", ctx.metrics)
+        self.lend = self._lend_threads() if leader else None
+        """(own, every): the torch threads of the learner's own cores and of every core it may run on, when the
+        engines lend theirs (``cluster.deploy.lend_cpus``); None: no lending."""
+        self._forwards = self._lent_forwards = 0
         self.lm = ctx.metrics.learner
         self.last_publish: dict = {}
         """``publish_sharded``'s figures for the last version this rank published with ``publish_all``."""
@@ -320,6 +324,46 @@ class LearnerService:
             self.loop.resume(self.learner.load_state(ckpt))
             ctx.log.info("learner: resumed from %s at version %d", ckpt, self.learner.version)
         self.lm.version.set(self.learner.version)
+
+    def _lend_threads(self) -> tuple[int, int] | None:
+        """Cores follow the work on a CPU host (``cluster.deploy.lend_cpus``; start_cluster.sh lets the learner run
+        on every core, with its own share as ``train.threads``): while every engine in rotation waits for a version,
+        each forward of the policy or the critic, and the backward that follows in the same thread, runs on every
+        core; on its own share again once an engine generates. Set at each forward (a pre-hook), in the thread that
+        runs the update: torch's intra-op thread count is the calling thread's."""
+        import torch
+
+        if not self.ctx.cfg.cluster.deploy.lend_cpus or self.world > 1 or self.learner.device.type != "cpu":
+            return None
+        own, every = torch.get_num_threads(), len(os.sched_getaffinity(0))
+        if every <= own:
+            return None
+        for model in (self.learner.policy, self.learner.critic):
+            if model is not None:
+                model.register_forward_pre_hook(self._threads)
+        self.ctx.log.info("learner: %d torch threads of its own, %d while every engine waits for a version (the "
+                          "engines lend their cores: cluster.deploy.lend_cpus)", own, every)
+        return own, every
+
+    def _threads(self, *_) -> None:
+        import torch
+
+        own, every = self.lend
+        lent = self.sync.engines_idle()
+        self._forwards += 1
+        self._lent_forwards += lent
+        n = every if lent else own
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
+
+    def _row_extra(self) -> dict:
+        """The service's own figures for each row: engines in rotation, and with lending the share of the update's
+        forwards that ran on the engines' cores too."""
+        row = {"cluster/engines_in_rotation": len(self.sync.rotation.members)}
+        if self.lend is not None:
+            row["cluster/lent_forward_frac"] = self._lent_forwards / max(1, self._forwards)
+            self._forwards = self._lent_forwards = 0
+        return row
 
     def floor(self, version: int) -> int:
         """The staleness floor: the oldest weights a batch for ``version`` may come from. The learner owns it;

@@ -188,8 +188,10 @@ class RolloutService:
                 self.continuous.step()
                 continue
             if self.admit() is not None:
+                self.weights.waiting(True)
                 self.weights.poll(0.2)
                 continue
+            self.weights.waiting(False)
             try:
                 self.generate_once()
             except Exception:
@@ -254,7 +256,9 @@ class ContinuousDriver:
         for fg in finished:
             self._ship(fg)
         self._observe()
-        if not submitted and not finished and not self.pending:
+        idle = not submitted and not finished and not self.pending
+        self.svc.weights.waiting(idle)
+        if idle:
             self.svc.weights.poll(0.2)  # nothing to do until a new version or budget
 
     def _fill(self) -> int:

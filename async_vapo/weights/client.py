@@ -104,6 +104,7 @@ class EngineWeightClient:
         """The learner's last word (an announce, or a heartbeat's copy of it); None before the first."""
         self.learner_version = 0
         self.learner_done = False
+        self._waiting_since: float | None = None
         """The learner's heartbeats say it has finished ("draining": its last update made, done or out of time)."""
         self.failed_versions: set[int] = set()
         self._next_retry = 0.0
@@ -298,10 +299,20 @@ class EngineWeightClient:
         now = time.monotonic()
         if force or now - self._last_beat >= self.ctx.cfg.cluster.wire.heartbeat_s:
             self._last_beat = now
+            waited = 0.0 if self._waiting_since is None else max(1e-3, now - self._waiting_since)
             env = make_envelope(Heartbeat(service="rollout", instance=str(self.ctx.instance),
-                                          served_version=self.engine.version, status=status),
+                                          served_version=self.engine.version, status=status, waiting_s=waited),
                                 sender=self.engine_id, policy_version=self.engine.version)
             self.ctx.send(self.acks, env, "heartbeat")
+
+    def waiting(self, idle: bool) -> None:
+        """The service's loop has nothing to generate (its budget spent, or no learner yet), or has work again; the
+        learner hears it at once (a heartbeat's ``waiting_s``) and borrows the engine's cores meanwhile on a CPU host
+        (``cluster.deploy.lend_cpus``)."""
+        if idle == (self._waiting_since is not None):
+            return
+        self._waiting_since = time.monotonic() if idle else None
+        self.heartbeat(force=True)
 
     @contextmanager
     def beating(self) -> Iterator[None]:

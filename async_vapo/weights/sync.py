@@ -173,6 +173,8 @@ class WeightBroadcast:
         self.liveness = HeartbeatMonitor(c.wire.peer_dead_s)
         self.latest: WeightsAnnounce | None = None
         self._last_beat = 0.0
+        self.idle: dict[str, bool] = {}
+        """Engine -> whether its last heartbeat said it has nothing to generate (``waiting_s``)."""
         m = ctx.metrics
         self.in_rotation = m.get("engines_in_rotation")
         self.dropped = m.get("engines_dropped_total")
@@ -367,6 +369,12 @@ class WeightBroadcast:
             self.ctx.log.info("learner: version %d loaded by every engine in rotation, the last ack %.2f s after "
                               "its announce", v, seconds)
 
+    def engines_idle(self) -> bool:
+        """Every engine in rotation (one at least) has nothing to generate: their cores are the learner's to borrow
+        (``cluster.deploy.lend_cpus``)."""
+        members = self.rotation.members
+        return bool(members) and all(self.idle.get(e, False) for e in list(members))
+
     def poll(self, timeout_s: float) -> None:
         """Service acks and heartbeats for up to ``timeout_s`` (returns early once the pipe is drained after the
         first); then apply the ack deadline and the liveness policy."""
@@ -391,6 +399,7 @@ class WeightBroadcast:
                 self._joined(body.engine_id, counted, rejoined, body.version)
             elif isinstance(body, Heartbeat) and body.service == "rollout" and body.served_version >= 0:
                 self.rotation.set_busy(env.sender, body.status == "busy", now)
+                self.idle[env.sender] = body.waiting_s > 0
                 # serving a version is as good as having acked it: an engine that was silent rejoins here
                 counted, rejoined = self.rotation.on_ack(env.sender, body.served_version, True, now)
                 self._joined(env.sender, counted, rejoined, body.served_version)
