@@ -37,7 +37,10 @@ LoRA (``EngineSpec.max_lora_rank`` > 0, ``model.lora``): a version is an adapter
 weights never change. A group gets the newest adapter at :meth:`ContinuousEngine.submit` and every one of its tokens
 is sampled under it, so its spans name that one version; an update loads the next adapter without pausing anything
 (``weight_update`` does not apply), and an adapter is retired (vLLM's ``remove_lora``) once it is neither the newest
-nor used by a running group.
+nor used by a running group. Whole weights loaded into a LoRA engine (the merged weights the cluster's learner
+service publishes) pause as ``weight_update`` says, the moment the load starts, and new groups then run on them with
+no adapter. (Groups still running under an adapter across such a load would run it over the new weights: a run
+publishes adapters or whole weights, never both.)
 
 Departures and limits: the ``n`` samples of a group are ``n`` requests (seeds ``seed + j``, as vLLM seeds the
 children of one request with ``n``), so each sample's finish is known as it happens. With
@@ -290,8 +293,8 @@ class ContinuousEngine(EngineWeights):
         except Exception as exc:  # an errored request ships nothing but the error
             self._fail(g, f"{type(exc).__name__}: {exc}")
             return
-        # with LoRA every token of the group is its adapter's (vLLM's labels follow the engine's version instead)
-        spans = [(g.submitted_version, 0)] if self.spec.max_lora_rank else self._spans(o, version, len(g.prompt_ids))
+        # under an adapter every token is the adapter's version (vLLM's labels follow the engine's version instead)
+        spans = [(g.submitted_version, 0)] if g.lora is not None else self._spans(o, version, len(g.prompt_ids))
         g.samples[j] = to_sample(o, version_spans=spans)
         self.generated_tokens_total += len(o.token_ids)
         g.running -= 1
@@ -463,18 +466,45 @@ class ContinuousEngine(EngineWeights):
             return result
 
     def _apply_adapter(self, version: int, load: Callable[[], T]) -> T:
-        """``apply_weights`` of a LoRA engine: no pause (running groups keep their adapters), ``load`` loads the next
-        adapter (``load_adapter``) and new groups get it."""
+        """``apply_weights`` of a LoRA engine: ``load`` loads the next adapter (``load_adapter``) with no pause
+        (running groups keep their adapters) and new groups get it; a whole-weights load in it pauses first
+        (:meth:`_before_whole_load`), as ``weight_update`` says, and resumes after."""
         with self._update_lock:
             in_flight = self.in_flight()
             t0 = time.perf_counter()
-            result = load()  # a load that raises has invalidated the engine (load_adapter)
+            self._lazy_pause = True
+            try:
+                result = load()
+            except BaseException:
+                self.invalidate()
+                raise
+            finally:
+                self._lazy_pause = False
+            t1 = time.perf_counter()
             self._set_version(version)
-            stats = UpdateStats(version=version, mode="adapter", pause_s=0.0, load_s=time.perf_counter() - t0,
-                                total_s=0.0, in_flight=in_flight)
+            paused = self._paused
+            if paused:
+                self._call(self.llm.resume_generation(), 60.0, "resume")
+                self._paused = False
+            total = time.perf_counter() - t0 if paused else 0.0
+            stats = UpdateStats(version=version, mode=self.weight_update if paused else "adapter",
+                                pause_s=self._pause_s if paused else 0.0, load_s=t1 - t0, total_s=total,
+                                in_flight=in_flight)
             self.update_stats = self.update_stats[-999:] + [stats]
             self.updates_total += 1
+            self.pause_seconds_total += total
             return result
+
+    def _before_whole_load(self) -> None:
+        if not getattr(self, "_lazy_pause", False) or self._paused:
+            return
+        mode = self.weight_update
+        clear_cache = self.recompute_kv_after_update if mode == "keep" else True
+        t0 = time.perf_counter()
+        self._call(self.llm.pause_generation(mode=mode, clear_cache=clear_cache), self.pause_timeout_s,
+                   f"pause ({mode})")
+        self._paused = True
+        self._pause_s = time.perf_counter() - t0
 
     def stats(self) -> dict[str, float]:
         """Counters for metrics: updates, pause seconds, resubmitted/aborted/errored, re-prefilled and generated

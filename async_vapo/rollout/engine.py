@@ -212,6 +212,10 @@ class EngineWeights:
         """The adapter ids of requests still running (none between two lock-step calls)."""
         return set()
 
+    def _before_whole_load(self) -> None:
+        """Called before every worker call that changes whole weights (not an adapter load): an engine that did not
+        quiesce for an adapter update does it here."""
+
     def _lora_state(self) -> None:
         self._lora = None  # the LoRARequest new requests get; None: the base weights
         self._adapters: dict[int, int] = {}  # adapter id loaded in vLLM -> its version
@@ -353,6 +357,7 @@ class EngineWeights:
         """A worker call that changes the weights. One that raises may have changed some of them (a worker failed
         part-way, or some workers did and others not): the engine is invalidated before the error propagates."""
         try:
+            self._before_whole_load()
             results = self._collective_rpc(method, timeout=self.spec.weights_timeout_s, args=args)
         except BaseException:
             self.invalidate()

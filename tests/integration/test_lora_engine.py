@@ -175,4 +175,5 @@ def test_whole_weights_on_a_lora_engine_replace_the_adapter(lora_engine, learner
     set_adapter(learner, seed=21)
     lora_engine.apply_weights(21, lambda: lora_engine.load_weights(learner.policy_state(), 21))
     assert lora_engine.version == 21 and lora_engine._lora is None
+    assert lora_engine.update_stats[-1].mode == lora_engine.weight_update  # a whole load pauses, an adapter's not
     assert_engine_serves(lora_engine, learner.policy, tok)
