@@ -279,7 +279,8 @@ class Heartbeat(_Body, tag="heartbeat"):
     status: ServiceStatus = "ready"
     weights: WeightsAnnounce | None = None
     waiting_s: float = 0.0
-    """The learner's: how long it has been waiting for its next batch (0: not waiting)."""
+    """The learner's: how long it has been waiting for its next batch (0: not waiting). An engine's: how long it has
+    had nothing to generate (budget spent; the learner borrows its cores meanwhile: ``cluster.deploy.lend_cpus``)."""
     stale_dropped: dict[str, int] = {}
     """The learner's: groups the replay dropped as stale since this learner started, by the engine that generated
     them (cumulative, so a lost heartbeat loses nothing): each engine gives them back to its admission budget
