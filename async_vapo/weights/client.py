@@ -329,6 +329,7 @@ class EngineWeightClient:
             while not done.wait(self.ctx.cfg.cluster.wire.heartbeat_s):
                 self.heartbeat(force=True, status="busy")
 
+        self._waiting_since = None  # it works: its cores are not the learner's to borrow meanwhile
         self.heartbeat(force=True, status="busy")
         thread = threading.Thread(target=beat, daemon=True, name=f"{self.engine_id}-heartbeats")
         thread.start()

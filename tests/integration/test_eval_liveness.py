@@ -1,8 +1,9 @@
 """Rollout 0's held-out evaluation stalls nothing on the learner's side: an evaluation longer than the liveness
 timeout (``cluster.wire.peer_dead_s``) and than the ack deadline (``cluster.weights.ack_timeout_s``) keeps the
 engine's heartbeats coming, the engine alive and in the learner's rotation, also while the learner publishes a
-version the engine cannot take before its evaluation ends; and a learner that has finished (a run stopped by
-``train.max_minutes`` too) gets its last version evaluated.
+version the engine cannot take before its evaluation ends; a learner that has finished (a run stopped by
+``train.max_minutes`` too) gets its last version evaluated; and the learner reads an ack that arrives during an update
+as it arrives.
 
 Real parts only: the session's vLLM engine (tests/conftest.py), the rollout service's own evaluation and weight client,
 the learner's ``WeightBroadcast``, over the in-process transport. The timeouts are shrunk (0.6 s) and the held-out set
