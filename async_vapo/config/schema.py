@@ -398,9 +398,24 @@ class RolloutConfig(_Section):
     tensor_parallel_size: int = Field(1, ge=1)
     """GPUs per engine (vLLM tensor parallelism, within one host): async.rollout_devices / tensor_parallel_size
     engines run (``async_vapo.deploy.placement``)."""
+    env: str | None = None
+    """Multi-turn rollouts (``async_vapo.rollout.env``): ``"python"`` (a fenced Python block in the model's turn runs
+    in the tool sandbox, its output comes back as the next turn) or ``"module:Class"`` (an environment of your own,
+    docs/guides/environments.md). None: one turn per response. ``max_response_tokens`` bounds the whole trajectory,
+    the environment's tokens included. Lock-step generation only (``generation = "lockstep"``)."""
+    env_max_turns: int = Field(4, ge=1)
+    """``env``: model turns per sample at most; the last is graded as it is."""
+    env_tool_output_tokens: int = Field(256, ge=8)
+    """``env``: tokens of one observation's text at most; a longer one is cut and says so."""
+    env_tool_seconds: float = Field(5.0, gt=0, le=600)
+    """``env = "python"``: wall seconds of one tool call (start-up included; CPU seconds: its ceiling); a call over
+    it is killed and its observation says so."""
 
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:
+        if self.env and self.generation == "continuous":
+            raise ValueError("rollout.env (multi-turn rollouts) runs on lock-step generation only: set "
+                             "rollout.generation = 'lockstep' (the continuous engine does not run environments yet)")
         if self.top_p < 1.0:
             raise ValueError(
                 f"rollout.top_p = {self.top_p}: training samples must come from the full tempered distribution "

@@ -10,15 +10,19 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from async_vapo.config import Config
 from async_vapo.metrics.passk import default_ks, difficulty, summarize
 from async_vapo.metrics.rows import group_stats  # noqa: F401  (re-exported: the rollout's own row metrics)
+from async_vapo.rollout.env import TRUNCATED_NOTE, Environment, EnvRunner
 from async_vapo.tasks.task import Problem
 from async_vapo.types import Group, Trajectory
 
 logger = logging.getLogger(__name__)
+
+ENV_VERDICT = "env"
+"""The verdict of a sample whose environment gave its reward (the verifier does not grade it)."""
 
 TRUNCATED_WARN_FRAC = 0.10
 """Share of held-out responses cut at ``rollout.max_response_tokens`` above which the first evaluation warns."""
@@ -42,6 +46,7 @@ class PromptEncoder:
         self.tokenizer, self.template = tokenizer, template
         self.prompt_format, self.system_prompt = prompt_format, system_prompt
         self.cache: dict[str, list[int]] = {}
+        self._delta: tuple[str, str] | None = None
 
     @classmethod
     def from_config(cls, cfg: Config, tokenizer) -> PromptEncoder:
@@ -75,6 +80,30 @@ class PromptEncoder:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    def encode_messages(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """Token ids of an environment's first messages (``chat`` format only), the assistant's turn opened."""
+        if self.prompt_format != "chat":
+            raise ValueError("an environment's reset returned messages, which need task.prompt_format = 'chat' "
+                             "(a raw prompt is the task's own: return None)")
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def observation_ids(self, text: str, ended_with: int | None) -> list[int]:
+        """The tokens of one environment turn holding ``text``, to append after a model turn whose last token is
+        ``ended_with`` (a stop token; None: none), the model's next turn opened: ``raw``, a fenced ``output`` block
+        (:data:`RAW_OBSERVATION`); ``chat``, the chat template's delta for that turn alone (its ``tool`` role where
+        the template renders one, else ``user``), less the stop token the model already wrote. Only these new tokens
+        are tokenised; nothing before them is."""
+        if self.prompt_format == "raw":
+            return self.tokenizer(RAW_OBSERVATION.format(observation=text), add_special_tokens=False).input_ids
+        if self._delta is None:
+            self._delta = _chat_delta(self.tokenizer)
+        closing, template = self._delta
+        if ended_with is not None:
+            stop = self.tokenizer.decode([ended_with])
+            closing = closing[len(stop):] if stop and closing.startswith(stop) else closing
+        return self.tokenizer(closing + template.replace(_SLOT, text), add_special_tokens=False).input_ids
+
     def longest(self, problems: Sequence[Problem]) -> int:
         """Tokens of the longest prompt (sizes the engine's ``max_model_len``)."""
         return max(len(self(p)) for p in problems)
@@ -94,6 +123,30 @@ class PromptEncoder:
         return ids
 
 
+RAW_OBSERVATION = "\n```output\n{observation}\n```\n"
+"""An environment turn after a raw prompt's model turn."""
+_SLOT = "\x00OBSERVATION\x00"
+
+
+def _chat_delta(tokenizer) -> tuple[str, str]:
+    """``(closing, turn)``: the text the chat template writes after an assistant message's content (its end-of-turn
+    marker) and the text of one observation turn with the next assistant turn opened, ``_SLOT`` standing for the
+    observation; found as the difference of two renderings of a two-message conversation, so that the template
+    alone decides the markers. The ``tool`` role where the template renders it with its content, else ``user``."""
+    base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "\x00A\x00"}]
+    head = tokenizer.apply_chat_template(base, tokenize=False)
+    for role in ("tool", "user"):
+        try:
+            full = tokenizer.apply_chat_template(base + [{"role": role, "content": _SLOT}], add_generation_prompt=True,
+                                                 tokenize=False)
+        except Exception:  # noqa: BLE001 - a template that refuses the role: try the next
+            continue
+        if full.startswith(head) and _SLOT in full[len(head):]:
+            return head[head.index("\x00A\x00") + 3:], full[len(head):]
+    raise ValueError("the tokenizer's chat template renders neither a tool nor a user turn after an assistant turn "
+                     "as a suffix of the conversation: rollout.env cannot append a turn without re-tokenising")
+
+
 def stop_token_ids(tokenizer, model_dir: str | None = None) -> list[int]:
     """The tokenizer's EOS id and the ``eos_token_id`` (an int or a list) of ``generation_config.json`` in
     ``model_dir`` (default: the directory the tokenizer was loaded from), without duplicates."""
@@ -110,13 +163,135 @@ def stop_token_ids(tokenizer, model_dir: str | None = None) -> list[int]:
 
 def generate_groups(engine, encode: Callable[[Problem], list[int]], problems: Sequence[Problem], *, version: int,
                     n: int, temperature: float, top_p: float, max_tokens: int, stop_token_ids: Sequence[int],
-                    seed: int | None = None) -> list[Group]:
+                    seed: int | None = None, env: EnvRunner | None = None) -> list[Group]:
     """The unscored groups of ``problems`` (G = ``n`` samples each), stamped with ``version``: the weights
-    the engine served when the call started."""
+    the engine served when the call started. ``env`` (``rollout.env``; ``encode`` then a :class:`PromptEncoder`):
+    each sample is a multi-turn conversation with its own environment (:func:`generate_env_groups`)."""
+    if env is not None:
+        return generate_env_groups(engine, encode, problems, env, version=version, n=n, temperature=temperature,
+                                   top_p=top_p, max_tokens=max_tokens, stop_token_ids=stop_token_ids, seed=seed)
     prompts = [encode(p) for p in problems]
     outs = engine.generate(prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                            stop_token_ids=list(stop_token_ids), seed=seed)
     return [make_group(p, ids, samples, version) for p, ids, samples in zip(problems, prompts, outs, strict=True)]
+
+
+@dataclass
+class _Turns:
+    """A finished conversation as ``make_group`` reads an engine's sample."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    version_spans: list[tuple[int, int]]
+
+
+@dataclass
+class _Conversation:
+    """One sample of a multi-turn rollout as it grows: the tokens the engine saw after the prompt, in order."""
+
+    env: Environment
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)  # (version, first index): Trajectory.version_spans
+    env_spans: list[tuple[int, int]] = field(default_factory=list)
+    finish: str = "length"
+    turns: int = 0
+    done: bool = False
+    reward: float | None = None
+
+    def add_model_turn(self, sample, version: int, budget: int) -> list[int]:
+        """Append the engine's ``sample`` (at most ``budget`` tokens of it: a call's token cap is the largest
+        budget of its prompts); its ids."""
+        ids, offset = list(sample.token_ids)[:budget], len(self.ids)
+        for v, first in [tuple(x) for x in getattr(sample, "version_spans", None) or ()] or [(version, 0)]:
+            if first < len(ids) and (not self.spans or self.spans[-1][0] != v):
+                self.spans.append((v, offset + first))
+        self.ids += ids
+        self.logprobs += list(sample.logprobs)[: len(ids)]
+        self.finish = "length" if len(ids) < len(sample.token_ids) else sample.finish_reason
+        self.turns += 1
+        self.done = not ids
+        return ids
+
+    def add_env_turn(self, ids: list[int]) -> None:
+        self.env_spans.append((len(self.ids), len(ids)))
+        self.ids += ids
+        self.logprobs += [0.0] * len(ids)  # not the policy's: never read (Trajectory.env_spans)
+
+
+def _step_env(c: _Conversation, turn: list[int], encoder: PromptEncoder, limits, max_tokens: int,
+              stop_ids: Sequence[int]) -> None:
+    """The environment's answer to the model's latest ``turn``: end ``c``, or append the observation's tokens."""
+    obs, c.reward, done = c.env.step(encoder.decode(turn))
+    if done or obs is None or c.finish != "stop" or c.turns >= limits.max_turns:
+        c.done = True  # a turn cut by the token budget, or the last turn allowed, is graded as it is
+        return
+    tok = encoder.tokenizer
+    obs_ids = tok(obs, add_special_tokens=False).input_ids
+    if len(obs_ids) > limits.tool_output_tokens:
+        obs = tok.decode(obs_ids[: limits.tool_output_tokens]) + TRUNCATED_NOTE
+    ids = encoder.observation_ids(obs, turn[-1] if turn[-1] in stop_ids else None)
+    if len(c.ids) + len(ids) >= max_tokens:  # no room left for a model token after it
+        c.done, c.finish = True, "length"
+        return
+    c.add_env_turn(ids)
+
+
+def generate_env_groups(engine, encoder: PromptEncoder, problems: Sequence[Problem], env: EnvRunner, *,
+                        version: int, n: int, temperature: float, top_p: float, max_tokens: int,
+                        stop_token_ids: Sequence[int], seed: int | None = None) -> list[Group]:
+    """Multi-turn groups (``rollout.env``, ``async_vapo.rollout.env``): one environment per sample; the engine
+    generates every open conversation's next turn in one call (prompt plus the sample's tokens so far, exactly as
+    they were: token in, token out), the environment answers each, until every sample is done. ``max_tokens``
+    bounds a sample's tokens after the prompt, the environment's included. Each sample keeps the version of every
+    model token (a version loaded between two turns starts a new span)."""
+    convs = [[_Conversation(env.make()) for _ in range(n)] for _ in problems]
+    prompts = []
+    for p, row in zip(problems, convs, strict=True):
+        first = [c.env.reset(p) for c in row]
+        if any(m != first[0] for m in first):
+            raise ValueError(f"the environments of problem {p.uid!r} started with different messages: a group's "
+                             "samples share one prompt")
+        prompts.append(encoder(p) if first[0] is None else encoder.encode_messages(first[0]))
+    todo = [(i, c) for i, row in enumerate(convs) for c in row]
+    outs = engine.generate(prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                           stop_token_ids=list(stop_token_ids), seed=seed)
+    samples = [s for out in outs for s in out]
+    turn = 0
+    while todo:
+        for (_, c), sample in zip(todo, samples, strict=True):
+            ids = c.add_model_turn(sample, version, max_tokens - len(c.ids))
+            if not c.done:
+                _step_env(c, ids, encoder, env.limits, max_tokens, stop_token_ids)
+        todo = [(i, c) for i, c in todo if not c.done]
+        if not todo:
+            break
+        turn += 1
+        version = engine.version
+        budget = max(max_tokens - len(c.ids) for _, c in todo)
+        outs = engine.generate([list(prompts[i]) + c.ids for i, c in todo], n=1, temperature=temperature,
+                               top_p=top_p, max_tokens=budget, stop_token_ids=list(stop_token_ids),
+                               seed=None if seed is None else seed + 7919 * turn)
+        samples = [out[0] for out in outs]
+    groups = []
+    for p, ids, row in zip(problems, prompts, convs, strict=True):
+        g = make_group(p, ids, [_Turns(c.ids, c.logprobs, c.finish, c.spans) for c in row], version)
+        for s, c in zip(g.samples, row, strict=True):
+            s.env_spans = c.env_spans
+            s.tool_calls = int(getattr(c.env, "tool_calls", 0))
+            s.tool_errors = int(getattr(c.env, "tool_errors", 0))
+            s.tool_seconds = float(getattr(c.env, "tool_seconds", 0.0))
+            if c.reward is not None:  # the environment's reward stands; the verifier grades the others
+                s.reward, s.correct, s.verdict = float(c.reward), c.reward > 0, ENV_VERDICT
+        groups.append(g)
+    return groups
+
+
+def final_turn(sample: Trajectory) -> Sequence[int]:
+    """The model's last turn of ``sample`` (the whole response when it has one turn): what the verifier grades."""
+    end = sample.env_spans[-1][0] + sample.env_spans[-1][1] if sample.env_spans else 0
+    return sample.response_ids[end:]
 
 
 def make_group(problem: Problem, prompt_ids: Sequence[int], samples: Sequence, version: int) -> Group:
@@ -139,13 +314,16 @@ def score_groups(groups: Sequence[Group], verifier, decode: Callable[[Sequence[i
     """Grade every sample with ``verifier`` (a VerifierPool), filling reward, correct and verdict in place;
     returns the pool's results in sample order. ``budget_s``: wall-clock budget of the whole call (None: the
     pool's default). Each response goes with its group's prompt and record fields, for a reward function that takes
-    them (``async_vapo.verify.reward_fn``; the pool sends them to its workers only then)."""
-    items = [(decode(s.response_ids), g.answer, {"prompt": g.prompt, "extra": g.extra})
-             for g in groups for s in g.samples]
-    results = verifier.verify(items, budget_s=budget_s)
+    them (``async_vapo.verify.reward_fn``; the pool sends them to its workers only then). A multi-turn sample's last
+    model turn is graded (:func:`final_turn`); one its environment rewarded (verdict ``env``) is left as it is."""
+    items = [(decode(final_turn(s)), g.answer, {"prompt": g.prompt, "extra": g.extra})
+             for g in groups for s in g.samples if s.verdict != ENV_VERDICT]
+    results = verifier.verify(items, budget_s=budget_s) if items else []
     it = iter(results)
     for g in groups:
         for s in g.samples:
+            if s.verdict == ENV_VERDICT:
+                continue
             r = next(it)
             s.reward, s.correct, s.verdict = r.reward, r.correct, r.reason
     return results
@@ -159,13 +337,18 @@ class Rollout:
     engine: object
     verifier: object
     encoder: PromptEncoder
+    env: EnvRunner | None = field(default=None, init=False)
+    """``rollout.env``'s runner (None: single-turn), made once here."""
+
+    def __post_init__(self) -> None:
+        self.env = EnvRunner.from_config(self.cfg)
 
     def groups(self, problems: Sequence[Problem], *, n: int, temperature: float, top_p: float,
                seed: int | None = None) -> tuple[list[Group], dict[str, float]]:
         t0 = time.perf_counter()
         groups = generate_groups(self.engine, self.encoder, problems, version=self.engine.version, n=n,
                                  temperature=temperature, top_p=top_p, max_tokens=self.cfg.rollout.max_response_tokens,
-                                 stop_token_ids=self.encoder.stop_ids, seed=seed)
+                                 stop_token_ids=self.encoder.stop_ids, seed=seed, env=self.env)
         t1 = time.perf_counter()
         score_groups(groups, self.verifier, self.encoder.decode)
         t2 = time.perf_counter()

@@ -41,6 +41,7 @@ import math
 import time
 
 from async_vapo.metrics.rows import open_row_writer
+from async_vapo.rollout.env import EnvRunner
 from async_vapo.rollout.generate import PromptEncoder, Rollout, evaluate, generate_groups, make_group, warn_if_truncated
 from async_vapo.services.context import ServiceContext, make_transport
 from async_vapo.staleness import Admission
@@ -75,6 +76,7 @@ class RolloutService:
         self.continuous = ContinuousDriver(self) if cfg.rollout.generation == "continuous" else None
         self.m = ctx.metrics.rollout
         self.encoder = PromptEncoder.from_config(cfg, tokenizer)
+        self.env = EnvRunner.from_config(cfg)  # rollout.env: multi-turn groups (None: one turn)
         self.evaluated: set[int] = set()
         self.metrics_log = (open_row_writer(cfg, ctx.run_dir / "metrics.jsonl", ctx.metrics)
                             if ctx.instance == 0 else None)
@@ -127,7 +129,8 @@ class RolloutService:
             with self.ctx.busy("generate"):
                 groups = generate_groups(self.engine, self.encoder, problems, version=version,
                                          n=self.ctx.cfg.algo.group_size, temperature=r.temperature, top_p=r.top_p,
-                                         max_tokens=r.max_response_tokens, stop_token_ids=self.encoder.stop_ids)
+                                         max_tokens=r.max_response_tokens, stop_token_ids=self.encoder.stop_ids,
+                                         env=self.env)
             self.admission.record(version, len(groups))
             self.ship(groups, version)
         finally:

@@ -100,3 +100,16 @@ def test_an_env_token_has_zero_gradient_and_is_out_of_the_denominator(learner):
     assert lrn._token_rewards(batch)[0].tolist() == [0, 0, 0, 0, 0, 0, 0, 1.0]
     stats = lrn.update(batch)  # a whole update runs on it
     assert all(torch.isfinite(torch.tensor(v)) for v in stats.values() if isinstance(v, float))
+
+
+def test_rollout_env_settings_are_checked_before_any_generation():
+    from async_vapo.rollout.env import EnvRunner
+
+    with pytest.raises(ValueError, match="lock-step generation only"):
+        load_config([], ["rollout.env=python", "rollout.generation=continuous"])
+    assert EnvRunner.from_config(load_config([], [])) is None  # unset: single-turn, as before
+    for spec, message in (("nocolon", "'python' or 'module:Class'"),
+                          ("async_vapo.rollout.env:Missing", "has no 'Missing'"),
+                          ("async_vapo.rollout.env:EnvLimits", "has no reset and step")):
+        with pytest.raises((ValueError, TypeError), match=message):
+            EnvRunner.from_config(load_config([], [f"rollout.env={spec}"]))
