@@ -10,6 +10,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 from async_vapo.cli import main
 from async_vapo.cli.check import check, checkpoint_bytes, service_ports
@@ -17,7 +18,9 @@ from async_vapo.config import load_config
 from async_vapo.deploy.placement import place
 
 REPO = Path(__file__).resolve().parents[2]
-MODEL = REPO / "models" / "smollm2-135m-instruct"
+# the embedded default's shipped base model (in the package, so a fresh clone has it): a Qwen2 config and a tokenizer
+# without a chat template
+MODEL = next((REPO / "async_vapo" / "models" / "shipped").glob("tiny-base-*"))
 
 
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
@@ -143,7 +146,9 @@ def test_model_directory_problems(tmp_path):
     cfg = load_config([], [f"model.path={d}", "task.kind=wordprob", "task.max_ops=4", "task.prompt_format=chat"])
     report = check(cfg, app="train", run_dir=str(tmp_path / "r"))
     assert len(report.problems) == 1 and "no chat template" in report.problems[0], report.text()
-    assert any(line.startswith("model: model.path") and "0.13 B parameters" in line for line in report.ok)
+    params = sum(t.numel() for t in load_file(MODEL / "model.safetensors").values())
+    assert any(line.startswith("model: model.path") and f"{params / 1e9:.2f} B parameters" in line
+               for line in report.ok), report.text()
 
 
 def test_checkpoints_by_hand(tmp_path):
@@ -161,7 +166,8 @@ def test_a_disk_too_small_for_the_checkpoints_is_reported(tmp_path):
     big = tmp_path / "big"
     big.mkdir()
     cfg = json.loads((MODEL / "config.json").read_text())
-    cfg.update(hidden_size=9 * 2048, intermediate_size=65536, num_hidden_layers=400)  # ~2 T parameters
+    cfg.update(hidden_size=9 * 2048, intermediate_size=65536, num_hidden_layers=400,  # ~2 T parameters
+               layer_types=["full_attention"] * 400, num_attention_heads=144, num_key_value_heads=8)
     (big / "config.json").write_text(json.dumps(cfg))
     (big / "model.safetensors").write_bytes(b"")
     report = check(load_config([], [f"model.path={big}", "task.kind=wordprob", "task.max_ops=4"]), app="train",
