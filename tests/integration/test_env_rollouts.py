@@ -132,6 +132,39 @@ def test_the_trainers_tokens_are_the_engines_across_three_turns(vllm_engine, set
             row += 1
 
 
+def test_a_weight_update_between_turns_is_in_the_version_spans(vllm_engine, setup, tiny_base):
+    """A version loaded between the first and the second turn (a real load into the engine): the second turn's
+    tokens carry it, the first turn's and the observation's the old one; the group is as old as its oldest token."""
+    from async_vapo.models.rl import load_policy
+    from async_vapo.types import spans_error
+
+    tok, encoder, problems = setup
+    state = load_policy(tiny_base).state_dict()
+    v0 = vllm_engine.version
+
+    class UpdateAfterFirstTurn(Recording):
+        def generate(self, prompts, **kw):
+            if len(self.calls) == 1:
+                self.engine.load_weights(state, v0 + 1)
+            return super().generate(prompts, **kw)
+
+    try:
+        groups = _generate(UpdateAfterFirstTurn(vllm_engine), encoder, problems[:2], ThreeTurns, n=2, max_turns=2)
+    finally:
+        vllm_engine.load_weights(state, v0)
+    seen = 0
+    for g in groups:
+        assert g.version == v0
+        for i, s in enumerate(g.samples):
+            assert spans_error(s, g.version) is None
+            if s.env_spans:
+                second = s.env_spans[0][0] + s.env_spans[0][1]
+                assert [tuple(x) for x in s.version_spans] == [(v0, 0), (v0 + 1, second)]
+                assert g.token_versions(i) == [v0] * second + [v0 + 1] * (len(s.response_ids) - second)
+                seen += 1
+    assert seen >= 2
+
+
 def test_the_python_tool_runs_a_code_block(tiny_cfg):
     if unavailable_reason() is not None:
         pytest.skip(f"tool sandbox: {unavailable_reason()}")
