@@ -98,6 +98,33 @@ def _start_engine(cfg: Config, spec: EngineSpec, version: int) -> VLLMEngine:
     return VLLMEngine(spec, version=version)
 
 
+class _EnginePublisher:
+    """How the one-process trainer hands a version to its engine: the learner's weights, the ``engine_weights``
+    experiment's copy of them, or, with ``model.lora`` on a LoRA engine, the version's adapter (``weights.adapter``)
+    in place of the merged weights. Called as ``publish(version, state)``; returns the seconds it took."""
+
+    def __init__(self, engine: VLLMEngine, learner, base_path: Path,
+                 engine_weights: Callable[[dict, int], dict] | None):
+        self.engine, self.learner, self.engine_weights = engine, learner, engine_weights
+        self.adapters = None
+        if learner.lora is not None and engine.spec.max_lora_rank:
+            from async_vapo.weights.adapter import AdapterPublisher
+
+            self.adapters = AdapterPublisher(None, learner.lora, base_model=str(base_path))
+
+    def __call__(self, version: int, state: dict) -> float:
+        if self.adapters is not None and self.engine_weights is None:
+            t0 = time.perf_counter()
+            self.engine.load_adapter(self.adapters.publish(version, self.learner.adapter_state()).location, version)
+            return time.perf_counter() - t0
+        weights = state if self.engine_weights is None else self.engine_weights(state, version)
+        return self.engine.load_weights(weights, version)
+
+    def close(self) -> None:
+        if self.adapters is not None:
+            self.adapters.close()
+
+
 def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
           engine: VLLMEngine | None = None,
           engine_weights: Callable[[dict, int], dict] | None = None) -> dict:
@@ -133,21 +160,9 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
     spec = EngineSpec.from_config(cfg, policy_path, longest_prompt=encoder.longest(train_set + eval_set))
     own_engine = engine is None
 
-    adapters = None  # model.lora on a LoRA engine: a version is its adapter (weights.adapter), not the merged weights
-
-    def publish(version: int, state: dict) -> float:
-        if adapters is not None and engine_weights is None:
-            t0 = time.perf_counter()
-            engine.load_adapter(adapters.publish(version, learner.adapter_state()).location, version)
-            return time.perf_counter() - t0
-        return engine.load_weights(state if engine_weights is None else engine_weights(state, version), version)
-
     if engine is None:
         engine = _start_engine(cfg, spec, learner.version)
-    if learner.lora is not None and engine.spec.max_lora_rank:
-        from async_vapo.weights.adapter import AdapterPublisher
-
-        adapters = AdapterPublisher(None, learner.lora, base_model=str(base_path))
+    publish = _EnginePublisher(engine, learner, base_path, engine_weights)
     if not own_engine or engine_weights is not None:
         publish(learner.version, learner.policy_state())
     verifier = VerifierPool.from_config(cfg.verifier)
@@ -199,8 +214,7 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
         return summary
     finally:
         verifier.close()
-        if adapters is not None:
-            adapters.close()
+        publish.close()
         if own_engine:
             engine.close()
         log.close()
