@@ -103,7 +103,7 @@ def _field(record: Mapping[str, Any], key: str, setting: str, where: str) -> Any
     raise ProblemFileError(f"{where}: missing field {key!r} ({setting}); the fields{of} found: {fields}{hint}")
 
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # tool: a worked example's tool turn (rollout.env)
 
 
 def _messages(value: Any, key: str, where: str) -> tuple[tuple[str, str], ...] | None:
