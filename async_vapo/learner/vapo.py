@@ -16,6 +16,11 @@ the whole mini-batch's loss normaliser, and FSDP2 sums the gradients, so that th
 Micro-batches hold ``algo.micro_batch_size`` sequences, or with ``algo.max_tokens_per_micro_batch`` a token budget,
 balanced across ranks by tokens. ``learner.logprob_chunk_tokens`` computes log-probs from hidden states in chunks.
 
+Multi-turn samples (``rollout.env``): the environment's tokens (``Trajectory.env_spans``) stay in the sequence, where
+the policy and the critic read them, and are 0 in ``response_mask``, which every loss, normaliser, GAE step,
+mismatch statistic and entropy term reads: they are state, never actions. The outcome reward sits on the last model
+token (:meth:`Learner._token_rewards`).
+
 Precision (``learner.precision``): parameters, gradients and AdamW moments are float32 whatever ``model.dtype``;
 forwards run in ``model.dtype`` (autocast in one process, FSDP2's ``MixedPrecisionPolicy`` when sharded), and
 :meth:`Learner.policy_state` hands out weights in it, the dtype the engines run. Learning-rate warm-up
