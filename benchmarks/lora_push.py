@@ -155,7 +155,8 @@ def main() -> None:
         "load_average_1m_at_end": os.getloadavg()[0]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{result['model']}-r{args.rank}.json"
+    result["eager_without_lora"] = args.eager
+    path = out / f"{result['model']}-r{args.rank}{'' if args.eager else '-compiled'}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["summary"], indent=2))
     print(path)

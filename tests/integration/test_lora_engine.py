@@ -141,10 +141,11 @@ def test_a_group_keeps_the_adapter_it_started_with(lora_engine, learner, tiny_ba
     publisher.close()
 
 
-def test_a_lora_training_run_pushes_adapters_and_its_checkpoint_loads_in_peft(lora_engine, tiny_cfg, tiny_base):
+def test_a_lora_training_run_pushes_adapters_and_its_checkpoint_loads_in_peft(lora_engine, tiny_cfg, tiny_base,
+                                                                             tmp_path):
     """The one-process trainer with model.lora on a LoRA engine: each version reaches the engine as its adapter, and
     the final checkpoint's PEFT directory, loaded by peft over the base model outside our code, is exactly the policy
-    the engine serves (and vLLM loaded that same kind of directory through LoRARequest for every push)."""
+    the engine serves; vLLM loads that directory, and the export of the checkpoint, through a LoRARequest each."""
     import json
 
     from peft import PeftModel
@@ -166,6 +167,12 @@ def test_a_lora_training_run_pushes_adapters_and_its_checkpoint_loads_in_peft(lo
     assert_engine_serves(lora_engine, policy, tok)
     with pytest.raises(AssertionError):  # the adapter learned something: the engine no longer serves the base
         assert_engine_serves(lora_engine, load_policy(tiny_base), tok)
+    # vLLM loads the checkpoint's own directory and async-vapo export's output as they are (a LoRARequest of each)
+    from async_vapo.learner.export import export
+
+    for version, directory in ((100, ckpt / "policy_adapter"), (101, export(ckpt, tmp_path / "exported"))):
+        lora_engine.apply_weights(version, lambda d=directory, v=version: lora_engine.load_adapter(str(d), v))
+        assert_engine_serves(lora_engine, policy, tok)
 
 
 def test_whole_weights_on_a_lora_engine_replace_the_adapter(lora_engine, learner, tiny_base):
