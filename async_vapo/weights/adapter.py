@@ -36,6 +36,7 @@ class AdapterPublisher(Publisher):
     def __init__(self, directory: Path | None, config, *, keep: int = 2, base_model: str | None = None):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
+        self._own = directory is None  # a directory of its own, removed by close
         if directory is None:
             directory = Path(shm_dir()) / f"async-vapo-lora-{os.getpid()}"
         self.directory = Path(directory)
@@ -66,6 +67,8 @@ class AdapterPublisher(Publisher):
         for d in self.dirs:
             shutil.rmtree(d, ignore_errors=True)
         self.dirs.clear()
+        if self._own:
+            shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def check_adapter(a: WeightsAnnounce) -> None:

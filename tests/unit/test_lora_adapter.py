@@ -37,3 +37,11 @@ def test_versions_are_peft_directories_with_their_checksums(tmp_path):
         check_adapter(a)
     pub.close()
     assert not any(tmp_path.iterdir())
+
+
+def test_a_publisher_on_tmpfs_removes_its_own_directory():
+    pub = AdapterPublisher(None, lora.peft_config(4, 8, ["q_proj"]))
+    pub.publish(1, adapter(1))
+    assert (pub.directory / "adapter-v1" / lora.ADAPTER_WEIGHTS).is_file()
+    pub.close()
+    assert not pub.directory.exists()
