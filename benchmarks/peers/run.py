@@ -96,7 +96,9 @@ def run_ours(side: str, seed: int, updates: int, every: int, work: Path, threads
     gen = [r["time/generate_s"] for r in rows if r["kind"] == "train"]
     learn = [r["time/learn_s"] for r in rows if r["kind"] == "train"]
     started = (run_dir / "config.resolved.json").stat().st_mtime - launched
-    return {"side": side, "seed": seed, "threads": threads or len(os.sched_getaffinity(0)), "t": times,
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"cpu_s": summary["cpu_s"], "summary_wall_s": summary["wall_s"],
+            "side": side, "seed": seed, "threads": threads or len(os.sched_getaffinity(0)), "t": times,
             "process_t": ours_process_clock(rows, started), "accuracy": acc, "pretrain_s": pretrain_s,
             "generate_s_mean": sum(gen) / len(gen), "learn_s_mean": sum(learn) / len(learn),
             "process_s": time.perf_counter() - t0}
@@ -256,6 +258,7 @@ def run_trl(seed: int, updates: int, every: int, work: Path, python: str, thread
     return {"side": "trl", "seed": seed, "threads": threads,
             "t": {r["update"]: r["train_s"] for r in timing["updates"]},
             "process_t": {r["update"]: r["process_s"] for r in timing["updates"]},
+            "cpu_t": {r["update"]: r["cpu_s"] for r in timing["updates"]},
             "checkpoints": ckpts, "trl_settings": timing["settings"], "process_s": time.perf_counter() - t0}
 
 
