@@ -977,6 +977,12 @@ class DeployConfig(_Section):
     start_s: int = Field(3, ge=0, le=600)
     """supervisord's ``startsecs``: a process that exits sooner after its start failed to start (supervisord retries
     it, up to ``crash_loop_max_restarts`` times, 1, 2, 3 ... s apart); later it counts as running."""
+    lend_cpus: bool = False
+    """start_cluster.sh on one machine without GPUs: the engines lend their cores to the learner while every engine
+    waits for a version (its budget spent): the learner may run on every core, and its torch threads rise from its
+    own share of the cores (``train.threads``, set by the script) to every core until an engine generates again. False:
+    the learner and the engines keep disjoint cores (``taskset``), as on GPU hosts always. Off by default: on a shared
+    2-core host under load, two learner threads made updates slower (benchmarks/results/cpu_lending)."""
 
     @model_validator(mode="after")
     def _backoff_bounds(self):
@@ -992,11 +998,6 @@ LEGACY_CLUSTER_KEYS: dict[str, tuple[str, str]] = {
     "replay_host": ("hosts", "replay_host"),
     "learner_host": ("hosts", "learner_host"),
     "rollout_hosts": ("hosts", "rollout_hosts"),
-    lend_cpus: bool = True
-    """start_cluster.sh on one machine without GPUs: the engines lend their cores to the learner while every engine
-    waits for a version (its budget spent): the learner may run on every core, and its torch threads rise from its
-    own share of the cores (``train.threads``, set by the script) to every core until an engine generates again. False:
-    the learner and the engines keep disjoint cores (``taskset``), as on GPU hosts always."""
     "verifier_port": ("ports", "verifier_port"),
     "replay_port": ("ports", "replay_port"),
     "replay_batch_port": ("ports", "replay_batch_port"),

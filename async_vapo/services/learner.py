@@ -405,6 +405,10 @@ class LearnerService:
             finally:
                 done.set()
                 thread.join()
+                if self.lend is not None:  # lent cores are for updates: the rest runs on the learner's own share
+                    import torch
+
+                    torch.set_num_threads(self.lend[0])
 
     def control(self, what: Control) -> None:
         """A :class:`Control` of rank 0, on every rank (``BroadcastSource``)."""

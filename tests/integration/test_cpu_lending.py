@@ -46,6 +46,7 @@ def test_the_learner_takes_the_engines_cores_while_every_engine_waits(tiny_cfg, 
 
     threads_before = torch.get_num_threads()
     cfg = load_config([], [*TINY_TEST_OVERRIDES, f"model.cache_dir={tiny_cfg.model.cache_dir}", "train.threads=1",
+                           "cluster.deploy.lend_cpus=true",
                            "cluster.weights.transfer=shm", f"cluster.weights.dir={tmp_path / 'w'}",
                            "cluster.wire.heartbeat_s=0.1"])
     ctxs = {s: make_context(s, cfg=cfg, run_dir=tmp_path / "run", serve_metrics=False, install_signals=False)
@@ -102,10 +103,10 @@ def _dry_run(tmp_path, *overrides) -> dict[str, str]:
 @pytest.mark.skipif(NCPU < 2 or not shutil.which("taskset") or shutil.which("nvidia-smi") is not None,
                     reason="CPU pinning needs a machine without GPUs, taskset and two cores")
 def test_start_cluster_lets_the_learner_run_on_every_core_of_a_cpu_host(tmp_path):
-    plan = _dry_run(tmp_path)
+    plan = _dry_run(tmp_path, "cluster.deploy.lend_cpus=true")
     last = NCPU - 1
     r = NCPU * 1 // 2  # tiny_cpu: one engine, one learner rank
     assert plan["rollout-0"].startswith(f"taskset -c 0-{r - 1} ")
     assert plan["learner"].startswith(f"taskset -c 0-{last} ") and f"train.threads={NCPU - r}" in plan["learner"]
-    plan = _dry_run(tmp_path, "cluster.deploy.lend_cpus=false")  # disjoint cores, as before
+    plan = _dry_run(tmp_path)  # the default: disjoint cores, as before
     assert plan["learner"].startswith(f"taskset -c {r}-{last} ") and "train.threads=" not in plan["learner"]
