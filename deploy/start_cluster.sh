@@ -62,7 +62,7 @@
 # are taken to be alike). A shape that does not fit is refused before anything starts.
 # Placement on one machine without GPUs: the cores are split between rollout engines and learner by the ratio
 # async.rollout_devices : async.learner_devices (taskset; each engine gets its own slice when there are enough
-# cores); replay and verifier are not pinned. With cluster.deploy.lend_cpus (the default) and one learner rank the
+# cores); replay and verifier are not pinned. With cluster.deploy.lend_cpus = true and one learner rank the
 # engines lend theirs: the learner may run on every core, with its share as train.threads, and takes every core while
 # all engines wait for a version. --no-pin disables both. Learner ranks > 1 are launched with torchrun.
 # --dry-run: print the plan (host, CUDA_VISIBLE_DEVICES or cores, command of every process) and exit; nothing is
