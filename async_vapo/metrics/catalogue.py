@@ -86,6 +86,14 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     # -- rollout ----------------------------------------------------------------------------------------------
     MetricSpec("rollout", "generated_tokens_total", C, "Response tokens generated."),
     MetricSpec("rollout", "generated_samples_total", C, "Responses (samples) generated."),
+    MetricSpec("rollout", "model_turns_total", C, "Model turns of the samples generated (one per sample without "
+               "rollout.env; more with an environment)."),
+    MetricSpec("rollout", "env_tokens_total", C, "Environment tokens (tool output and turn markers) in the samples "
+               "generated (rollout.env)."),
+    MetricSpec("rollout", "tool_calls_total", C, "Tool calls the environments ran for the samples generated."),
+    MetricSpec("rollout", "tool_errors_total", C, "Of those, the calls that did not end with status ok (an "
+               "exception, a timeout, a limit, a kill)."),
+    MetricSpec("rollout", "tool_seconds_total", C, "Wall seconds of those tool calls."),
     MetricSpec("rollout", "inflight_groups", G, "Prompt groups admitted and not yet finished."),
     MetricSpec("rollout", "served_version", G, "Policy version whose weights the engine is serving."),
     MetricSpec("rollout", "weight_load_seconds", H, "Time to load one policy version into the engine.",

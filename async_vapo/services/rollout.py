@@ -210,6 +210,13 @@ class RolloutService:
             g.engine = self.engine_id  # a group the replay drops as stale comes back to this engine's budget
         self.m.generated_samples_total.inc(len(samples))
         self.m.generated_tokens_total.inc(sum(len(s.response_ids) for s in samples))
+        if self.env is not None:  # multi-turn samples (rollout.env): turns, environment tokens, tool calls
+            get = self.ctx.metrics.get
+            get("model_turns_total").inc(sum(len(s.env_spans) + 1 for s in samples))
+            get("env_tokens_total").inc(sum(c for s in samples for _, c in s.env_spans))
+            get("tool_calls_total").inc(sum(s.tool_calls for s in samples))
+            get("tool_errors_total").inc(sum(s.tool_errors for s in samples))
+            get("tool_seconds_total").inc(sum(s.tool_seconds for s in samples))
         self.samples_generated += len(samples)
         for part in split_groups(groups, self.ctx.cfg.cluster.wire.max_message_bytes // 2):
             self.ctx.send(self.groups_out, make_envelope(GroupsMsg(groups=part), sender=self.engine_id,
