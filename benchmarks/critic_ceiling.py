@@ -501,6 +501,7 @@ def plot_curves(doc: dict, path: Path) -> None:
         ax.axhline(0, color="black", lw=0.5)
         ax.set_title(f"held-out EV, {title}")
         ax.set_xscale("symlog", linthresh=20)  # full fine-tunes take tens of steps, frozen-trunk heads hundreds
+        ax.set_xlim(left=0)
         ax.set_xlabel("critic optimiser step (linear to 20, then log)")
     axes[0][0].set_ylabel("explained variance of the Monte-Carlo return")
     axes[0][-1].legend(fontsize=7, loc="best")
