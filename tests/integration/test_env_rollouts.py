@@ -240,3 +240,75 @@ def test_the_trainer_runs_two_updates_on_a_tool_task(tiny_cfg, vllm_engine, tmp_
         assert r["rollout/tool_errors"] == 0.0 and r["rollout/env_tokens"] > 0
     evals = [r for r in rows if r["kind"] == "eval"]
     assert evals and all("eval/tool_calls" in e for e in evals)
+
+
+@needs_sandbox
+def test_the_services_pipeline_trains_on_a_tool_task(tiny_cfg, tiny_base, vllm_engine, tmp_path):
+    """Rollout (lock-step, rollout.env) -> verifier -> replay -> learner in one process over the in-process
+    transport: two updates on multi-turn tool samples, their environment tokens and tool counters through the wire."""
+    import threading
+    import time
+
+    from transformers import AutoTokenizer
+
+    from async_vapo.config import load_config
+    from async_vapo.models.rl import load_policy
+    from async_vapo.services.context import SERVICES, make_context
+    from async_vapo.services.learner import LearnerService
+    from async_vapo.services.replay import ReplayService
+    from async_vapo.services.rollout import RolloutService
+    from async_vapo.services.verifier import VerifierService
+    from async_vapo.tasks import load_task
+    from async_vapo.transport import InprocTransport
+
+    total = 2
+    cfg = load_config([], [*TINY_TEST_OVERRIDES, f"model.cache_dir={tiny_cfg.model.cache_dir}",
+                           f"train.total_steps={total}", f"train.eval_every={total}", "train.checkpoint_every=0",
+                           f"rollout.env={__name__}:ToolOnce", "rollout.env_tool_seconds=3",
+                           "rollout.max_response_tokens=60", "async.max_staleness=1", "cluster.replay.fsync=never",
+                           "cluster.wire.batch_poll_s=0.05", "cluster.wire.heartbeat_s=0.2"])
+    run_dir = tmp_path / "run"
+    tok = AutoTokenizer.from_pretrained(str(tiny_base))
+    base_state = load_policy(tiny_base).state_dict()
+    vllm_engine.load_weights(base_state, 0)
+    ctxs = {s: make_context(s, cfg=cfg, run_dir=run_dir, serve_metrics=False, install_signals=False)
+            for s in SERVICES}
+    train_set, eval_set = load_task(cfg)
+    transport = InprocTransport()
+    replay, verifier = ReplayService(ctxs["replay"], transport), VerifierService(ctxs["verifier"], transport)
+    learner = LearnerService(ctxs["learner"], transport)
+    rollout = RolloutService(ctxs["rollout"], transport, vllm_engine, tok, train_set, eval_set,
+                             pretrain_batches=cfg.algo.value_pretrain_steps)
+    decode = lambda ids: tok.decode(list(ids), skip_special_tokens=True)  # noqa: E731
+    threads = [threading.Thread(target=replay.run, daemon=True),
+               threading.Thread(target=verifier.run, args=(decode,), daemon=True),
+               threading.Thread(target=learner.run, daemon=True), threading.Thread(target=rollout.run, daemon=True)]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_dir / "DONE").exists():
+            assert time.monotonic() < deadline, "the pipeline did not train in time"
+            assert all(t.is_alive() for t in threads), "a service loop died"
+            time.sleep(0.2)
+        counters = {}
+        for metric in ctxs["rollout"].metrics.registry.collect():
+            for sample in metric.samples:
+                counters[sample.name] = sample.value
+    finally:
+        for ctx in ctxs.values():
+            ctx.stop.set()
+        for t in threads:
+            t.join(60)
+        for svc in (rollout, learner, verifier, replay):
+            svc.close()
+        transport.close()
+        vllm_engine.load_weights(base_state, 0)
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [r["version"] for r in train] == [1, 2]
+    for r in train:  # the groups the learner trained on carried their environment tokens and tool counters
+        assert r["rollout/tool_calls"] > 0.5 and r["rollout/env_tokens"] > 0 and r["rollout/turns"] > 1.5, r
+        assert "rollout/verdict_unverified" not in r  # every sample was graded
+    assert counters["async_vapo_rollout_tool_calls_total"] >= 16
+    assert counters["async_vapo_rollout_model_turns_total"] > counters["async_vapo_rollout_generated_samples_total"]
