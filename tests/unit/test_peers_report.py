@@ -133,8 +133,12 @@ def test_time_to_threshold_is_censored_at_the_budget():
            "process_t": {"1": 100.0, "2": 150.0, "3": 200.0, "4": 250.0},
            "accuracy": {"0": 0.3, "2": 0.85, "4": 0.88}}
     ours = {**run, "side": "grpo", "accuracy": {"0": 0.3, "2": 0.7, "4": 0.91}}
-    s = r.summarize_time_to([run, ours])
+    late = {**run, "seed": 1, "budget_s": 200.0}  # 0.85 at update 2 (150 s) in budget; update 4 (250 s) past it
+    s = r.summarize_time_to([run, ours, late])
     trl, grpo = s["sides"]["trl"]["runs"][0], s["sides"]["grpo"]["runs"][0]
+    assert s["sides"]["trl"]["runs"][1]["time_to"]["0.8"] == {"s": 150.0, "reached": True}
+    late_ours = r.summarize_time_to([{**ours, "budget_s": 200.0}])["sides"]["grpo"]["runs"][0]
+    assert late_ours["time_to"]["0.9"] == {"s": 200.0, "reached": False}  # 0.91 at 250 s: past its budget
     # TRL: 0.85 at update 2 (150 s) reaches 0.8; never 0.9: censored at its 600 s budget
     assert trl["time_to"]["0.8"] == {"s": 150.0, "reached": True}
     assert trl["time_to"]["0.9"] == {"s": 600.0, "reached": False}
@@ -143,3 +147,16 @@ def test_time_to_threshold_is_censored_at_the_budget():
     assert trl["s_per_update"] == pytest.approx(50.0) and trl["first_update_s"] == 100.0
     md = r.markdown_time_to(s)
     assert "| 150 | > 600 |" in md and "| 250 | 250 |" in md
+
+
+@pytest.mark.skipif(not (RESULTS / "smollm2/runs.json").exists(), reason="no committed real-model results")
+def test_committed_real_model_results_match_their_runs():
+    r = _report()
+    runs = json.loads((RESULTS / "smollm2/runs.json").read_text())
+    summary = json.loads((RESULTS / "smollm2/peers.json").read_text())
+    for run in runs:
+        times = [run["process_t"][str(k)] for k in sorted(map(int, run["process_t"]))]
+        assert all(b > a for a, b in zip(times, times[1:], strict=False)), "the clock must increase"
+        assert 0 in {int(k) for k in run["accuracy"]}
+    assert r.summarize_time_to(runs) == summary
+    assert (RESULTS / "smollm2/peers.md").read_text() == r.markdown_time_to(summary)
