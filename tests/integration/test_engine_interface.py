@@ -71,7 +71,9 @@ def test_weight_client_drives_each_engine_by_slot_and_by_fetch(engine, tiny_cfg,
             for s, i, t in (("learner", 0, "auto"), ("rollout", 0, "auto"), ("rollout", 1, "zmq"))]
     wb = WeightBroadcast(ctxs[0], transport, device="cpu")
     torch.manual_seed(17)
-    version = 0
+    # numbered past what the shared engine serves: another test may have left it at version 1 (then loading "1"
+    # would load nothing, and the engine would serve that test's weights)
+    version = max(engine.version, 0)
     clients = []
 
     def push(client) -> str:
