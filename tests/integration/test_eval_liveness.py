@@ -87,7 +87,8 @@ def _eval_rows(run_dir) -> list[dict]:
 def test_an_evaluation_longer_than_the_liveness_timeout_keeps_the_engine_alive_and_in_rotation(
         tiny_cfg, tiny_base, vllm_engine, tmp_path):
     cfg, run_dir, transport, sync, rollout, state = _services(
-        tiny_cfg, tiny_base, vllm_engine, tmp_path, "task.num_eval=200", "rollout.eval_samples=2",
+        # 200 problems x 8 samples: about 4 s on an idle machine (x 2 took 0.9 s there, under twice the timeout)
+        tiny_cfg, tiny_base, vllm_engine, tmp_path, "task.num_eval=200", "rollout.eval_samples=8",
         "train.eval_every=1")
     try:
         rollout.weights.start()
