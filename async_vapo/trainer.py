@@ -183,7 +183,14 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
             publish(learner.version, learner.policy_state())
         m, examples = ev.metrics, ev.examples(rollout.encoder.decode)
         if learner.critic is not None:
-            heldout[:] = [HeldoutCritic.from_config(cfg, ev.groups, tokenizer.pad_token_id, rollout.encoder.decode)]
+            groups = ev.groups
+            if cfg.rollout.critic_eval_problems:  # responses of the training distribution, several per prompt
+                t0 = time.perf_counter()
+                r = cfg.rollout
+                groups, _ = rollout.groups(eval_set[:r.critic_eval_problems], n=r.critic_eval_samples,
+                                           temperature=r.temperature, top_p=r.top_p, seed=r.seed)
+                m = {**m, "time/critic_eval_s": time.perf_counter() - t0}
+            heldout[:] = [HeldoutCritic.from_config(cfg, groups, tokenizer.pad_token_id, rollout.encoder.decode)]
             m = {**m, **heldout[0](learner)}
         row = {"kind": "eval", "step": step, "version": learner.version, "wall_s": elapsed(),
                "samples_seen": loop.samples_seen, **m}

@@ -357,6 +357,15 @@ class RolloutConfig(_Section):
     """Top-p of held-out evaluation (the paper: 0.7)."""
     eval_samples: int = Field(1, ge=1)
     """Samples per held-out problem (avg@k)."""
+    critic_eval_problems: int = Field(0, ge=0)
+    """The one-process trainer scores its critic (``critic/heldout_*``: explained variance beside the reference
+    levels) on responses to the first this many held-out problems, ``critic_eval_samples`` each, sampled at every
+    evaluation at the training temperature and top-p (the policy the critic values); their minutes count in the run's.
+    0 = on the evaluation's own responses (``eval_samples`` per problem: with one, no prompt-mean level exists, as it
+    needs other samples of the same prompt)."""
+    critic_eval_samples: int = Field(4, ge=2)
+    """Samples per problem of the critic's held-out responses (``critic_eval_problems``); the prompt-mean level
+    leaves one out, so at least 2."""
     max_response_tokens: int = Field(96, ge=1)
     """Longest response generated."""
     kv_cache_gib: float = Field(1.0, gt=0)

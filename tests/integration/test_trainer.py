@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from conftest import assert_engine_serves
+from conftest import TINY_TEST_OVERRIDES, assert_engine_serves
 from transformers import AutoTokenizer
 
 from async_vapo.learner.vapo import Learner
@@ -108,6 +108,26 @@ def test_few_step_training_run(tiny_cfg, vllm_engine, tiny_base):
     critic = load_critic(ckpt / "critic")
     for k, v in critic.state_dict().items():
         torch.testing.assert_close(v, learner.critic.state_dict()[k], rtol=0, atol=0)
+
+
+def test_the_critic_is_scored_on_its_own_heldout_responses(tiny_cfg, vllm_engine, tmp_path):
+    """``rollout.critic_eval_problems``: at each evaluation the critic is scored on that many held-out problems x
+    ``critic_eval_samples`` fresh responses, not on the evaluation's one per problem (about 10 s)."""
+    from async_vapo.config import load_config
+    from async_vapo.trainer import train
+
+    cfg = load_config([], [*TINY_TEST_OVERRIDES, f"model.cache_dir={tiny_cfg.model.cache_dir}",
+                           f"train.output_dir={tmp_path}/{{name}}", "train.total_steps=1", "train.eval_every=1",
+                           "train.checkpoint_every=0", "rollout.critic_eval_problems=5",
+                           "rollout.critic_eval_samples=3"])
+    train(cfg, progress=False, engine=vllm_engine)
+    evals = [r for r in map(json.loads, (cfg.run_dir() / "metrics.jsonl").read_text().splitlines())
+             if r["kind"] == "eval"]
+    assert len(evals) == 2 and all(r["eval/accuracy"] >= 0 for r in evals)
+    for r in evals:
+        assert r["critic/heldout_responses"] == 15  # 5 x 3, where the evaluation sampled 24 x 1
+        assert r["time/critic_eval_s"] > 0
+        assert "critic/heldout_ev" in r  # null where the 15 returns are all equal (an untrained tiny policy)
 
 
 def test_dynamic_sampling_keeps_informative_groups_and_refills():
