@@ -10,7 +10,7 @@ import pytest
 from async_vapo.config import load_config
 from async_vapo.types import Group, Trajectory
 
-ENGINE_FIXTURES = {"vllm_engine", "continuous_engine"}
+ENGINE_FIXTURES = {"vllm_engine", "continuous_engine", "lora_engine"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group marks into the node ids
@@ -88,6 +88,20 @@ def continuous_engine(tiny_base):
     # nothing keeps vLLM's engine after close: else it shuts down again at the interpreter's exit, after the modules
     # it needs are gone ("Exception ignored in AsyncLLM.__del__" in every rollout service's log)
     assert llm() is None, "the closed engine's AsyncLLM is still referenced"
+
+
+@pytest.fixture(scope="session")
+def lora_engine(tiny_base):
+    """One LoRA engine for the session (a ``ContinuousEngine``, whose ``generate`` serves the lock-step case too):
+    ``max_lora_rank`` 8, up to 4 adapters at once. Tests that load whole weights into it leave them as its base."""
+    from async_vapo.rollout.continuous import ContinuousEngine
+    from async_vapo.rollout.engine import EngineSpec
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    engine = ContinuousEngine(EngineSpec(model_path=str(tiny_base), max_model_len=256, kv_cache_gib=1,
+                                         max_lora_rank=8, max_loras=4))
+    yield engine
+    engine.close()
 
 
 def assert_engine_serves(engine, policy, tok, prompt="5+5-3=", temperature=1.0):

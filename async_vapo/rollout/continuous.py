@@ -468,16 +468,15 @@ class ContinuousEngine(EngineWeights):
     def _apply_adapter(self, version: int, load: Callable[[], T]) -> T:
         """``apply_weights`` of a LoRA engine: ``load`` loads the next adapter (``load_adapter``) with no pause
         (running groups keep their adapters) and new groups get it; a whole-weights load in it pauses first
-        (:meth:`_before_whole_load`), as ``weight_update`` says, and resumes after."""
+        (:meth:`_before_whole_load`), as ``weight_update`` says, and resumes after. A ``load`` that raises before
+        any load method changed anything (an adapter refused by its checksum, a failed fetch) leaves the old version
+        served; a load method that raises invalidates the engine itself."""
         with self._update_lock:
             in_flight = self.in_flight()
             t0 = time.perf_counter()
             self._lazy_pause = True
             try:
                 result = load()
-            except BaseException:
-                self.invalidate()
-                raise
             finally:
                 self._lazy_pause = False
             t1 = time.perf_counter()

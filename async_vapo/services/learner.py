@@ -16,7 +16,9 @@ The step loop is ``async_vapo.learner.loop`` (the one-process trainer runs the s
 :class:`ReplaySource`. Weights (``async_vapo.weights``): each version goes out by ``cluster.weights.transfer``
 (shared-memory slots mapped by engines on this host and fetched over ZeroMQ by the others, or a safetensors
 file per version, or streams over the engines' torch.distributed weight groups) and the rotation of engines
-follows their acks and heartbeats (``WeightBroadcast``). ``broadcast_seconds`` is the time from the start of the
+follows their acks and heartbeats (``WeightBroadcast``). With ``model.lora`` a version is the policy's adapter
+(``weights.adapter``: a PEFT directory the engines read where it lies or fetch over ZeroMQ) and the rollout engines
+are started with vLLM's LoRA support. ``broadcast_seconds`` is the time from the start of the
 write to the last ack of the engines in rotation. A sharded learner with weight groups ("dist", "auto") publishes
 on every rank (``learner.sharding.publish_sharded``): a version that every engine takes over its group is gathered
 one bucket at a time as it is sent and written to no slot; it is gathered whole on rank 0 only when an engine needs
@@ -417,6 +419,10 @@ class LearnerService:
         self.publish_again()
 
     def publish(self, version: int, state) -> float:
+        """Version ``version`` to the engines: ``state`` (the policy's weights), or with ``model.lora`` the policy's
+        adapter alone (``weights.adapter``: the engines load it over their base)."""
+        if self.learner.lora is not None:
+            state = self.learner.adapter_state()
         return self.sync.publish(version, state, self.floor(version))
 
     def publish_all(self, version: int, again: bool = False) -> dict[str, float]:
@@ -445,9 +451,10 @@ class LearnerService:
     # -- run ------------------------------------------------------------------------------------------------------
     def run(self) -> None:
         v = self.learner.version
+        state = None
         if self.streams:  # a collective
             self.publish_all(v)
-        else:
+        elif self.learner.lora is None:
             state = self.learner.policy_state()  # a collective when the learner is sharded
         if self.rank != 0:
             self.loop.run()

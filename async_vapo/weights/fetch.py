@@ -1,8 +1,11 @@
 """Weights for engines on other hosts than the learner's, over the transport's blob link.
 
 The learner's ``WeightServer`` (a ``Transport.blob_server``, served by its own thread, so a fetch does not wait for
-the update in progress) answers ``WeightsFetch(version, index)`` with chunk ``index`` of the slot holding ``version``
-(a ``TensorHeader`` with its crc32, and the raw bytes), or with ``Ack(ok=False)`` when no slot holds it;
+the update in progress) answers ``WeightsFetch(version, index)`` with chunk ``index`` of ``version`` in its store
+(a ``TensorHeader`` with its crc32, and the raw bytes), or with ``Ack(ok=False)`` when the store does not hold it.
+The store is the learner's shared-memory slots (``slots.WeightSlots``), or with ``model.lora`` the adapter
+publisher's blobs (``adapter.AdapterPublisher``: a version's PEFT files end to end, the engine writes them into a
+directory of its own);
 ``fetch_weights`` keeps a window of requests in flight over a ``Transport.blob_requester`` and writes the chunks
 into the engine's own shared buffer. Both take the service's transport: ZeroMQ between hosts (CURVE admitting only
 rollouts, ``transport.zmq_transport``), in-process in one process's tests. The wire format is the one of protocol 7.
@@ -13,10 +16,20 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from async_vapo.transport.interface import BlobReply, Transport, blob_checksum
 from async_vapo.transport.messages import Ack, Decoder, Envelope, TensorHeader, WeightsFetch, make_envelope
-from async_vapo.weights.slots import WeightSlots, WeightsUnavailable
+from async_vapo.weights.slots import WeightsUnavailable
+
+
+class VersionStore(Protocol):
+    """What a fetch server serves: the bytes of each version it holds (``slots.WeightSlots``,
+    ``adapter.AdapterPublisher``). Both raise WeightsUnavailable for a version not held (any more)."""
+
+    def nbytes(self, version: int) -> int: ...
+
+    def read(self, version: int, start: int, stop: int) -> bytes: ...
 
 
 class WeightServer:
@@ -28,11 +41,11 @@ class WeightServer:
     ``Ack(ok=False, error)`` when the version is not held. A malformed request is counted in ``decoder.rejects`` and
     dropped; the thread keeps serving. ``on_served(nbytes)`` after each chunk sent."""
 
-    def __init__(self, transport: Transport, slots: WeightSlots, endpoint: str, *, chunk_bytes: int, max_bytes: int,
+    def __init__(self, transport: Transport, store: VersionStore, endpoint: str, *, chunk_bytes: int, max_bytes: int,
                  send_timeout_s: float, sender: str = "learner", on_served: Callable[[int], None] | None = None):
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-        self.slots = slots
+        self.store = store
         self.chunk_bytes = chunk_bytes
         self.sender = sender
         self.decoder = Decoder((WeightsFetch,), max_bytes=max_bytes, name="weights_fetch")
@@ -43,13 +56,13 @@ class WeightServer:
     def _answer(self, env: Envelope) -> BlobReply:
         req = env.body
         try:
-            # the version's size comes from the slot; chunk `index` of it
+            # the version's size comes from the store; chunk `index` of it
             start = req.index * self.chunk_bytes
-            total = self.slots.nbytes(req.version)
+            total = self.store.nbytes(req.version)
             stop = min(start + self.chunk_bytes, total)
             if req.index < 0 or start >= total:
                 raise WeightsUnavailable(f"chunk {req.index} outside version {req.version} ({total} bytes)")
-            data = self.slots.read(req.version, start, stop)
+            data = self.store.read(req.version, start, stop)
         except WeightsUnavailable as exc:
             return make_envelope(Ack(acked_id=env.id, ok=False, error=str(exc)), sender=self.sender,
                                  reply_to=env.id), None

@@ -6,7 +6,9 @@ engines and returns the announce that tells them where it is. The ways:
 * :class:`SlotPublisher` (``cluster.weights.transfer`` auto / shm / zmq): the version goes into one of the
   learner's shared-memory slots (``slots``); engines on this host map the slot, the others fetch it from the
   fetch server (``fetch``) over the learner's transport (ZeroMQ between hosts);
-* :class:`FilePublisher` ("file"): one safetensors file per version (``file``).
+* :class:`FilePublisher` ("file"): one safetensors file per version (``file``);
+* ``adapter.AdapterPublisher`` (any of them but "dist", with ``model.lora``): the version's LoRA adapter as a PEFT
+  directory, fetched over the transport by engines that cannot read it where it lies ("auto", "zmq").
 
 The engine's end of every way is ``receive.load_announced``. Announces, acks, heartbeats and the rotation
 of engines are the same for every way (``sync.WeightBroadcast``). A torch.distributed broadcast into
@@ -101,13 +103,25 @@ class FilePublisher(Publisher):
 
 
 def make_publisher(transfer: str, directory: Path, *, keep_versions: int, transport: Transport | None,
-                   fetch_endpoint: str | None, **server_args) -> Publisher:
+                   fetch_endpoint: str | None, lora=None, base_model: str | None = None, **server_args) -> Publisher:
     """The publisher of ``cluster.weights.transfer``: "file", or slots with a fetch server on ``transport`` ("auto",
-    "zmq") or without one ("shm": every engine shares this host)."""
+    "zmq") or without one ("shm": every engine shares this host). With ``lora`` (the policy's ``peft.LoraConfig``,
+    ``model.lora``) each version is its adapter (``adapter.AdapterPublisher``), a PEFT directory under
+    ``directory``, with a fetch server for "auto" and "zmq"; "dist" is refused."""
     directory.mkdir(parents=True, exist_ok=True)
+    if transfer not in ("auto", "shm", "zmq", "file", "dist"):  # "dist" keeps the slots of "auto" as its fallback
+        raise ValueError(f"unknown weight transfer {transfer!r} (auto, shm, zmq, file, dist)")
+    if lora is not None:
+        from async_vapo.weights.adapter import AdapterPublisher
+
+        if transfer == "dist":
+            raise ValueError('model.lora with cluster.weights.transfer = "dist": an adapter is not streamed over '
+                             'torch.distributed groups; use "auto", "shm", "zmq" or "file"')
+        serve = transfer in ("auto", "zmq")
+        return AdapterPublisher(directory, lora, keep=max(2, keep_versions), base_model=base_model,
+                                transport=transport if serve else None,
+                                fetch_endpoint=fetch_endpoint if serve else None, **(server_args if serve else {}))
     if transfer == "file":
         return FilePublisher(directory, keep_versions)
-    if transfer not in ("auto", "shm", "zmq", "dist"):  # "dist" keeps the slots of "auto" as its fallback
-        raise ValueError(f"unknown weight transfer {transfer!r} (auto, shm, zmq, file, dist)")
     return SlotPublisher(directory, max(2, keep_versions), transport=transport,
                          fetch_endpoint=None if transfer == "shm" else fetch_endpoint, **server_args)

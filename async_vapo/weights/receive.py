@@ -6,7 +6,7 @@ from pathlib import Path
 
 from async_vapo.transport.interface import Transport, verify_checksum
 from async_vapo.transport.messages import WeightsAnnounce
-from async_vapo.weights.adapter import check_adapter
+from async_vapo.weights.adapter import check_adapter, inbox
 from async_vapo.weights.engine import WeightEngine
 from async_vapo.weights.fetch import fetch_weights
 from async_vapo.weights.slots import WeightsUnavailable, slot_holds
@@ -15,10 +15,11 @@ from async_vapo.weights.slots import WeightsUnavailable, slot_holds
 def load_announced(engine: WeightEngine, a: WeightsAnnounce, *, transport: Transport, mode: str,
                    fetch_endpoint: str, chunk_bytes: int, timeout_s: float, engine_id: str, max_bytes: int) -> str:
     """Load the announced version into ``engine`` through its load methods (inside its ``apply_weights``); returns
-    the way it came: "shm", "zmq" (fetched from ``fetch_endpoint`` over ``transport``), "file" or "adapter" (a LoRA
-    version's PEFT directory, ``weights.adapter``). ``mode`` is
-    ``cluster.weights.transfer``. Raises on anything that does not match the announce; after a torn slot load (the
-    learner rewrote the slot meanwhile) the engine is invalidated (version -1)."""
+    the way it came: "shm", "zmq" (fetched from ``fetch_endpoint`` over ``transport``), "file", or for a LoRA
+    version (``weights.adapter``) "adapter" (the learner's PEFT directory, read where it lies) or "adapter_zmq" (its
+    files fetched, written into a directory of the engine's own). ``mode`` is ``cluster.weights.transfer``. Raises
+    on anything that does not match the announce; after a torn slot load (the learner rewrote the slot meanwhile) the
+    engine is invalidated (version -1)."""
     if a.transfer == "file":
         data = Path(a.location).read_bytes()
         if len(data) != a.nbytes or not verify_checksum(data, a.checksum):
@@ -27,9 +28,8 @@ def load_announced(engine: WeightEngine, a: WeightsAnnounce, *, transport: Trans
         engine.load_weights_from_file(a.location, a.version)
         return "file"
     if a.transfer == "adapter":
-        check_adapter(a)
-        engine.load_adapter(a.location, a.version)
-        return "adapter"
+        return _load_adapter(engine, a, transport=transport, mode=mode, fetch_endpoint=fetch_endpoint,
+                             chunk_bytes=chunk_bytes, timeout_s=timeout_s, engine_id=engine_id, max_bytes=max_bytes)
     if a.transfer != "shm":
         raise ValueError(f"transfer {a.transfer!r} is not one an engine loads (shm, file, adapter)")
     if not a.layout:
@@ -55,3 +55,24 @@ def load_announced(engine: WeightEngine, a: WeightsAnnounce, *, transport: Trans
     del dst
     engine.load_received(a.layout, a.version)
     return "zmq"
+
+
+def _load_adapter(engine: WeightEngine, a: WeightsAnnounce, *, transport: Transport, mode: str, fetch_endpoint: str,
+                  chunk_bytes: int, timeout_s: float, engine_id: str, max_bytes: int) -> str:
+    """A LoRA version: the learner's directory where it is readable here (but with "zmq"), checked against the
+    announce (a mismatch raises ValueError); else ("zmq", and "auto" on another host) its blob fetched into this
+    process's ``adapter.inbox``. Then vLLM's load. As for a slot, "shm" and "file" never fetch: a directory not
+    readable here is WeightsUnavailable. Whatever raises before vLLM's load leaves the engine's version as it was."""
+    if mode != "zmq":
+        try:
+            check_adapter(a)
+        except WeightsUnavailable:
+            if mode in ("shm", "file"):
+                raise
+        else:
+            engine.load_adapter(a.location, a.version)
+            return "adapter"
+    path = inbox().fetch(transport, fetch_endpoint, a, chunk_bytes=chunk_bytes, timeout_s=timeout_s,
+                         engine_id=engine_id, max_bytes=max_bytes)
+    engine.load_adapter(str(path), a.version)
+    return "adapter_zmq"

@@ -37,6 +37,12 @@ publishes the version again, whole, to a slot (``publish(..., again=True)``; on 
 ``REPUBLISH``, from its work while it waits for a batch). Otherwise (an engine on the slot or the fetch, or none known
 yet) the version is gathered whole on rank 0 in one walk and published as above.
 
+With ``model.lora`` a version is its adapter (``async_vapo.weights.adapter``): the publish writes a PEFT directory
+(``publish``'s tensors are ``Learner.adapter_state()``), engines read it where it lies ("shm", "file", "auto" on this
+host) or fetch its files from the ``weights_fetch`` server ("zmq", "auto" elsewhere); no group is offered or
+streamed, and "dist" is refused. Announces, acks, rotation, liveness and the heartbeats' repeated announce (a late
+engine loads the current adapter) are as for whole weights.
+
 ``cluster.weights.transfer = "auto"`` chooses per engine (``async_vapo.weights.choose.WayChooser``, fed by the acks,
 which say the way each version came): an engine on this host maps its slot; one on another host fetches, asks for a
 group after its first fetch, and is streamed versions over it once its fetches are timed, until the faster way
@@ -181,7 +187,11 @@ class WeightBroadcast:
         self.dead = m.get("engines_dead_total")
         self.rejoined = m.get("engines_rejoined_total")
         self.failed_loads = m.get("weight_load_failures_total")
-        self.dist = c.weights.transfer in ("dist", "auto")
+        from async_vapo.models import lora
+
+        self.lora = lora.config_of(ctx.cfg)
+        """``model.lora``: each version is its adapter (``weights.adapter``), never streamed over a group."""
+        self.dist = c.weights.transfer in ("dist", "auto") and self.lora is None
         """Engines may get torch.distributed groups ("dist"; "auto" for engines on other hosts)."""
         self.chooser = WayChooser(c.weights.transfer == "auto", c.weights.auto_trials)
         self.by_way = m.get("engines_by_weight_way")
@@ -197,12 +207,13 @@ class WeightBroadcast:
         self.publisher = make_publisher(
             c.weights.transfer, self.dir, keep_versions=c.weights.keep_versions, transport=transport,
             fetch_endpoint=fetch_endpoint or ctx.endpoint(c.hosts.bind_host, c.ports.weights_fetch_port),
+            lora=self.lora, base_model=ctx.cfg.model.path,
             chunk_bytes=c.weights.chunk_bytes, max_bytes=c.wire.max_message_bytes, send_timeout_s=c.wire.send_timeout_s,
             sender=ctx.name, on_served=m.learner.weight_fetch_bytes_total.inc)
 
     @property
     def server(self):
-        """The fetch server of the slot way (None for "file" and "shm")."""
+        """The fetch server of the slots or the adapters (None for "file" and "shm")."""
         return getattr(self.publisher, "server", None)
 
     def publish(self, version: int, tensors: NamedTensors, min_version: int = -1, *, again: bool = False) -> float:

@@ -1,7 +1,7 @@
 """A version as its LoRA adapter, on the real engine: the learner publishes the adapter alone (a PEFT directory on
 tmpfs, ``weights.adapter``), the engine loads it through ``receive.load_announced`` and vLLM's LoRA support, and
 serves exactly the learner's policy; in continuous generation a group keeps the adapter it started with while newer
-ones load. One LoRA engine (a ``ContinuousEngine``, whose ``generate`` serves the lock-step case too) for the module."""
+ones load. The session's LoRA engine (tests/conftest.py's ``lora_engine``)."""
 
 from __future__ import annotations
 
@@ -13,18 +13,6 @@ from conftest import assert_engine_serves
 from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.engines
-
-
-@pytest.fixture(scope="module")
-def lora_engine(tiny_base):
-    from async_vapo.rollout.continuous import ContinuousEngine
-    from async_vapo.rollout.engine import EngineSpec
-
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    engine = ContinuousEngine(EngineSpec(model_path=str(tiny_base), max_model_len=256, kv_cache_gib=1,
-                                         max_lora_rank=8, max_loras=4))
-    yield engine
-    engine.close()
 
 
 @pytest.fixture(scope="module")
