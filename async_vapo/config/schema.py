@@ -419,9 +419,16 @@ class RolloutConfig(_Section):
     env_tool_seconds: float = Field(5.0, gt=0, le=600)
     """``env = "python"``: wall seconds of one tool call (start-up included; CPU seconds: its ceiling); a call over
     it is killed and its observation says so."""
+    env_first_turn_prefix: str = ""
+    """``env``: text that opens the model's first turn of every sample, e.g. ``"```python\\n"`` (its first turn is
+    then a tool call): its tokens end the prompt (the model does not write them and is not trained on them) and the
+    environment's first ``step`` gets it before the turn's text. Empty: the model opens its turn itself."""
 
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:
+        if self.env_first_turn_prefix and not self.env:
+            raise ValueError("rollout.env_first_turn_prefix opens the first turn of a multi-turn rollout: "
+                             "set rollout.env")
         if self.env and self.generation == "continuous":
             raise ValueError("rollout.env (multi-turn rollouts) runs on lock-step generation only: set "
                              "rollout.generation = 'lockstep' (the continuous engine does not run environments yet)")

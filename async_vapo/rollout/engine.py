@@ -107,10 +107,12 @@ class EngineSpec:
     @classmethod
     def from_config(cls, cfg, model_path, *, longest_prompt: int, instance: int = 0) -> EngineSpec:
         """The engine of ``cfg.rollout`` serving ``model_path``; replica ``instance`` samples from its own seed.
-        ``max_model_len`` fits the longest prompt and a full response."""
+        ``max_model_len`` fits the longest prompt and a full response (and ``rollout.env_first_turn_prefix``, which
+        ends every prompt of a multi-turn rollout: at most one token per byte, and one more)."""
         r = cfg.rollout
+        prefix = len(r.env_first_turn_prefix.encode()) + 1 if r.env_first_turn_prefix else 0
         return cls(model_path=str(model_path), dtype=cfg.model.dtype, seed=r.seed + instance,
-                   kv_cache_gib=r.kv_cache_gib, max_model_len=longest_prompt + r.max_response_tokens + 1,
+                   kv_cache_gib=r.kv_cache_gib, max_model_len=longest_prompt + prefix + r.max_response_tokens + 1,
                    gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
                    max_num_seqs=r.max_num_seqs, tensor_parallel_size=r.tensor_parallel_size,
                    dist_backend=cfg.cluster.weights.dist_backend, idle_spin_s=r.idle_spin_s,

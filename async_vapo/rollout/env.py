@@ -159,6 +159,9 @@ class EnvRunner:
 
     make: Callable[[], Environment]
     limits: EnvLimits
+    first_turn_prefix: str = ""
+    """``rollout.env_first_turn_prefix``: text that ends every prompt, opening the model's first turn; the
+    environment's first step gets it before the turn's text."""
 
     @classmethod
     def from_config(cls, cfg) -> EnvRunner | None:
@@ -167,4 +170,5 @@ class EnvRunner:
         if not r.env:
             return None
         return cls(env_factory(r.env, cfg), EnvLimits(max_turns=r.env_max_turns,
-                                                      tool_output_tokens=r.env_tool_output_tokens))
+                                                      tool_output_tokens=r.env_tool_output_tokens),
+                   r.env_first_turn_prefix)

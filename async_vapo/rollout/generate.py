@@ -221,9 +221,10 @@ class _Conversation:
 
 
 def _step_env(c: _Conversation, turn: list[int], encoder: PromptEncoder, limits, max_tokens: int,
-              stop_ids: Sequence[int]) -> None:
-    """The environment's answer to the model's latest ``turn``: end ``c``, or append the observation's tokens."""
-    obs, c.reward, done = c.env.step(encoder.decode(turn))
+              stop_ids: Sequence[int], prefix: str = "") -> None:
+    """The environment's answer to the model's latest ``turn`` (the first one after ``prefix``, the prompt's
+    end): end ``c``, or append the observation's tokens."""
+    obs, c.reward, done = c.env.step((prefix if c.turns == 1 else "") + encoder.decode(turn))
     if done or obs is None or c.finish != "stop" or c.turns >= limits.max_turns:
         c.done = True  # a turn cut by the token budget, or the last turn allowed, is graded as it is
         return
@@ -247,13 +248,14 @@ def generate_env_groups(engine, encoder: PromptEncoder, problems: Sequence[Probl
     bounds a sample's tokens after the prompt, the environment's included. Each sample keeps the version of every
     model token (a version loaded between two turns starts a new span)."""
     convs = [[_Conversation(env.make()) for _ in range(n)] for _ in problems]
+    prefix = encoder.tokenizer(env.first_turn_prefix, add_special_tokens=False).input_ids  # ends every prompt
     prompts = []
     for p, row in zip(problems, convs, strict=True):
         first = [c.env.reset(p) for c in row]
         if any(m != first[0] for m in first):
             raise ValueError(f"the environments of problem {p.uid!r} started with different messages: a group's "
                              "samples share one prompt")
-        prompts.append(encoder(p) if first[0] is None else encoder.encode_messages(first[0]))
+        prompts.append((encoder(p) if first[0] is None else encoder.encode_messages(first[0])) + prefix)
     todo = [(i, c) for i, row in enumerate(convs) for c in row]
     outs = engine.generate(prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                            stop_token_ids=list(stop_token_ids), seed=seed)
@@ -263,7 +265,7 @@ def generate_env_groups(engine, encoder: PromptEncoder, problems: Sequence[Probl
         for (_, c), sample in zip(todo, samples, strict=True):
             ids = c.add_model_turn(sample, version, max_tokens - len(c.ids))
             if not c.done:
-                _step_env(c, ids, encoder, env.limits, max_tokens, stop_token_ids)
+                _step_env(c, ids, encoder, env.limits, max_tokens, stop_token_ids, env.first_turn_prefix)
         todo = [(i, c) for i, c in todo if not c.done]
         if not todo:
             break
