@@ -12,7 +12,10 @@ One engine at a time (the machine is shared), each with one OpenMP thread:
 2. an engine with LoRA (``max_lora_rank``; vLLM turns compilation off with LoRA on the CPU): ``--pushes`` adapter
    pushes through the cluster's adapter path (``AdapterPublisher.publish``: a PEFT directory on /dev/shm with its
    crc32, then ``receive.load_announced``: the check and vLLM's ``LoRARequest`` load), then the same generation
-   under the adapter.
+   under the adapter;
+3. on each engine, ``--pushes`` versions as an engine on another host takes them (``cluster.weights.transfer =
+   "zmq"``): the learner's publish (a shared-memory slot / the adapter's PEFT directory and blob), the engine's fetch
+   over ZeroMQ on loopback (``fetch.WeightServer``, 16 MiB chunks) and its load (``receive.load_announced``).
 
 The policy is the model with a rank ``--rank`` adapter on every linear layer of its decoder, B random (a trained
 adapter's size and cost; its values do not matter here). Writes ``benchmarks/results/lora/<model>.json``.
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -69,6 +73,34 @@ def tokens_per_s(engine, *, prompts: int, n: int, tokens: int, lora_request=None
     return rates
 
 
+CHUNK = 16 << 20  # cluster.weights.chunk_bytes' default
+
+
+def zmq_pushes(engine, make_publisher, tensors, pushes: int) -> list[float]:
+    """Seconds of each push over the fetch (publish, fetch, load; ``make_publisher(transport, endpoint, directory)``),
+    the first (a warm-up) left out."""
+    from async_vapo.transport.zmq_transport import ZmqTransport
+    from async_vapo.weights.layout import shm_dir
+    from async_vapo.weights.receive import load_announced
+
+    transport = ZmqTransport()
+    scratch = tempfile.TemporaryDirectory(dir=shm_dir())
+    publisher = make_publisher(transport, "tcp://127.0.0.1:*", Path(scratch.name))
+    out = []
+    try:
+        for v in range(101, 102 + pushes):
+            t0 = time.perf_counter()
+            a = publisher.publish(v, tensors)
+            load_announced(engine, a, transport=transport, mode="zmq", fetch_endpoint=publisher.server.endpoint,
+                           chunk_bytes=CHUNK, timeout_s=60.0, engine_id="bench", max_bytes=2**20)
+            out.append(time.perf_counter() - t0)
+    finally:
+        publisher.close()
+        transport.close()
+        scratch.cleanup()
+    return out[1:]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF directory (default: the embedded tiny base model)")
@@ -91,6 +123,7 @@ def main() -> None:
     from async_vapo.models.lora import vllm_max_lora_rank
     from async_vapo.rollout.engine import EngineSpec, VLLMEngine
     from async_vapo.weights.adapter import AdapterPublisher
+    from async_vapo.weights.publish import SlotPublisher
     from async_vapo.weights.receive import load_announced
 
     model = args.model
@@ -117,6 +150,8 @@ def main() -> None:
         result["full_push_s"] = pushes[1:]  # the first allocates the shared buffer
         result["full_stages_last"] = dict(engine.last_load_stages)
         result["tokens_s_without_lora"] = tokens_per_s(engine, prompts=args.prompts, n=args.n, tokens=args.tokens)
+        result["full_zmq_push_s"] = zmq_pushes(engine, lambda tp, ep, d: SlotPublisher(
+            d, 2, transport=tp, fetch_endpoint=ep, chunk_bytes=CHUNK, max_bytes=2**20), merged, args.pushes)
     finally:
         engine.close()
 
@@ -140,6 +175,9 @@ def main() -> None:
         result["adapter_file_bytes"] = a.nbytes
         result["tokens_s_with_adapter"] = tokens_per_s(engine, prompts=args.prompts, n=args.n, tokens=args.tokens,
                                                        lora_request=engine._lora)
+        result["adapter_zmq_push_s"] = zmq_pushes(engine, lambda tp, ep, d: AdapterPublisher(
+            d, config, keep=2, transport=tp, fetch_endpoint=ep, chunk_bytes=CHUNK, max_bytes=2**20), adapter,
+            args.pushes)
     finally:
         publisher.close()
         engine.close()
@@ -148,6 +186,8 @@ def main() -> None:
     result["summary"] = {
         "bytes_ratio_full_over_adapter": result["full_bytes"] / result["adapter_bytes"],
         "push_s_median_full": full, "push_s_median_adapter": ad,
+        "zmq_push_s_median_full": statistics.median(result["full_zmq_push_s"]),
+        "zmq_push_s_median_adapter": statistics.median(result["adapter_zmq_push_s"]),
         "tokens_s_median_without_lora": statistics.median(result["tokens_s_without_lora"]),
         "tokens_s_median_with_adapter": statistics.median(result["tokens_s_with_adapter"]),
         "tokens_s_ratio_adapter_over_without": statistics.median(result["tokens_s_with_adapter"])
