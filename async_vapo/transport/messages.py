@@ -244,7 +244,8 @@ class WeightsAck(_Body, tag="weights_ack"):
     """Seconds of the load by the way it came (a failed group receive before a fetch is not counted in it)."""
     error: str = ""
     via: str = ""
-    """The way the version came: "dist", "shm", "zmq" or "file" ("" when the load failed)."""
+    """The way the version came: "dist", "shm", "zmq" or "file"; a LoRA version's adapter "adapter" (the learner's
+    directory) or "adapter_zmq" (fetched); "" when the load failed."""
 
 
 # rollout -> learner (acks socket): "give me a torch.distributed group for weights" ("dist": at start; "auto": after

@@ -49,7 +49,7 @@ def counter(metric, **labels) -> float:
     return (metric.labels(**labels) if labels else metric)._value.get()
 
 
-@pytest.mark.parametrize("transfer", ["shm", "zmq"])
+@pytest.mark.parametrize("transfer", ["shm", "zmq", "auto"])
 def test_the_learner_service_publishes_adapters_that_the_engine_serves(transfer, tiny_cfg, tiny_base, lora_engine,
                                                                       tmp_path):
     from transformers import AutoTokenizer
@@ -88,7 +88,7 @@ def test_the_learner_service_publishes_adapters_that_the_engine_serves(transfer,
                                  pretrain_batches=1)
         rollout.weights.start()
         serve(learner, rollout, 1)
-        way = {"shm": "adapter", "zmq": "adapter_zmq"}[transfer]
+        way = {"shm": "adapter", "zmq": "adapter_zmq", "auto": "adapter"}[transfer]  # "auto": this host
         rm, lm = rollout.ctx.metrics.rollout, sync.ctx.metrics.learner
         assert counter(rm.weight_transfers_total, via=way) == 1
         served = counter(lm.weight_fetch_bytes_total)
@@ -102,7 +102,7 @@ def test_the_learner_service_publishes_adapters_that_the_engine_serves(transfer,
         # version 2's adapter is corrupted after its announce: refused, acked as failed, version 1 still served
         set_adapter(learner.learner, seed=2)
         learner.publish(2, learner.learner.policy_state())
-        if transfer == "shm":
+        if transfer != "zmq":
             from async_vapo.models.lora import ADAPTER_WEIGHTS
 
             path = sync.publisher.dirs[-1] / ADAPTER_WEIGHTS
