@@ -1188,6 +1188,9 @@ class Config(_Section):
                              f"{self.verifier.answer_format!r}, task.answer={self.task.answer!r})")
         if self.algo.overlong_buffer >= self.rollout.max_response_tokens:
             raise ValueError("algo.overlong_buffer must be smaller than rollout.max_response_tokens")
+        if self.model.lora.enabled and self.cluster.weights.transfer == "dist":
+            raise ValueError('model.lora with cluster.weights.transfer = "dist": a LoRA version is its adapter, which '
+                             'is not streamed over torch.distributed groups; use "auto", "shm", "zmq" or "file"')
         if self.async_.rollout_devices % self.rollout.tensor_parallel_size:
             raise ValueError(f"async.rollout_devices ({self.async_.rollout_devices}) is not a multiple of "
                              f"rollout.tensor_parallel_size ({self.rollout.tensor_parallel_size}): every engine "

@@ -26,8 +26,8 @@ Invariants: a directory is complete before it is announced (written beside and r
 ``keep`` versions are kept (directory and, with a fetch server, blob), so an engine that loads a version announced
 ``keep - 1`` versions ago still finds it. A blob's file names are the two of :data:`ADAPTER_FILES` and nothing else
 (an engine writes no other file, whatever an announce says). Streaming an adapter over a torch.distributed group
-(``cluster.weights.transfer = "dist"``) is not done: the learner refuses that with ``model.lora`` at its start
-(``publish.make_publisher``), naming the ways that work.
+(``cluster.weights.transfer = "dist"``) is not done: the config refuses it with ``model.lora``, naming the ways
+that work (and so does ``publish.make_publisher``).
 """
 
 from __future__ import annotations

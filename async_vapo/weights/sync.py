@@ -40,8 +40,8 @@ yet) the version is gathered whole on rank 0 in one walk and published as above.
 With ``model.lora`` a version is its adapter (``async_vapo.weights.adapter``): the publish writes a PEFT directory
 (``publish``'s tensors are ``Learner.adapter_state()``), engines read it where it lies ("shm", "file", "auto" on this
 host) or fetch its files from the ``weights_fetch`` server ("zmq", "auto" elsewhere); no group is offered or
-streamed, and "dist" is refused. Announces, acks, rotation, liveness and the heartbeats' repeated announce (a late
-engine loads the current adapter) are as for whole weights.
+streamed, and "dist" is refused (by the config). Announces, acks, rotation, liveness and the heartbeats' repeated
+announce (a late engine loads the current adapter) are as for whole weights.
 
 ``cluster.weights.transfer = "auto"`` chooses per engine (``async_vapo.weights.choose.WayChooser``, fed by the acks,
 which say the way each version came): an engine on this host maps its slot; one on another host fetches, asks for a

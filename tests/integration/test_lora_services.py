@@ -181,5 +181,7 @@ def test_adapters_over_weight_groups_are_refused_naming_the_ways_that_work(tmp_p
     from async_vapo.weights.publish import make_publisher
 
     with pytest.raises(ValueError, match='"auto", "shm", "zmq" or "file"'):
+        load_config([], ["model.lora.rank=4", "cluster.weights.transfer=dist"])
+    with pytest.raises(ValueError, match='"auto", "shm", "zmq" or "file"'):
         make_publisher("dist", tmp_path, keep_versions=2, transport=None, fetch_endpoint=None,
                        lora=lora.peft_config(4, 8, ["q_proj"]))
