@@ -185,3 +185,78 @@ def test_adapters_over_weight_groups_are_refused_naming_the_ways_that_work(tmp_p
     with pytest.raises(ValueError, match='"auto", "shm", "zmq" or "file"'):
         make_publisher("dist", tmp_path, keep_versions=2, transport=None, fetch_endpoint=None,
                        lora=lora.peft_config(4, 8, ["q_proj"]))
+
+
+def test_the_whole_pipeline_trains_with_lora_over_the_fetch(tiny_cfg, tiny_base, lora_engine, tmp_path):
+    """Rollout, verifier, replay and learner services over the in-process transport with ``model.lora`` and
+    ``cluster.weights.transfer = "zmq"``: three updates, each version fetched as its adapter, and the engine serves
+    the final checkpoint's adapter as peft loads it over the base model."""
+    import json
+    import threading
+
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    from async_vapo.models.rl import load_policy
+    from async_vapo.services.context import SERVICES
+    from async_vapo.services.learner import LearnerService
+    from async_vapo.services.replay import ReplayService
+    from async_vapo.services.rollout import RolloutService
+    from async_vapo.services.verifier import VerifierService
+    from async_vapo.tasks import load_task
+    from async_vapo.transport import InprocTransport
+
+    total = 3
+    cfg = load_config([], [*TINY_TEST_OVERRIDES, f"model.cache_dir={tiny_cfg.model.cache_dir}", "model.lora.rank=4",
+                           "model.lora.alpha=8", f"train.total_steps={total}", f"train.eval_every={total}",
+                           "train.checkpoint_every=0", "async.max_staleness=1", "cluster.weights.transfer=zmq",
+                           "cluster.weights.chunk_bytes=16384", "cluster.replay.fsync=never",
+                           "cluster.wire.batch_poll_s=0.05", "cluster.wire.heartbeat_s=0.2"])
+    run_dir = tmp_path / "run"
+    tok = AutoTokenizer.from_pretrained(str(tiny_base))
+    base = load_policy(tiny_base)
+    lora_engine.apply_weights(0, lambda: lora_engine.load_weights(base.state_dict(), 0))
+    ctxs = {s: make_context(s, cfg=cfg, run_dir=run_dir, serve_metrics=False, install_signals=False)
+            for s in SERVICES}
+    train_set, eval_set = load_task(cfg)
+    transport = InprocTransport()
+    replay = ReplayService(ctxs["replay"], transport)
+    verifier = VerifierService(ctxs["verifier"], transport)
+    learner = LearnerService(ctxs["learner"], transport)
+    rollout = RolloutService(ctxs["rollout"], transport, lora_engine, tok, train_set, eval_set,
+                             pretrain_batches=cfg.algo.value_pretrain_steps)
+    decode = lambda ids: tok.decode(list(ids), skip_special_tokens=True)  # noqa: E731
+    threads = [threading.Thread(target=replay.run, daemon=True),
+               threading.Thread(target=verifier.run, args=(decode,), daemon=True),
+               threading.Thread(target=learner.run, daemon=True), threading.Thread(target=rollout.run, daemon=True)]
+
+    def rows() -> list[dict]:
+        path = run_dir / "metrics.jsonl"
+        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_dir / "DONE").exists() or not any(r["kind"] == "eval" and r["version"] == total
+                                                         for r in rows()):
+            assert time.monotonic() < deadline, "the pipeline did not train and evaluate in time"
+            assert all(t.is_alive() for t in threads), "a service loop died"
+            time.sleep(0.2)
+        served = lora_engine.version
+        fetched = counter(ctxs["rollout"].metrics.rollout.weight_transfers_total, via="adapter_zmq")
+    finally:
+        for ctx in ctxs.values():
+            ctx.stop.set()
+        for t in threads:
+            t.join(60)
+        for svc in (rollout, learner, verifier, replay):
+            svc.close()
+        transport.close()
+    train = [r for r in rows() if r["kind"] == "train"]
+    assert [(r["step"], r["version"]) for r in train] == [(i, i) for i in range(1, total + 1)]
+    assert served == total and fetched == total  # every version came as its adapter, over the fetch
+    adapter = run_dir / "checkpoints" / f"step_{total}" / "policy_adapter"
+    assert_engine_serves(lora_engine, PeftModel.from_pretrained(load_policy(tiny_base), str(adapter)).eval(), tok)
+    with pytest.raises(AssertionError):  # the updates moved the policy off the base
+        assert_engine_serves(lora_engine, base, tok)
