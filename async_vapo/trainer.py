@@ -101,7 +101,9 @@ def _start_engine(cfg: Config, spec: EngineSpec, version: int) -> VLLMEngine:
 class _EnginePublisher:
     """How the one-process trainer hands a version to its engine: the learner's weights, the ``engine_weights``
     experiment's copy of them, or, with ``model.lora`` on a LoRA engine, the version's adapter (``weights.adapter``)
-    in place of the merged weights. Called as ``publish(version, state)``; returns the seconds it took."""
+    in place of the merged weights. Called as ``publish(version)``, or ``publish(version, state)`` with the weights
+    already taken (``StepLoop``'s hook); returns the seconds it took. The learner's weights are taken only where
+    they are sent, so a LoRA version that goes as its adapter never builds the merged state."""
 
     def __init__(self, engine: VLLMEngine, learner, base_path: Path,
                  engine_weights: Callable[[dict, int], dict] | None):
@@ -112,11 +114,13 @@ class _EnginePublisher:
 
             self.adapters = AdapterPublisher(None, learner.lora, base_model=str(base_path))
 
-    def __call__(self, version: int, state: dict) -> float:
+    def __call__(self, version: int, state: dict | None = None) -> float:
         if self.adapters is not None and self.engine_weights is None:
             t0 = time.perf_counter()
             self.engine.load_adapter(self.adapters.publish(version, self.learner.adapter_state()).location, version)
             return time.perf_counter() - t0
+        if state is None:
+            state = self.learner.policy_state()
         weights = state if self.engine_weights is None else self.engine_weights(state, version)
         return self.engine.load_weights(weights, version)
 
@@ -164,7 +168,7 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
         engine = _start_engine(cfg, spec, learner.version)
     publish = _EnginePublisher(engine, learner, base_path, engine_weights)
     if not own_engine or engine_weights is not None:
-        publish(learner.version, learner.policy_state())
+        publish(learner.version)
     verifier = VerifierPool.from_config(cfg.verifier)
     rollout = Rollout(cfg, engine, verifier, encoder)
     source = InProcessSource(cfg, rollout, PromptSampler(train_set, cfg.train.seed))
@@ -207,7 +211,7 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
     if resume:
         loop.resume(learner.load_state(resume))
         if policy_path == base_path or engine_weights is not None:  # the engine has the base model's weights
-            publish(learner.version, learner.policy_state())
+            publish(learner.version)
     try:
         first_eval = run_eval(loop.start_step)
         warn_if_truncated(first_eval, cfg)

@@ -206,8 +206,10 @@ class StepLoop:
     """Runs value pretraining and the updates of one run (see the module docstring).
 
     ``leader``: this rank writes rows, publishes, evaluates and checkpoints, and decides when to stop.
-    Hooks, each optional: ``publish(version, state) -> seconds`` (weights to the engines; a sharded learner
-    gathers ``state`` whole on every rank for it), or instead ``publish_collective(version) -> row metrics``, run
+    Hooks, each optional: ``publish(version, state) -> seconds`` (the version to the engines; ``state`` is the
+    policy's weights that a sharded learner gathers whole on every rank for it, else None: the hook takes from the
+    learner what it sends, ``policy_state()`` or with ``model.lora`` the adapter alone, so no merged copy is built
+    that nothing reads), or instead ``publish_collective(version) -> row metrics``, run
     on every rank of a sharded learner, which gathers what it sends itself (``learner.sharding.publish_sharded``:
     one bucket at a time where every engine takes the version over its weight group) and returns the leader's
     ``time/weight_push_s`` and any other figures for its row; ``evaluate(step)``
@@ -219,7 +221,7 @@ class StepLoop:
     """
 
     def __init__(self, cfg: Config, learner, source: BatchSource, *, pad_id: int, run_dir: Path, log_writer=None,
-                 leader: bool = True, publish: Callable[[int, dict], float] | None = None,
+                 leader: bool = True, publish: Callable[[int, dict | None], float] | None = None,
                  publish_collective: Callable[[int], dict] | None = None,
                  evaluate: Callable[[int], object] | None = None, on_row: Callable[[dict], None] | None = None,
                  busy: Callable[[str], contextlib.AbstractContextManager] | None = None,
@@ -400,7 +402,8 @@ class StepLoop:
                 # a sharded learner publishes (gathers its weights) and writes checkpoints on every rank
                 # (collectives): the other ranks follow the leader's decisions. With publish_collective the version
                 # is gathered bucket by bucket as it is sent, and whole on rank 0 only when an engine needs it so
-                # (learner.sharding.publish_sharded); with publish it is gathered whole for the hook
+                # (learner.sharding.publish_sharded); with publish it is gathered whole for the hook, which an
+                # unsharded learner's hook takes itself (a LoRA version is its adapter: no merged state to build)
                 sharded = getattr(self.learner, "sharded", False)
                 pushed: dict = {}
                 if self._publish_collective is not None:
@@ -414,7 +417,7 @@ class StepLoop:
                 push_s = pushed.get("time/weight_push_s", 0.0)
                 if self._publish is not None:
                     with self._busy("publish"):
-                        push_s = self._publish(self.learner.version, state or self.learner.policy_state())
+                        push_s = self._publish(self.learner.version, state)
                 row = {"kind": "train", "step": self.step, "version": self.learner.version, "wall_s": self.wall(),
                        "samples_seen": self.samples_seen, "groups_kept": len(kept),
                        "learner/invalid_groups": self._step_invalid, **group_stats(groups, "rollout"),

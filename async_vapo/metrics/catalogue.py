@@ -29,7 +29,7 @@ TRANSFER_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0,
 SAMPLE_AGE_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
 LOSS_KINDS = ("policy", "value", "pos_lm")
 CLIP_SIDES = ("low", "high")
-WEIGHT_WAYS = ("dist", "shm", "zmq", "file")
+WEIGHT_WAYS = ("dist", "shm", "zmq", "file", "adapter", "adapter_zmq")  # weights.choose.WAYS
 HTTP_REJECT_REASONS = ("capacity", "timeout", "malformed", "unauthorized", "tls")
 SERVICES = ("rollout", "verifier", "replay", "learner")
 # Version lags of the mismatch gauges: every measured token, then 0, 1, 2 or more versions (algo.mismatch).
@@ -99,9 +99,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec("rollout", "weight_load_seconds", H, "Time to load one policy version into the engine.",
                buckets=TRANSFER_BUCKETS),
     MetricSpec("rollout", "weight_transfers_total", C, "Policy versions loaded, by the way the weights came (dist, "
-               "shm, zmq, file).", ("via",)),
-    MetricSpec("rollout", "weight_way", G, "1 for the way the last version came (dist, shm, zmq, file), 0 for the "
-               "others.", ("way",), series=_one(WEIGHT_WAYS)),
+               "shm, zmq, file; a LoRA version: adapter, adapter_zmq).", ("via",)),
+    MetricSpec("rollout", "weight_way", G, "1 for the way the last version came (dist, shm, zmq, file; a LoRA "
+               "version: adapter, adapter_zmq), 0 for the others.", ("way",), series=_one(WEIGHT_WAYS)),
     MetricSpec("rollout", "admission_rejects_total", C, "Generation refused at admission, by reason (no_learner, "
                "stale_weights, version_budget).", ("reason",)),
     MetricSpec("rollout", "admission_refills_total", C, "Budgets topped up: the learner reported a wait of "
@@ -222,7 +222,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec("learner", "engines_rejoined_total", C, "Engines back in rotation after acking the latest."),
     MetricSpec("learner", "weight_load_failures_total", C, "Acks reporting a failed weight load."),
     MetricSpec("learner", "engines_by_weight_way", G, "Engines by the way they take their weights now (dist, shm, "
-               "zmq, file; \"auto\" chooses per engine).", ("way",), series=_one(WEIGHT_WAYS)),
+               "zmq, file; \"auto\" chooses per engine; a LoRA version: adapter, adapter_zmq).", ("way",),
+               series=_one(WEIGHT_WAYS)),
     MetricSpec("learner", "weight_dist_failures_total", C, "Versions an engine did not receive over its "
                "torch.distributed group (its group torn down)."),
     MetricSpec("learner", "weight_dist_send_seconds", H, "Seconds to stream one version to one engine over its group.",

@@ -418,11 +418,14 @@ class LearnerService:
             raise ValueError(f"unknown control {what!r}")
         self.publish_again()
 
-    def publish(self, version: int, state) -> float:
-        """Version ``version`` to the engines: ``state`` (the policy's weights), or with ``model.lora`` the policy's
-        adapter alone (``weights.adapter``: the engines load it over their base)."""
+    def publish(self, version: int, state: dict | None = None) -> float:
+        """Version ``version`` to the engines: the policy's weights (``state`` when a sharded learner gathered them
+        on every rank, else taken here), or with ``model.lora`` the policy's adapter alone (``weights.adapter``: the
+        engines load it over their base; the merged weights are never built)."""
         if self.learner.lora is not None:
             state = self.learner.adapter_state()
+        elif state is None:
+            state = self.learner.policy_state()
         return self.sync.publish(version, state, self.floor(version))
 
     def publish_all(self, version: int, again: bool = False) -> dict[str, float]:

@@ -10,6 +10,8 @@
     sync     the learner's broadcast: publish, announce, acks, heartbeats, rotation, liveness
     dist     versions streamed over a torch.distributed group per engine (gloo, or NCCL on GPUs)
     choose   "auto": the way each engine takes, by where it is and by timing its first loads
+    adapter  model.lora: a version is its adapter, a PEFT directory read where it lies or fetched ("adapter",
+             "adapter_zmq")
 
 ``benchmarks/weight_sync.py`` measures the ways against a plain memcpy of the same bytes.
 """

@@ -29,6 +29,10 @@ one, else the fetch.
 
 A group that fails ``MAX_DIST_FAILURES`` times (the engine died or missed the deadline; it loads the fetch each time)
 makes the fetch final for that engine. With any other ``transfer`` the chooser only reports the ways engines use.
+
+With ``model.lora`` a version is its adapter (``weights.adapter``) and there is nothing to choose: an engine reads the
+learner's PEFT directory where it lies ("adapter") or fetches its blob over ZeroMQ ("adapter_zmq"), whatever
+``transfer`` is; the chooser reports those ways like the others (``ADAPTER_WAYS``).
 """
 
 from __future__ import annotations
@@ -43,7 +47,11 @@ RECORDED = {
     "30m": {"shm": 0.062, "zmq": 0.172, "dist": 0.118},
 }
 """Seconds per push by way, as measured here; the order when ``trials = 0``: shm, then dist, then zmq."""
-WAYS = ("shm", "dist", "zmq", "file")
+ADAPTER_WAYS = ("adapter", "adapter_zmq")
+"""A LoRA version's ways (``receive.load_announced``): the learner's directory read where it lies, or fetched."""
+WAYS = ("shm", "dist", "zmq", "file", *ADAPTER_WAYS)
+"""Every way a version reaches an engine: what ``WeightsAck.via`` says and the ``way`` label of the gauges
+``weight_way`` and ``engines_by_weight_way``."""
 MAX_DIST_FAILURES = 3
 
 
@@ -140,6 +148,8 @@ class WayChooser:
         cost = max(seconds, e.sent.pop(version, 0.0)) if via == "dist" else seconds
         if n > 1:  # the first load of each way is its warm-up
             e.costs.setdefault(via, []).append(cost)
+        if via in ADAPTER_WAYS:  # model.lora: nothing to choose, whatever transfer is
+            return None if via == before else f"takes its weights by {via} (model.lora: each version its adapter)"
         if via == "shm":
             e.remote = False
         elif via == "dist" or (via == "zmq" and e.remote is None):

@@ -146,6 +146,50 @@ def test_export_writes_a_peft_adapter_and_with_merge_an_hf_model(cache, tmp_path
     torch.testing.assert_close(logprobs(merged, batch), want, rtol=0, atol=2e-5)
 
 
+class _Groups:
+    """The step loop's source: the same two groups each step."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def next_groups(self, n):
+        return _groups(self.tok)[:n], {}
+
+    def row_metrics(self, kept, version):
+        return {}
+
+    def state(self):
+        return {}
+
+    def restore(self, state):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_the_step_loop_publishes_a_lora_version_without_building_the_merged_weights(cache, tmp_path, monkeypatch):
+    """A LoRA version goes to the engines as its adapter (services.learner, trainer._EnginePublisher), so the loop
+    hands the hook no merged state: the merge is a full copy of the model per version that nothing would read."""
+    from async_vapo.learner.loop import StepLoop
+
+    learner, _, base = make(cache, "train.total_steps=2", "train.eval_every=100", "train.checkpoint_every=0")
+    merges = []
+    policy_state = learner.policy_state
+    monkeypatch.setattr(learner, "policy_state", lambda: merges.append(1) or policy_state())
+    got = []
+
+    def publish(version, state):
+        got.append((version, state, {k: v.clone() for k, v in learner.adapter_state().items()}))
+        return 0.0
+
+    tok = AutoTokenizer.from_pretrained(str(base))
+    assert StepLoop(learner.cfg, learner, _Groups(tok), pad_id=tok.pad_token_id, run_dir=tmp_path,
+                    publish=publish).run()
+    assert [(v, s) for v, s, _ in got] == [(1, None), (2, None)] and merges == []
+    assert any(not torch.equal(got[0][2][k], v) for k, v in got[1][2].items())  # each version its own adapter
+
+
 def test_lora_refuses_what_it_does_not_support(cache):
     with pytest.raises(ValueError, match="less than or equal to 0"):
         load_config([], FAST + ["model.lora.rank=4", "model.lora.dropout=0.1"])

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from async_vapo.weights.choose import MAX_DIST_FAILURES, RECORDED, WayChooser
+from async_vapo.metrics.catalogue import WEIGHT_WAYS
+from async_vapo.weights.choose import MAX_DIST_FAILURES, RECORDED, WAYS, WayChooser
 from async_vapo.weights.collective import (
     EngineGroup,
     check_learner_backend,
@@ -28,7 +29,7 @@ def test_an_engine_on_the_learners_host_keeps_the_slot_and_is_offered_no_group()
     assert c.loaded("r0", "shm", 1, 0.05) == "takes its weights by shm (on the learner's host: it maps the slot)"
     assert c.way("r0") == "shm" and not c.stream("r0") and not c.group_asked("r0")
     assert c.loaded("r0", "shm", 2, 0.05) is None
-    assert c.counts() == {"shm": 1, "dist": 0, "zmq": 0, "file": 0}
+    assert c.counts() == {"shm": 1, "dist": 0, "zmq": 0, "file": 0, "adapter": 0, "adapter_zmq": 0}
 
 
 @pytest.mark.parametrize(("zmq_s", "dist_s", "chosen"), [(0.17, 0.12, "dist"), (0.10, 0.30, "zmq")])
@@ -96,6 +97,20 @@ def test_other_transfers_are_only_reported():
     assert c.loaded("r1", "dist", 2, 0.1) == "takes its weights by dist (cluster.weights.transfer)"
     assert c.loaded("r1", "dist", 3, 0.1) is None and c.way("r1") == "dist"
     assert c.loaded("r1", "", 4, 0.1) is None  # an ack without its way (a failed load)
+
+
+@pytest.mark.parametrize("auto", [True, False])
+def test_a_lora_engines_adapter_ways_are_reported_and_counted(auto):
+    """model.lora: a version is its adapter, read where it lies or fetched, whatever transfer is; the gauges
+    (engines_by_weight_way, weight_way) have a series for each way from the first scrape."""
+    c = WayChooser(auto=auto)
+    assert c.loaded("r1", "adapter", 1, 0.01) == "takes its weights by adapter (model.lora: each version its adapter)"
+    assert c.loaded("r2", "adapter_zmq", 1, 0.1) == ("takes its weights by adapter_zmq (model.lora: each version its "
+                                                     "adapter)")
+    assert c.loaded("r1", "adapter", 2, 0.01) is None and c.way("r2") == "adapter_zmq"
+    assert c.counts() == {"shm": 0, "dist": 0, "zmq": 0, "file": 0, "adapter": 1, "adapter_zmq": 1}
+    assert not c.stream("r2") or not auto  # nothing to choose: never a group under "auto"
+    assert set(WEIGHT_WAYS) == set(WAYS)
 
 
 # -- gloo or NCCL ----------------------------------------------------------------------------------------------------
