@@ -533,6 +533,11 @@ class AlgoConfig(_Section):
     """Responses per critic optimiser step, in each update and in value pretraining (a multiple of
     micro_batch_size, at most the batch). None = mini_batch_size: with critic_epochs None as well the critic steps
     beside the actor, one step on each of the actor's mini-batches (as before)."""
+    zero_values: bool = False
+    """vapo / ppo with V ≡ 0: no critic is built, pretrained or trained, and GAE runs on the token rewards with every
+    value 0 (a token's advantage is then its discounted share of the outcome, (γλ)^(T−t)·R, and nothing is
+    subtracted). Everything else as configured: the attribution row of what the learned value model buys
+    (``benchmarks/smollm2_learning.sh``'s ``vapo_v0``)."""
     critic_epochs: int | None = Field(None, ge=1, le=64)
     """Critic passes over each update's batch, on its returns computed once before the update (Open-Reasoner-Zero
     trains its critic 12 times per batch); None = ppo_epochs. A schedule other than the actor's draws the critic's
@@ -627,6 +632,8 @@ class AlgoConfig(_Section):
         if self.value_pretrain_pool > self.value_pretrain_steps:
             raise ValueError(f"value_pretrain_pool ({self.value_pretrain_pool}) exceeds value_pretrain_steps "
                              f"({self.value_pretrain_steps}): the pool's batches would outnumber the steps")
+        if self.zero_values and self.name not in ("vapo", "ppo"):
+            raise ValueError(f"zero_values replaces the learned values of vapo / ppo; {self.name!r} has none")
         if self.name in _GROUP_BASELINES and self.group_size < 2:
             raise ValueError(f"{self.name} normalises rewards within a group: group_size must be >= 2")
         if self.value_pretrain_min_steps > self.value_pretrain_steps:
@@ -650,13 +657,13 @@ class AlgoConfig(_Section):
 
     @property
     def uses_critic(self) -> bool:
-        return self.name in ("vapo", "ppo")
+        return self.name in ("vapo", "ppo") and not self.zero_values
 
     @property
     def advantage_estimator(self) -> Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp",
                                              "reinforce_pp_baseline"]:
         """How ``name`` computes advantages (``learner.vapo.Learner.advantages``)."""
-        if self.uses_critic:
+        if self.name in ("vapo", "ppo"):
             return "gae"
         if self.name in ("dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"):
             return self.name

@@ -571,6 +571,8 @@ class Learner:
         penalty = 0.0 if kl is None else self.algo.effective_kl_coef * kl
         if estimator == "gae":
             rewards = self._token_rewards(batch) - penalty
+            if values is None:  # algo.zero_values: V ≡ 0
+                values = torch.zeros_like(rewards)
             if self.algo.length_adaptive_gae:
                 lam_policy = length_adaptive_lambda(batch.lengths.float(), self.algo.alpha)
             else:

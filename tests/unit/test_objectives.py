@@ -330,6 +330,30 @@ def test_learner_advantages_follow_the_estimator(cache):
         torch.testing.assert_close(adv, broadcast_to_tokens(seq, mask), msg=name)
 
 
+def test_vapo_with_zero_values_builds_no_critic_and_gae_runs_on_v_equal_zero(cache):
+    """``algo.zero_values`` (issue 45's V ≡ 0 row): no critic, no value pretraining batches, and the advantage of
+    response token t is (γλ)^(T−1−t)·R with VAPO's length-adaptive λ = 1 − 1/(αT); an update moves the policy."""
+    from test_learner import make
+
+    learner, batch = make(cache, "algo.name=vapo", "algo.zero_values=true", "algo.alpha=0.5", "optim.actor_lr=1e-3")
+    assert learner.critic is None and learner.algo.value_pretrain_batches == 0
+    batch.rewards = torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0, 1.0, -1.0, -1.0])
+    mask = batch.tokens.response_mask
+    adv, returns, _ = learner.advantages(batch, None)
+    for i, (n, r) in enumerate(zip(batch.lengths.tolist(), batch.rewards.tolist(), strict=True)):
+        lam = 1 - 1 / (0.5 * n)
+        want = torch.tensor([lam ** (n - 1 - t) * r for t in range(n)])
+        torch.testing.assert_close(adv[i, :n].float(), want, rtol=1e-5, atol=1e-6)
+        assert not adv[i, n:].any()
+    torch.testing.assert_close(returns * mask, batch.rewards[:, None] * mask)  # λ_critic 1: the outcome everywhere
+    before = [p.detach().clone() for p in learner.policy.parameters()]
+    m = learner.update(batch)
+    assert "critic/value_loss" not in m and math.isfinite(m["actor/pg_loss"])
+    assert any(not torch.equal(p, b) for p, b in zip(learner.policy.parameters(), before, strict=True))
+    with pytest.raises(ValueError, match="zero_values"):
+        load_config([], ["algo.name=grpo", "algo.zero_values=true"])
+
+
 def test_report_pairs_each_objective_with_grpo(tmp_path):
     """``async-vapo experiment report``: a further objective's final minus GRPO's by seed, against the two-sided
     95 % t interval, and the bar chart of every method's final accuracy."""
