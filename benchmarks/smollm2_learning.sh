@@ -6,7 +6,7 @@
 # gain measured per problem; then benchmarks/smollm2_learning.py writes the table and the curves.
 #   bash benchmarks/smollm2_learning.sh [key.sub=value ...]
 #   (ALGOS="grpo vapo" SEEDS="0 1" MINUTES=55 EVAL_EVERY=10 SAMPLES=4 OUT=benchmarks/results/smollm2_learning)
-# ALGOS may also name the objectives of configs/baselines/ (issue 49): gspo gspo_token cispo rloo reinforce_pp
+# ALGOS may also name vapo_critic, vapo_critic_nopretrain and vapo_v0 (issue 45, below) and the objectives of configs/baselines/ (issue 49): gspo gspo_token cispo rloo reinforce_pp
 # reinforce_pp_baseline dr_grpo, each with its baseline config's settings over the shared ones below, e.g.
 #   ALGOS="gspo cispo rloo reinforce_pp dr_grpo" SEEDS=0 bash benchmarks/smollm2_learning.sh
 # With one optimiser step per update on fresh samples every ratio is 1 at the step: GSPO's and CISPO's clips
@@ -38,6 +38,16 @@ common=(task.max_ops=1 algo.prompts_per_step=8 algo.group_size=8 algo.mini_batch
 grpo=(algo.name=grpo algo.value_pretrain_steps=0 algo.clip_higher=false algo.token_level_loss=false
       algo.pos_lm_coef=0.0)
 vapo=(algo.name=vapo)
+# issue 45: VAPO with configs/smollm2_vapo_cpu.toml's critic settings (its own 8-response steps, value pretraining on
+# a pool with a stopping rule, head lr 1e-3 / trunk 1e-5), the critic scored on 50 held-out problems x 4 at every
+# evaluation; and its two attribution rows: no value pretraining, and V = 0 (no critic at all)
+vapo_critic=(algo.name=vapo algo.critic_mini_batch_size=8 algo.critic_epochs=1 algo.value_pretrain_pool=16
+             algo.value_pretrain_steps=24 algo.value_pretrain_min_steps=8 algo.value_pretrain_patience=6
+             optim.critic_lr=1e-5 optim.critic_head_lr=1e-3 rollout.critic_eval_problems=50
+             rollout.critic_eval_samples=4)
+vapo_critic_nopretrain=("${vapo_critic[@]}" algo.value_pretrain_steps=0 algo.value_pretrain_pool=0
+                        algo.value_pretrain_min_steps=0 algo.value_pretrain_patience=0)
+vapo_v0=(algo.name=vapo algo.zero_values=true)
 # the further objectives: their configs/baselines/*.toml settings (REINFORCE++ without a group: 64 prompts x 1)
 critic_free=(algo.value_pretrain_steps=0 algo.pos_lm_coef=0.0)
 gspo=(algo.name=gspo "${critic_free[@]}" algo.token_level_loss=false)
