@@ -1195,6 +1195,10 @@ class Config(_Section):
                              f"{self.verifier.answer_format!r}, task.answer={self.task.answer!r})")
         if self.algo.overlong_buffer >= self.rollout.max_response_tokens:
             raise ValueError("algo.overlong_buffer must be smaller than rollout.max_response_tokens")
+        if self.model.lora.enabled and (self.async_.learner_devices > 1 or self.learner.fsdp == "on"):
+            raise ValueError(f"model.lora with a sharded learner (async.learner_devices = "
+                             f"{self.async_.learner_devices}, learner.fsdp = {self.learner.fsdp!r}) is not supported "
+                             "yet: LoRA is trained by one learner rank (async.learner_devices = 1)")
         if self.model.lora.enabled and self.cluster.weights.transfer == "dist":
             raise ValueError('model.lora with cluster.weights.transfer = "dist": a LoRA version is its adapter, which '
                              'is not streamed over torch.distributed groups; use "auto", "shm", "zmq" or "file"')

@@ -1,9 +1,28 @@
 """``async-vapo plan`` with LoRA (``model.lora``): the adapter's parameter count is peft's own on a real model, and
-the learner's state is a frozen float32 base plus 16 B per adapter parameter (masters, AdamW m and v, gradients)."""
+the learner's state is a frozen float32 base plus 16 B per adapter parameter (masters, AdamW m and v, gradients);
+configs/qwen2.5-7b_grpo_lora.toml fits the one 8-GPU host it names, with its one learner rank."""
 
 from __future__ import annotations
 
-from async_vapo.deploy.scale import QWEN25_7B, LearnerSetup, ModelShape, state_bytes, weight_sync
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from async_vapo.config import load_config
+from async_vapo.deploy.scale import (
+    QWEN25_7B,
+    Cluster,
+    LearnerSetup,
+    ModelShape,
+    search,
+    search_hostfile,
+    state_bytes,
+    weight_sync,
+)
 from async_vapo.models import lora
 from async_vapo.models.tiny import build_char_tokenizer, build_tiny_qwen2
 
@@ -35,3 +54,50 @@ def test_lora_state_and_sync_bytes_of_the_7b_model():
     assert state_bytes(shape, critic) == (4 * p + 12 * a + 12 * p + 4 * p) // 4
     ws = weight_sync(shape, 2, dtype_bytes=2, bandwidth_bytes_s=1e9, adapter_params=a)
     assert ws["bytes_per_engine"] == 4 * a and ws["bytes_total"] == 8 * a
+
+
+REPO = Path(__file__).resolve().parents[2]
+LORA_7B = REPO / "configs" / "qwen2.5-7b_grpo_lora.toml"
+
+
+def plan(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "async_vapo.cli", "plan", *args], capture_output=True, text=True,
+                          env=env, timeout=60)
+
+
+def test_plan_fits_the_7b_lora_config_on_the_host_it_names(tmp_path):
+    """The config names its cluster ('# fits: ...'); planned on that cluster's hostfile its one learner rank and seven
+    engines fit with no GPU idle. The same placement does not fit without LoRA (the whole policy's 16 B/param on one
+    rank), nor with VAPO's full critic beside the adapter: why the LoRA variant is GRPO."""
+    text = LORA_7B.read_text()
+    m = re.search(r"^# fits: (\d+) hosts x (\d+) GPUs x (\d+) GiB, learner on (\d+) hosts?$", text, re.M)
+    assert m
+    hosts, gpus, gib, learner_hosts = map(int, m.groups())
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("".join(f"{h} {r}\n" for h, r in search_hostfile(hosts, learner_hosts)))
+    where = ["--hostfile", str(hostfile), "--gpus-per-host", str(gpus), "--gpu-memory-gib", str(gib)]
+    r = plan(str(LORA_7B), *where)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    out = r.stdout
+    assert "DOES NOT FIT" not in out and "(idle)" not in out and "max(generate, learn)" in out
+    assert "(1 rank)" in out and "7 engine(s)" in out and "LoRA rank 16" in out
+    # 4 B x 7.62e9 frozen base + 16 B x 40,370,176 adapter params = 29.0 GiB; the version is the fp32 adapter
+    assert "29.0 GiB" in out and "63.5 GiB  (fits)" in out and "0.2 GB" in out
+    full = plan(str(LORA_7B), *where, "model.lora.rank=0")
+    assert full.returncode == 1 and "DOES NOT FIT 80 GiB" in full.stdout
+    vapo = plan(str(LORA_7B), *where, "algo.name=vapo")
+    assert vapo.returncode == 1 and "142.3 GiB" in vapo.stdout and "176.9 GiB  (DOES NOT FIT 80 GiB)" in vapo.stdout
+
+
+def test_lora_plans_and_runs_one_learner_rank():
+    """Several learner ranks with LoRA are refused by the config (the learner refuses a sharded LoRA policy), and
+    plan --search never proposes them."""
+    with pytest.raises(ValueError, match="model.lora with a sharded learner"):
+        load_config([str(LORA_7B)], ["async.learner_devices=2", "async.rollout_devices=6"])
+    with pytest.raises(ValueError, match="model.lora with a sharded learner"):
+        load_config([str(LORA_7B)], ["learner.fsdp=on"])
+    cfg = load_config([str(LORA_7B)])
+    found, tried = search(cfg, ModelShape.from_hf_config(QWEN25_7B), Cluster(gpu_memory_gib=80), hosts=1,
+                          gpus_per_host=8)
+    assert found and {c.learner_devices for c in found} == {1}
