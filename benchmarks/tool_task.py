@@ -97,7 +97,7 @@ def figures(out_dir: str | Path) -> dict:
     """A pilot's figures from an ``async-vapo eval --out`` folder (its ``metrics.json``): accuracy, tool calls per
     response, the share of them that ran (exit 0, no timeout or kill), model turns per response, the share cut at
     ``max_response_tokens`` and the command's wall seconds (engine start included). From ``samples.jsonl`` (the
-    responses decoded without special tokens, where a ``tool`` turn of SmolLM2's template reads ``\ntool\n...``):
+    responses decoded without special tokens, where a ``tool`` turn of SmolLM2's template reads ``\\ntool\\n...``):
     the responses holding a tool turn, and those whose tool turn printed the right product."""
     out_dir = Path(out_dir)
     m = json.loads((out_dir / "metrics.json").read_text())
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--train", type=int, default=2000)
     ap.add_argument("--eval", type=int, default=200)
     ap.add_argument("--seed", type=int, default=51)
-    ap.add_argument("--no-tool", action="store_true", help="a worked example without the tool")
+    ap.add_argument("--no-tool", action="store_true", help="worked examples without the tool")
     ap.add_argument("--shots", type=int, default=SHOTS, choices=range(1, len(EXAMPLES) + 1),
                     help="worked examples before each question")
     ap.add_argument("--system", default="long", choices=("long", "short", "none"),
