@@ -20,7 +20,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument("--merge", action="store_true",
-                   help="a LoRA policy (model.lora) as the merged HF model; without it, as a PEFT adapter directory")
+                   help="a LoRA policy (model.lora) as the merged HF model; without it, as a PEFT adapter directory "
+                        "(a LoRA critic is always merged)")
     p.set_defaults(run=run)
     return p
 

@@ -165,13 +165,14 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 class LoraConfig(_Section):
-    """LoRA adapters on the policy (``models.lora``, built with ``peft``): the learner trains the adapters only (the
-    base weights frozen, the optimiser given the adapter parameters alone). See docs/guides/lora.md for what works
-    with it and what is refused."""
+    """LoRA adapters on the policy (``model.lora``) or on the critic's trunk (``model.critic_lora``), built with
+    ``peft`` (``models.lora``): the learner trains the adapters only (the base weights frozen, the optimiser given the
+    adapter parameters alone; a critic's value head too). See docs/guides/lora.md for what works with it and what is
+    refused."""
 
     rank: int = Field(0, ge=0, le=512)
-    """Adapter rank r. 0 = no LoRA (the default): the whole policy is trained. vLLM serves an adapter of rank up to
-    its ``max_lora_rank``, one of 1, 8, 16, 32, 64, ...; the engine takes the smallest of those >= r."""
+    """Adapter rank r. 0 = no LoRA (the default): the whole model is trained. vLLM serves a policy's adapter of rank
+    up to its ``max_lora_rank``, one of 1, 8, 16, 32, 64, ...; the engine takes the smallest of those >= r."""
     alpha: float = Field(16.0, gt=0)
     """Scale numerator: the adapter adds (alpha / rank) B A x to each target layer's output."""
     dropout: float = Field(0.0, ge=0, le=0)
@@ -219,6 +220,13 @@ class ModelConfig(_Section):
     """Where the embedded base model is built once and reused."""
     lora: LoraConfig = LoraConfig()
     """LoRA adapters on the policy (off unless ``model.lora.rank`` > 0)."""
+    critic_lora: LoraConfig = LoraConfig()
+    """LoRA adapters on the critic's trunk, its value head (``critic_head_layers`` included) trained in full (off
+    unless ``model.critic_lora.rank`` > 0). Its own switch: the two models are trained apart (a critic's adapter is
+    never served), so each has its rank and targets, and either may be on without the other. The adapters' B start
+    at zero, so the critic starts as the model it is loaded from: with the base model's zero head (``critic_init =
+    "base"``) its trunk gets no gradient until the head has moved, and value pretraining
+    (``algo.value_pretrain_steps``) trains the head first. The critic's frozen trunk is 4 B/param instead of 16."""
 
 
 class RewardModelConfig(_Section):
@@ -1195,10 +1203,14 @@ class Config(_Section):
                              f"{self.verifier.answer_format!r}, task.answer={self.task.answer!r})")
         if self.algo.overlong_buffer >= self.rollout.max_response_tokens:
             raise ValueError("algo.overlong_buffer must be smaller than rollout.max_response_tokens")
-        if self.model.lora.enabled and (self.async_.learner_devices > 1 or self.learner.fsdp == "on"):
-            raise ValueError(f"model.lora with a sharded learner (async.learner_devices = "
-                             f"{self.async_.learner_devices}, learner.fsdp = {self.learner.fsdp!r}) is not supported "
-                             "yet: LoRA is trained by one learner rank (async.learner_devices = 1)")
+        for name, lc in (("model.lora", self.model.lora), ("model.critic_lora", self.model.critic_lora)):
+            if lc.enabled and (self.async_.learner_devices > 1 or self.learner.fsdp == "on"):
+                raise ValueError(f"{name} with a sharded learner (async.learner_devices = "
+                                 f"{self.async_.learner_devices}, learner.fsdp = {self.learner.fsdp!r}) is not "
+                                 "supported yet: LoRA is trained by one learner rank (async.learner_devices = 1)")
+        if self.model.critic_lora.enabled and not self.algo.uses_critic:
+            raise ValueError(f"model.critic_lora: algo.name = {self.algo.name!r} builds no critic (set "
+                             "model.critic_lora.rank = 0)")
         if self.model.lora.enabled and self.cluster.weights.transfer == "dist":
             raise ValueError('model.lora with cluster.weights.transfer = "dist": a LoRA version is its adapter, which '
                              'is not streamed over torch.distributed groups; use "auto", "shm", "zmq" or "file"')

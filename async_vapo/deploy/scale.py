@@ -156,6 +156,10 @@ class LearnerSetup:
     """``model.lora.rank``: 0 = the whole policy trained; else a frozen float32 base and an adapter on
     ``lora_targets``."""
     lora_targets: tuple[str, ...] = ()
+    critic_lora_rank: int = 0
+    """``model.critic_lora.rank``: 0 = the whole critic trained; else its frozen float32 trunk, an adapter on
+    ``critic_lora_targets`` and its value head (not counted: hidden size + 1 parameters)."""
+    critic_lora_targets: tuple[str, ...] = ()
 
     @property
     def tokens(self) -> int:
@@ -173,7 +177,9 @@ class LearnerSetup:
                    activation_checkpointing=lc.activation_checkpointing,
                    logprob_chunk_tokens=lc.logprob_chunk_tokens, cpu_offload=lc.cpu_offload and sharded,
                    budget=budget, reference=a.effective_kl_coef > 0, entropy_grad=a.entropy_coef > 0,
-                   lora_rank=cfg.model.lora.rank, lora_targets=tuple(cfg.model.lora.target_modules))
+                   lora_rank=cfg.model.lora.rank, lora_targets=tuple(cfg.model.lora.target_modules),
+                   critic_lora_rank=cfg.model.critic_lora.rank,
+                   critic_lora_targets=tuple(cfg.model.critic_lora.target_modules))
 
 
 LOGIT_BYTES = {"chunked": 24, "whole": 16, "whole_entropy_grad": 28}
@@ -203,16 +209,21 @@ def micro_batch_rows(budget: int, micro_batch_size: int, seq_tokens: int, mini_b
 
 def state_bytes(shape: ModelShape, s: LearnerSetup) -> int:
     """Masters and AdamW moments of every model (12 B/param), one model's gradients (4 B/param) and a reference
-    policy's float32 weights (4 B/param) on a rank. With LoRA the policy is its frozen float32 base (4 B/param) and
-    the adapter's masters, moments and gradients (16 B per adapter parameter); a critic's gradients, when there is
-    one, are the larger (the models step one after the other)."""
+    policy's float32 weights (4 B/param) on a rank. With LoRA (``model.lora``, ``model.critic_lora``) a model is its
+    frozen float32 base (4 B/param) and the adapter's masters and moments (12 B per adapter parameter); the gradients
+    are the larger model's trainable parameters' (the models step one after the other)."""
     p = shape.params()
-    if not s.lora_rank:
-        return (s.models * 12 + 4 + 4 * s.reference) * p // (s.ranks if s.sharded else 1)
-    adapter = shape.lora_params(s.lora_rank, s.lora_targets)
-    critic = (s.models - 1) * 12 * p
-    grads = 4 * p if s.models > 1 else 4 * adapter
-    return (4 * p + 12 * adapter + critic + grads + 4 * s.reference * p) // (s.ranks if s.sharded else 1)
+
+    def model(rank: int, targets) -> tuple[int, int]:  # (bytes of weights and AdamW state, trainable parameters)
+        if not rank:
+            return 12 * p, p
+        adapter = shape.lora_params(rank, targets)
+        return 4 * p + 12 * adapter, adapter
+
+    policy, policy_trained = model(s.lora_rank, s.lora_targets)
+    critic, critic_trained = model(s.critic_lora_rank, s.critic_lora_targets) if s.models > 1 else (0, 0)
+    grads = 4 * max(policy_trained, critic_trained)
+    return (policy + critic + grads + 4 * s.reference * p) // (s.ranks if s.sharded else 1)
 
 
 def learner_memory(shape: ModelShape, s: LearnerSetup) -> dict[str, int]:
@@ -239,11 +250,16 @@ def learner_memory(shape: ModelShape, s: LearnerSetup) -> dict[str, int]:
 def learner_assumptions(shape: ModelShape, s: LearnerSetup) -> list[tuple[str, str]]:
     """(label, what it assumed) for each line of :func:`learner_memory`, in its order."""
     div = f" / {s.ranks} ranks" if s.sharded else " (one unsharded rank)"
+    critic = (f"LoRA rank {s.critic_lora_rank} critic: frozen fp32 trunk 4 B/param + "
+              f"{shape.lora_params(s.critic_lora_rank, s.critic_lora_targets):,} adapter params x 16 B"
+              if s.critic_lora_rank else "critic: 12 B/param + its grads 4 B/param")
     return [
         ("state", (f"LoRA rank {s.lora_rank}: frozen fp32 policy base 4 B/param + "
                    f"{shape.lora_params(s.lora_rank, s.lora_targets):,} adapter params x 16 B (masters, AdamW m, v, "
-                   f"grads)" + (" + critic: 12 B/param + its grads 4 B/param" if s.models > 1 else "")
+                   f"grads)" + (f" + {critic}" if s.models > 1 else "")
                    if s.lora_rank else
+                   f"fp32 policy: 12 B/param + its grads 4 B/param + {critic}"
+                   if s.critic_lora_rank and s.models > 1 else
                    f"fp32 masters + AdamW m, v: 12 B/param x {s.models} model(s) + fp32 grads: 4 B/param x 1 model")
                   + (" (policy and critic step one after the other, each model's grads freed at its step)"
                      if s.models > 1 else "")
@@ -586,7 +602,7 @@ def search(cfg, shape: ModelShape, cl: Cluster, *, hosts: int, gpus_per_host: in
     for k in range(1, hosts + 1):
         for per in _powers(gpus_per_host):
             for tp in _powers(gpus_per_host):
-                if cfg.model.lora.enabled and k * per > 1:  # LoRA is trained by one learner rank
+                if (cfg.model.lora.enabled or cfg.model.critic_lora.enabled) and k * per > 1:  # one LoRA rank
                     continue
                 free = [gpus_per_host - (per if i < k else 0) for i in range(hosts)]
                 rollout = tp * sum(f // tp for f in free)

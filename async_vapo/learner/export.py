@@ -40,7 +40,8 @@ def export(ckpt: str | Path, out: str | Path, model: str = "policy", dtype: str 
            ) -> Path:
     """Write ``model`` (policy or critic) of checkpoint ``ckpt`` as an HF directory ``out``; a LoRA policy as a PEFT
     adapter directory, or with ``merge`` as the merged HF model (``merge`` changes nothing for a model without
-    LoRA)."""
+    LoRA). A LoRA critic (``model.critic_lora``) is always merged: its value head is trained in full, not an
+    adapter."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
@@ -78,9 +79,11 @@ def export(ckpt: str | Path, out: str | Path, model: str = "policy", dtype: str 
         shutil.rmtree(out)
     if adapter is not None:
         trained = {k: v.to(DTYPES[dtype]) for k, v in net.state_dict().items()}
-        if not merge:
+        if not merge and model == "policy":
             return lora.save_adapter(out, lora.adapter_tensors(trained), adapter, adapter.base_model_name_or_path)
         net = auto.from_config(config, dtype=torch.float32).eval()
+        if model == "critic":
+            apply_critic_design(net, design)
         net.load_state_dict(lora.merged_state(state[model], lora.scaling(adapter)))
     net = net.to(DTYPES[dtype])
     write_meta(net, meta, out)

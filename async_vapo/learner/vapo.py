@@ -258,6 +258,11 @@ class Learner:
         if self.lora is not None and self.sharded:
             raise ValueError("model.lora with a sharded learner (learner.fsdp, several ranks) is not supported yet: "
                              "the sharded weight stream publishes the base model's names; train LoRA in one process")
+        # model.critic_lora: adapters on the critic's trunk, its value head trained in full (models.lora)
+        self.critic_lora = lora.config_of(cfg, "critic") if self.algo.uses_critic else None
+        if self.critic_lora is not None and self.sharded:
+            raise ValueError("model.critic_lora with a sharded learner (learner.fsdp, several ranks) is not supported "
+                             "yet: train LoRA in one process")
         self.policy = self._load(lambda: self._with_lora(build_policy(policy_path, attn_implementation=attn)),
                                  lambda: self._with_lora(load_policy(policy_path, attn_implementation=attn)))
         self._sources = {"policy": policy_path, "critic": critic_path or policy_path}  # for the HF files of a save
@@ -271,8 +276,9 @@ class Learner:
             path = critic_path or policy_path
             # model.critic_head_layers / critic_logprobs: the value head's design (models.rl.CriticDesign)
             design = CriticDesign.from_config(cfg)
-            self.critic = self._load(lambda: build_critic(path, attn_implementation=attn, design=design),
-                                     lambda: load_critic(path, attn_implementation=attn, design=design))
+            self.critic = self._load(
+                lambda: self._with_critic_lora(build_critic(path, attn_implementation=attn, design=design)),
+                lambda: self._with_critic_lora(load_critic(path, attn_implementation=attn, design=design)))
             self.critic_opt = torch.optim.AdamW(self._critic_param_groups(), lr=cfg.optim.critic_lr,
                                                 betas=(cfg.optim.beta1, cfg.optim.beta2),
                                                 weight_decay=cfg.optim.weight_decay)
@@ -297,6 +303,11 @@ class Learner:
         """``model`` with the adapter of ``model.lora`` injected (base frozen), or as it is without LoRA."""
         return model if self.lora is None else lora.add_lora(model, self.lora)
 
+    def _with_critic_lora(self, critic: torch.nn.Module) -> torch.nn.Module:
+        """``critic`` with the adapter of ``model.critic_lora`` on its trunk (trunk frozen, value head trainable),
+        or as it is without."""
+        return critic if self.critic_lora is None else lora.add_critic_lora(critic, self.critic_lora)
+
     def _load(self, build, load_full) -> torch.nn.Module:
         """A float32 model on this rank's device (eval mode: no dropout anywhere); sharded with FSDP2 when there is
         more than one rank, its weights read once by rank 0."""
@@ -319,7 +330,7 @@ class Learner:
     def _critic_param_groups(self) -> list[dict]:
         """The critic optimiser's parameter groups: one, or with ``optim.critic_head_lr`` the trunk's and then the
         value head's (``score``, a design's extra layers included), each with its own rate (:meth:`_critic_lrs`)."""
-        params = list(self.critic.parameters())
+        params = [p for p in self.critic.parameters() if p.requires_grad]  # model.critic_lora: a frozen trunk
         if self.cfg.optim.critic_head_lr is None:
             return [{"params": params}]
         head = {id(p) for p in self.critic.score.parameters()}
@@ -815,7 +826,10 @@ class Learner:
                 lora.save_adapter(tmp / "policy_adapter", self.adapter_state(), self.lora, str(self._sources["policy"]))
             elif not self.sharded:
                 self.policy.save_pretrained(tmp / "policy", safe_serialization=True)
-            if not self.sharded and self.critic is not None:
+            if self.critic_lora is not None:  # the adapter's config (export), and the merged critic: a plain one
+                self.critic_lora.save_pretrained(str(tmp / "hf_meta" / "critic"))
+                self._save_merged_critic(tmp / "critic")
+            elif not self.sharded and self.critic is not None:
                 self.critic.save_pretrained(tmp / "critic", safe_serialization=True)
             torch.save({
                 "actor_scaler": self.actor_scaler.state_dict(),
@@ -830,6 +844,21 @@ class Learner:
             tmp.rename(path)
         self._barrier()
         return path
+
+    def _save_merged_critic(self, directory: Path) -> None:
+        """A LoRA critic as an ordinary critic directory (``model.critic_lora``): its trunk's weights merged with the
+        adapters, its head as trained; ``load_critic`` reads it, and a resume from it restores the exact critic (its
+        base and adapters come from ``dcp/``)."""
+        from safetensors.torch import save_file
+
+        from async_vapo.learner.export import write_meta
+
+        state = {k: v.detach().cpu() for k, v in self.critic.state_dict().items()}
+        merged = lora.merged_state(state, lora.scaling(self.critic_lora))
+        self.critic.config.architectures = [type(self.critic).__name__]  # as save_pretrained records it: a critic
+        write_meta(self.critic, self._sources["critic"], directory)
+        save_file({k: v.contiguous() for k, v in merged.items()}, str(directory / "model.safetensors"),
+                  metadata={"format": "pt"})
 
     def _barrier(self) -> None:
         if self.world > 1:

@@ -1,4 +1,5 @@
-"""LoRA adapters on the policy (``model.lora``), built with ``peft`` through transformers' adapter integration.
+"""LoRA adapters on the policy (``model.lora``) and on the critic's trunk (``model.critic_lora``), built with ``peft``
+through transformers' adapter integration.
 
 :func:`add_lora` injects one adapter (peft's ``default``) into a plain causal LM in place: each target linear layer
 becomes a peft ``LoraLayer`` (its frozen ``base_layer`` plus ``lora_A``/``lora_B``), the base weights are frozen
@@ -13,6 +14,9 @@ Invariants:
   PEFT ``adapter_model.safetensors``: ``base_model.model.<module>.lora_A.weight``) and :func:`merged_state`
   (W + (alpha / r) B A per target layer under the plain model's names: what a model without LoRA loads).
 * B starts at zero (peft's default initialisation), so a fresh adapter is the base model exactly.
+* A LoRA critic (:func:`add_critic_lora`) trains its adapters and its whole value head (``score``, a design's extra
+  layers included); its checkpoint's ``critic/`` is the merged critic (:func:`merged_state`: the head's tensors are
+  not adapter targets and pass through), an ordinary critic directory.
 * ``lora_dropout`` is 0 (``model.lora.dropout``): the learner's forwards run in eval mode anyway.
 """
 
@@ -42,9 +46,10 @@ def peft_config(rank: int, alpha: float, target_modules: Iterable[str], dropout:
                       bias="none")
 
 
-def config_of(cfg) -> object | None:
-    """The ``peft.LoraConfig`` of a run's ``Config`` (``model.lora``); None when LoRA is off."""
-    lc = cfg.model.lora
+def config_of(cfg, model: str = "policy") -> object | None:
+    """The ``peft.LoraConfig`` of a run's ``Config`` for ``model`` ("policy": ``model.lora``, "critic":
+    ``model.critic_lora``); None when that LoRA is off."""
+    lc = {"policy": cfg.model.lora, "critic": cfg.model.critic_lora}[model]
     return peft_config(lc.rank, lc.alpha, lc.target_modules, lc.dropout) if lc.enabled else None
 
 
@@ -56,6 +61,18 @@ def add_lora(model: torch.nn.Module, config) -> torch.nn.Module:
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name)
     return model
+
+
+def add_critic_lora(critic: torch.nn.Module, config) -> torch.nn.Module:
+    """:func:`add_lora` on a critic's trunk, its value head (``score``) trainable in full. The targets are the trunk's
+    linear layers (the head's are not named like them); a target that names a head layer is refused, since the head
+    is trained whole."""
+    add_lora(critic, config)
+    if any(".lora_" in n for n, _ in critic.score.named_parameters()):
+        raise ValueError(f"model.critic_lora.target_modules {sorted(config.target_modules)} name a layer of the value "
+                         "head, which is trained in full: target the trunk's layers only")
+    critic.score.requires_grad_(True)
+    return critic
 
 
 def has_lora(model: torch.nn.Module) -> bool:

@@ -101,3 +101,19 @@ def test_lora_plans_and_runs_one_learner_rank():
     found, tried = search(cfg, ModelShape.from_hf_config(QWEN25_7B), Cluster(gpu_memory_gib=80), hosts=1,
                           gpus_per_host=8)
     assert found and {c.learner_devices for c in found} == {1}
+
+
+def test_a_lora_critic_is_counted_as_its_frozen_trunk_and_adapter():
+    """model.critic_lora: the critic is 4 B/param (frozen float32 trunk) + 12 B per adapter parameter, and the
+    gradients are the larger model's trainable parameters' (the models step one after the other)."""
+    shape = ModelShape.from_hf_config(QWEN25_7B)
+    p, a = shape.params(), shape.lora_params(16, TARGETS)
+    both = LearnerSetup(ranks=1, models=2, seq_tokens=1, rows=1, sharded=False, lora_rank=16, lora_targets=TARGETS,
+                        critic_lora_rank=16, critic_lora_targets=TARGETS)
+    assert state_bytes(shape, both) == (4 * p + 12 * a) * 2 + 4 * a
+    critic_only = LearnerSetup(ranks=1, models=2, seq_tokens=1, rows=1, sharded=False, critic_lora_rank=16,
+                               critic_lora_targets=TARGETS)
+    assert state_bytes(shape, critic_only) == 12 * p + (4 * p + 12 * a) + 4 * p
+    lines = "\n".join(plan(str(LORA_7B), "--hosts", "1", "--gpus-per-host", "8", "algo.name=vapo",
+                           "model.critic_lora.rank=16", "--gpu", "h200").stdout.splitlines())
+    assert "LoRA rank 16 critic: frozen fp32 trunk" in lines and "57.8 GiB" in lines and "92.4 GiB  (fits)" in lines
