@@ -1,12 +1,13 @@
 """Does RL make a real pretrained model better here? Summary of SmolLM2-135M-Instruct learning runs on this CPU.
 
-    .venv/bin/python benchmarks/smollm2_learning.py RUN_DIR [RUN_DIR ...] [--base DIR] \
+    .venv/bin/python benchmarks/smollm2_learning.py RUN_DIR [RUN_DIR ...] [--base DIR [DIR ...]] \
         [--out benchmarks/results/smollm2_learning]
 
 Each RUN_DIR is the ``--out`` of one ``benchmarks/smollm2.py`` run (its ``metrics.jsonl``, ``results.json`` and
 ``config.resolved.json``), optionally with ``final/``: ``async-vapo eval`` of the run's last checkpoint, compared
-with ``--base DIR``, the same of the untrained model, on the same held-out problems, seeds and n samples per
-problem (``benchmarks/smollm2_learning.sh`` makes them).
+with the ``--base`` directory evaluated alike: the same of the untrained model, on the same held-out problems, seeds
+and n samples per problem (``benchmarks/smollm2_learning.sh`` makes them; one per n). Last checkpoints evaluated with
+different n are not compared with each other.
 
 For every run it reports the held-out accuracy curve against the trainer's wall-clock (evaluations and value
 pretraining included; the engine's start is not) with one standard error, and, where the paired evaluations exist,
@@ -26,6 +27,7 @@ import math
 import statistics
 import sys
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +63,12 @@ def paired_gain(before: dict[str, float], after: dict[str, float]) -> dict:
             "improved": sum(x > 0 for x in d), "worsened": sum(x < 0 for x in d)}
 
 
-def load_run(path: Path, base: Path | None = None) -> dict:
+def _evaluated_alike(a: dict, b: dict) -> bool:
+    """Two ``async-vapo eval`` metrics.json of the same samples per problem, sample seed and temperature."""
+    return all(a[k] == b[k] for k in ("samples_per_problem", "seed", "temperature"))
+
+
+def load_run(path: Path, bases: Sequence[Path] = ()) -> dict:
     rows = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
     cfg = json.loads((path / "config.resolved.json").read_text())
     n = cfg["task"]["num_eval"] * cfg["rollout"]["eval_samples"]
@@ -83,12 +90,16 @@ def load_run(path: Path, base: Path | None = None) -> dict:
                                 "gain": last["accuracy"] - first["accuracy"],
                                 "se": math.hypot(first["se"], last["se"]), "minutes": last["minutes"]}
     final = path / "final"
-    if base is not None and (final / "samples.jsonl").is_file():
+    if (final / "samples.jsonl").is_file():
+        m = json.loads((final / "metrics.json").read_text())
+        out["final_samples_per_problem"] = m["samples_per_problem"]
+        base = next((b for b in bases if _evaluated_alike(m, json.loads((b / "metrics.json").read_text()))), None)
+        if base is None:
+            if bases:
+                print(f"{final}: no --base evaluated alike ({m['samples_per_problem']} samples per problem, seed "
+                      f"{m['seed']}, temperature {m['temperature']}): no paired gain", file=sys.stderr)
+            return out
         out["gain_paired"] = paired_gain(per_problem(base / "samples.jsonl"), per_problem(final / "samples.jsonl"))
-        m, b = (json.loads((d / "metrics.json").read_text()) for d in (final, base))
-        if (m["samples_per_problem"], m["seed"], m["temperature"]) != (b["samples_per_problem"], b["seed"],
-                                                                        b["temperature"]):
-            raise ValueError(f"{final} and {base} were not evaluated alike")
         out["gain_paired"]["samples_per_problem"] = m["samples_per_problem"]
         out["gain_paired"]["rates_before"] = answer_rates(base / "samples.jsonl")
         out["gain_paired"]["rates_after"] = answer_rates(final / "samples.jsonl")
@@ -113,7 +124,10 @@ def side_by_side(runs: list[dict]) -> list[dict]:
     for i, a in enumerate(algos):
         for b in algos[i + 1:]:
             for seed in sorted({r["seed"] for r in by_algo[a]} & {r["seed"] for r in by_algo[b]}):
-                final = {r["algo"]: ROOT / r["dir"] / "final" / "samples.jsonl" for r in runs if r["seed"] == seed}
+                of_seed = {r["algo"]: r for r in runs if r["seed"] == seed}
+                if of_seed[a]["final_samples_per_problem"] != of_seed[b]["final_samples_per_problem"]:
+                    continue  # last checkpoints evaluated with other samples per problem: not compared
+                final = {k: ROOT / r["dir"] / "final" / "samples.jsonl" for k, r in of_seed.items()}
                 g = paired_gain(per_problem(final[a]), per_problem(final[b]))
                 rows.append({"kind": "pair", "a": a, "b": b, "seed": seed, **g})
     return rows
@@ -147,11 +161,13 @@ def plot(runs: list[dict], png: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+")
-    ap.add_argument("--base", help="async-vapo eval's output for the untrained model (samples.jsonl, metrics.json)")
+    ap.add_argument("--base", nargs="*", default=[],
+                    help="async-vapo eval's outputs for the untrained model (samples.jsonl, metrics.json); each run's "
+                         "final/ is paired with the one evaluated alike (samples per problem, seed, temperature)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "smollm2_learning"))
     args = ap.parse_args(argv)
-    base = Path(args.base) if args.base else None
-    runs = [load_run(Path(p).resolve(), base) for p in args.runs]
+    bases = [Path(b) for b in args.base]
+    runs = [load_run(Path(p).resolve(), bases) for p in args.runs]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lines = ["| run | updates | s / update (learner) | held-out before → after | minutes | gain ± s.e. (unpaired) "
