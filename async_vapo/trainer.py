@@ -129,6 +129,19 @@ class _EnginePublisher:
             self.adapters.close()
 
 
+def _heldout_critic(cfg: Config, rollout: Rollout, groups, eval_set, pad_id: int) -> tuple[HeldoutCritic, dict]:
+    """The held-out responses the critic is scored on: the evaluation's ``groups``, or with
+    ``rollout.critic_eval_problems`` fresh ones of the training distribution, several per prompt (their seconds in
+    ``time/critic_eval_s``)."""
+    r, timing = cfg.rollout, {}
+    if r.critic_eval_problems:
+        t0 = time.perf_counter()
+        groups, _ = rollout.groups(eval_set[:r.critic_eval_problems], n=r.critic_eval_samples,
+                                   temperature=r.temperature, top_p=r.top_p, seed=r.seed)
+        timing["time/critic_eval_s"] = time.perf_counter() - t0
+    return HeldoutCritic.from_config(cfg, groups, pad_id, rollout.encoder.decode), timing
+
+
 def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
           engine: VLLMEngine | None = None,
           engine_weights: Callable[[dict, int], dict] | None = None) -> dict:
@@ -187,15 +200,9 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
             publish(learner.version, learner.policy_state())
         m, examples = ev.metrics, ev.examples(rollout.encoder.decode)
         if learner.critic is not None:
-            groups = ev.groups
-            if cfg.rollout.critic_eval_problems:  # responses of the training distribution, several per prompt
-                t0 = time.perf_counter()
-                r = cfg.rollout
-                groups, _ = rollout.groups(eval_set[:r.critic_eval_problems], n=r.critic_eval_samples,
-                                           temperature=r.temperature, top_p=r.top_p, seed=r.seed)
-                m = {**m, "time/critic_eval_s": time.perf_counter() - t0}
-            heldout[:] = [HeldoutCritic.from_config(cfg, groups, tokenizer.pad_token_id, rollout.encoder.decode)]
-            m = {**m, **heldout[0](learner)}
+            critic, timing = _heldout_critic(cfg, rollout, ev.groups, eval_set, tokenizer.pad_token_id)
+            heldout[:] = [critic]
+            m = {**m, **timing, **critic(learner)}
         row = {"kind": "eval", "step": step, "version": learner.version, "wall_s": elapsed(),
                "samples_seen": loop.samples_seen, **m}
         log.write(row)
