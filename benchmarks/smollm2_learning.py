@@ -63,6 +63,13 @@ def paired_gain(before: dict[str, float], after: dict[str, float]) -> dict:
             "improved": sum(x > 0 for x in d), "worsened": sum(x < 0 for x in d)}
 
 
+def _row_name(path: Path, cfg: dict) -> str:
+    """The run's row: its directory's name before ``_seedN`` (``smollm2_learning.sh``'s ALGOS word, e.g.
+    ``vapo_critic``), else the config's algorithm."""
+    stem, sep, _ = path.name.rpartition("_seed")
+    return stem if sep else cfg["algo"]["name"]
+
+
 def _evaluated_alike(a: dict, b: dict) -> bool:
     """Two ``async-vapo eval`` metrics.json of the same samples per problem, sample seed and temperature."""
     return all(a[k] == b[k] for k in ("samples_per_problem", "seed", "temperature"))
@@ -78,7 +85,7 @@ def load_run(path: Path, bases: Sequence[Path] = ()) -> dict:
               "se": math.sqrt(r["eval/accuracy"] * (1 - r["eval/accuracy"]) / n),
               "truncated": r.get("eval/truncated_frac")} for r in evals]
     out = {"dir": str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path),
-           "algo": cfg["algo"]["name"], "seed": cfg["train"]["seed"], "eval_samples_total": n, "curve": curve,
+           "algo": _row_name(path, cfg), "seed": cfg["train"]["seed"], "eval_samples_total": n, "curve": curve,
            "updates": len(steps), "s_per_update": statistics.fmean(r["time/step_s"] for r in steps) if steps else None,
            "learn_s": statistics.fmean(r["time/learn_s"] for r in steps) if steps else None,
            "generate_s": statistics.fmean(r["time/generate_s"] for r in steps) if steps else None}

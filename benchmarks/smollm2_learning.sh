@@ -5,14 +5,15 @@
 # that); then `async-vapo eval` of the untrained model and of the run's last checkpoint, SAMPLES per problem, for the
 # gain measured per problem; then benchmarks/smollm2_learning.py writes the table and the curves.
 #   bash benchmarks/smollm2_learning.sh [key.sub=value ...]
-#   (ALGOS="grpo vapo" SEEDS="0 1" MINUTES=55 EVAL_EVERY=10 SAMPLES=4 OUT=benchmarks/results/smollm2_learning)
+#   (ALGOS="grpo vapo" SEEDS="0 1" MINUTES=55 EVAL_EVERY=10 SAMPLES=2 OUT=benchmarks/results/smollm2_learning)
 # ALGOS may also name vapo_critic, vapo_critic_nopretrain and vapo_v0 (issue 45, below) and the objectives of configs/baselines/ (issue 49): gspo gspo_token cispo rloo reinforce_pp
 # reinforce_pp_baseline dr_grpo, each with its baseline config's settings over the shared ones below, e.g.
 #   ALGOS="gspo cispo rloo reinforce_pp dr_grpo" SEEDS=0 bash benchmarks/smollm2_learning.sh
 # With one optimiser step per update on fresh samples every ratio is 1 at the step: GSPO's and CISPO's clips
 # never bind, and GSPO's gradient is GRPO's (sample-level), CISPO's a token-level GRPO's.
-# Runs add to OUT: a run of the same algorithm and seed is replaced, the untrained model's evaluation is kept when it
-# was made with the same SAMPLES (every run is paired against it), and the summary covers every run in OUT.
+# Runs add to OUT: a run of the same algorithm and seed is replaced, the untrained model's evaluation is made once per
+# SAMPLES (base/ for the committed runs' 2, base_sN/ for another N; each run is paired with its own), and the summary
+# covers every run in OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/setup.sh
@@ -21,12 +22,12 @@ ALGOS=${ALGOS:-"grpo vapo"}
 SEEDS=${SEEDS:-"0 1"}
 MINUTES=${MINUTES:-55}
 EVAL_EVERY=${EVAL_EVERY:-10}
-SAMPLES=${SAMPLES:-4}
+SAMPLES=${SAMPLES:-2}
 model=models/smollm2-135m-instruct
 mkdir -p "$out"
-if [ -f "$out/base/metrics.json" ] && \
-   ! grep -q "\"samples_per_problem\": $SAMPLES," "$out/base/metrics.json"; then
-  rm -rf "$out/base"  # made with another SAMPLES: evaluated again, and runs paired against the old one are stale
+base="$out/base"
+if [ -f "$base/metrics.json" ] && ! grep -q "\"samples_per_problem\": $SAMPLES," "$base/metrics.json"; then
+  base="$out/base_s$SAMPLES"  # the untrained model with these samples per problem, beside the one the others pair with
 fi
 echo "ALGOS=\"$ALGOS\" SEEDS=\"$SEEDS\" MINUTES=$MINUTES EVAL_EVERY=$EVAL_EVERY SAMPLES=$SAMPLES OUT=$out" \
   "bash benchmarks/smollm2_learning.sh $*" >> "$out/command.txt"
@@ -67,8 +68,8 @@ for algo in $ALGOS; do
     .venv/bin/python benchmarks/smollm2.py --steps 1000 --eval-every "$EVAL_EVERY" --out "$run" --skip-base \
       --keep-checkpoint --run-dir "runs/smollm2_learning/${algo}_seed$seed" "${common[@]}" "${extra[@]}" train.seed="$seed" "$@"
     ckpt=$(ls -d "runs/smollm2_learning/${algo}_seed$seed"/checkpoints/step_* | sort -t_ -k2 -n | tail -1)
-    if [ ! -f "$out/base/samples.jsonl" ]; then  # the untrained model, once: every run evaluates the same problems
-      .venv/bin/async-vapo eval "$model" --config "$run/config.resolved.json" --samples "$SAMPLES" --out "$out/base"
+    if [ ! -f "$base/samples.jsonl" ]; then  # the untrained model, once: every run evaluates the same problems
+      .venv/bin/async-vapo eval "$model" --config "$run/config.resolved.json" --samples "$SAMPLES" --out "$base"
     fi
     .venv/bin/async-vapo eval "$ckpt" --samples "$SAMPLES" --out "$run/final"
     rm -rf "runs/smollm2_learning/${algo}_seed$seed/checkpoints"
@@ -76,4 +77,5 @@ for algo in $ALGOS; do
 done
 # the summary covers every run in OUT, those of earlier invocations too
 mapfile -t runs < <(ls -d "$out"/*_seed*/ 2>/dev/null | sed 's:/$::' | sort)
-.venv/bin/python benchmarks/smollm2_learning.py "${runs[@]}" --base "$out/base" --out "$out"
+# each run pairs with the untrained model's evaluation of its samples per problem (base/, base_sN/)
+.venv/bin/python benchmarks/smollm2_learning.py "${runs[@]}" --base "$out"/base* --out "$out"
