@@ -15,21 +15,12 @@ import time
 import pytest
 import torch
 from conftest import TINY_TEST_OVERRIDES, assert_engine_serves
+from test_lora_engine import set_adapter
 
 from async_vapo.config import load_config
 from async_vapo.services.context import make_context
 
 pytestmark = pytest.mark.engines
-
-
-def set_adapter(learner, seed: int) -> dict[str, torch.Tensor]:
-    """Random non-zero B matrices (a fresh adapter is the base model); returns the policy's state."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in learner.policy.named_parameters():
-            if ".lora_B." in name:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    return {k: v.clone() for k, v in learner.policy.state_dict().items()}
 
 
 def serve(learner, rollout, version: int, timeout_s: float = 30.0) -> None:
