@@ -234,3 +234,19 @@ def _groups(tok, rng: random.Random | None = None, behavior=lambda rng: -1.0) ->
         groups.append(Group(uid=f"g{g}", prompt="p", answer="7", prompt_ids=tok(f"{g}+1")["input_ids"], version=0,
                             samples=samples))
     return groups
+
+
+class SourceBase:
+    """The step loop's ``BatchSource`` for unit tests: a subclass gives ``next_groups``; the rest hold nothing."""
+
+    def row_metrics(self, kept, version):
+        return {}
+
+    def state(self):
+        return {}
+
+    def restore(self, state):
+        pass
+
+    def close(self):
+        pass

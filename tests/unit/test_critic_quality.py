@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from conftest import SourceBase
 
 from async_vapo.config import load_config
 from async_vapo.learner.critic_quality import PlateauStop, arith_reference_values, first_error, heldout_metrics
@@ -71,7 +72,7 @@ def test_the_stopping_rule():
 SMALL = ["algo.group_size=2", "algo.mini_batch_size=2", "algo.micro_batch_size=2"]
 
 
-class _Source:
+class _Source(SourceBase):
     def __init__(self):
         self.calls = 0
 
@@ -80,18 +81,6 @@ class _Source:
         s = [Trajectory(response_ids=[5, 6], behavior_logprobs=[-0.1, -0.2], finish_reason="stop", reward=r,
                         correct=r > 0, verdict="correct" if r > 0 else "incorrect") for r in (1.0, -1.0)]
         return [Group(uid=f"g{self.calls}", prompt="1+2=", answer="3", prompt_ids=[1, 2], version=0, samples=s)], {}
-
-    def row_metrics(self, kept, version):
-        return {}
-
-    def state(self):
-        return {}
-
-    def restore(self, state):
-        pass
-
-    def close(self):
-        pass
 
 
 class _Learner:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FAST, _groups
+from conftest import FAST, SourceBase, _groups
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from async_vapo.config import load_config
@@ -146,7 +146,7 @@ def test_export_writes_a_peft_adapter_and_with_merge_an_hf_model(cache, tmp_path
     torch.testing.assert_close(logprobs(merged, batch), want, rtol=0, atol=2e-5)
 
 
-class _Groups:
+class _Groups(SourceBase):
     """The step loop's source: the same two groups each step."""
 
     def __init__(self, tok):
@@ -154,18 +154,6 @@ class _Groups:
 
     def next_groups(self, n):
         return _groups(self.tok)[:n], {}
-
-    def row_metrics(self, kept, version):
-        return {}
-
-    def state(self):
-        return {}
-
-    def restore(self, state):
-        pass
-
-    def close(self):
-        pass
 
 
 def test_the_step_loop_publishes_a_lora_version_without_building_the_merged_weights(cache, tmp_path, monkeypatch):

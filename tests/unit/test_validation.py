@@ -9,7 +9,7 @@ import math
 import msgspec
 import pytest
 import torch
-from conftest import FAST, _groups
+from conftest import FAST, SourceBase, _groups
 
 from async_vapo.config import load_config
 from async_vapo.replay import GroupStore, ReplayBuffer
@@ -76,7 +76,7 @@ def test_a_batch_request_for_a_far_future_version_is_never_acted_on():
     assert len(buf) == 3 and buf.stats().dropped_total.get(DROP_STALE, 0) == 0
 
 
-class _Source:
+class _Source(SourceBase):
     """Two groups per call; the second carries ``poison`` in its first sample."""
 
     def __init__(self, tok, poison: dict):
@@ -88,18 +88,6 @@ class _Source:
         bad = msgspec.structs.replace(bad, samples=[msgspec.structs.replace(bad.samples[0], **self.poison),
                                                     *bad.samples[1:]])
         return [good, bad], {}
-
-    def row_metrics(self, kept, version):
-        return {}
-
-    def state(self):
-        return {}
-
-    def restore(self, state):
-        pass
-
-    def close(self):
-        pass
 
 
 @pytest.mark.parametrize("poison", [{"behavior_logprobs": [float("nan")] * 3}, {"reward": float("inf")},
