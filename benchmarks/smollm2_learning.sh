@@ -6,7 +6,7 @@
 # gain measured per problem; then benchmarks/smollm2_learning.py writes the table and the curves.
 #   bash benchmarks/smollm2_learning.sh [key.sub=value ...]
 #   (ALGOS="grpo vapo" SEEDS="0 1" MINUTES=55 EVAL_EVERY=10 SAMPLES=2 OUT=benchmarks/results/smollm2_learning)
-# ALGOS may also name vapo_critic, vapo_critic_nopretrain and vapo_v0 (issue 45, below) and the objectives of configs/baselines/ (issue 49): gspo gspo_token cispo rloo reinforce_pp
+# ALGOS may also name vapo_critic, vapo_critic_nopretrain, vapo_frozen, vapo_frozen_nopretrain and vapo_v0 (issue 45, below) and the objectives of configs/baselines/ (issue 49): gspo gspo_token cispo rloo reinforce_pp
 # reinforce_pp_baseline dr_grpo, each with its baseline config's settings over the shared ones below, e.g.
 #   ALGOS="gspo cispo rloo reinforce_pp dr_grpo" SEEDS=0 bash benchmarks/smollm2_learning.sh
 # With one optimiser step per update on fresh samples every ratio is 1 at the step: GSPO's and CISPO's clips
@@ -49,6 +49,15 @@ vapo_critic=(algo.name=vapo algo.critic_mini_batch_size=8 algo.critic_epochs=1 a
 vapo_critic_nopretrain=("${vapo_critic[@]}" algo.value_pretrain_steps=0 algo.value_pretrain_pool=0
                         algo.value_pretrain_min_steps=0 algo.value_pretrain_patience=0)
 vapo_v0=(algo.name=vapo algo.zero_values=true)
+# the frozen-trunk critic (benchmarks/results/value_model/plan.md, design 2): the head alone trains (two MLP layers
+# before the linear head, lr 1e-3) on the trunk's states, computed once per response; value pretraining on a pool of
+# 24 batches, up to 96 steps of two passes over a batch; 32 head steps per update
+vapo_frozen=(algo.name=vapo model.critic_trunk=frozen model.critic_head_layers=2 algo.critic_mini_batch_size=8
+             algo.critic_epochs=4 algo.value_pretrain_pool=24 algo.value_pretrain_steps=96
+             algo.value_pretrain_epochs=2 algo.value_pretrain_min_steps=48 algo.value_pretrain_patience=24
+             optim.critic_head_lr=1e-3 rollout.critic_eval_problems=50 rollout.critic_eval_samples=4)
+vapo_frozen_nopretrain=("${vapo_frozen[@]}" algo.value_pretrain_steps=0 algo.value_pretrain_pool=0
+                        algo.value_pretrain_min_steps=0 algo.value_pretrain_patience=0)
 # the further objectives: their configs/baselines/*.toml settings (REINFORCE++ without a group: 64 prompts x 1)
 critic_free=(algo.value_pretrain_steps=0 algo.pos_lm_coef=0.0)
 gspo=(algo.name=gspo "${critic_free[@]}" algo.token_level_loss=false)

@@ -212,6 +212,18 @@ class ModelConfig(_Section):
     default). Recorded in the critic's HF config. Combines with ``critic_head_layers``. The held-out critic quality
     reads the evaluation's log-probs: of another distribution than training's when ``rollout.eval_temperature`` or
     ``eval_top_p`` differ from the training ones."""
+    critic_trunk: Literal["train", "frozen"] = "train"
+    """What the critic trains: "train" = the whole critic, trunk and value head (the default); "frozen" = the value
+    head alone (``critic_head_layers`` included) over the trunk it was loaded from, kept as it is. A frozen trunk's
+    last hidden states of a response never change, so the learner computes them once (one forward, no backward) and
+    keeps them (``critic_feature_cache_mb``): the critic's training steps, the values before an update, value
+    pretraining's passes over its pool and the held-out critic quality then run the head alone on them. The cheapest
+    critic measured to learn on SmolLM2 (``benchmarks/results/critic_quality/``); with a linear head it can only
+    read what the trunk already exposes, so pair it with ``critic_head_layers``. One learner process only."""
+    critic_feature_cache_mb: int = Field(2048, ge=0)
+    """With ``critic_trunk = "frozen"``: the most megabytes of trunk hidden states kept (float32, response tokens
+    only, least recently used dropped first); 0 = none kept (every critic forward runs the trunk, without a backward
+    through it)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Compute dtype: the rollout engines run in it and receive weights in it; the learner keeps float32 master
     weights and AdamW state and runs its forwards and backwards under autocast to it (mixed precision; float16
@@ -1208,6 +1220,14 @@ class Config(_Section):
                 raise ValueError(f"{name} with a sharded learner (async.learner_devices = "
                                  f"{self.async_.learner_devices}, learner.fsdp = {self.learner.fsdp!r}) is not "
                                  "supported yet: LoRA is trained by one learner rank (async.learner_devices = 1)")
+        if self.model.critic_trunk == "frozen":
+            if self.model.critic_lora.enabled:
+                raise ValueError('model.critic_trunk = "frozen" and model.critic_lora both decide what the critic\'s '
+                                 "trunk trains: a frozen trunk trains nothing, LoRA trains its adapters; pick one")
+            if self.async_.learner_devices > 1 or self.learner.fsdp == "on":
+                raise ValueError('model.critic_trunk = "frozen" with a sharded learner (async.learner_devices = '
+                                 f"{self.async_.learner_devices}, learner.fsdp = {self.learner.fsdp!r}) is not "
+                                 "supported yet: its hidden-state cache is one process's")
         if self.model.critic_lora.enabled and not self.algo.uses_critic:
             raise ValueError(f"model.critic_lora: algo.name = {self.algo.name!r} builds no critic (set "
                              "model.critic_lora.rank = 0)")

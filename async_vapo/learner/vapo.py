@@ -115,10 +115,12 @@ from async_vapo.models.rl import (
     SHARED,
     CriticDesign,
     TokenBatch,
+    TrunkStateCache,
     attn_implementation,
     build_critic,
     build_policy,
     chunked_response_logprobs,
+    head_values,
     load_critic,
     load_policy,
     make_token_batch,
@@ -126,6 +128,7 @@ from async_vapo.models.rl import (
     resolve_packing,
     response_logits,
     response_values,
+    trunk_states,
 )
 from async_vapo.types import Group
 
@@ -272,6 +275,11 @@ class Learner:
                                            weight_decay=cfg.optim.weight_decay)
         self.actor_scaler = self.precision.grad_scaler()
         self.critic = self.critic_opt = self.critic_scaler = None
+        # model.critic_trunk = "frozen": the trunk's states of each response computed once and kept (TrunkStateCache)
+        self.critic_frozen = self.algo.uses_critic and cfg.model.critic_trunk == "frozen"
+        if self.critic_frozen and (self.sharded or self.critic_lora is not None):
+            raise ValueError('model.critic_trunk = "frozen" needs one learner process and no model.critic_lora')
+        self._trunk_cache = TrunkStateCache(cfg.model.critic_feature_cache_mb * 2**20) if self.critic_frozen else None
         if self.algo.uses_critic:
             path = critic_path or policy_path
             # model.critic_head_layers / critic_logprobs: the value head's design (models.rl.CriticDesign)
@@ -279,6 +287,9 @@ class Learner:
             self.critic = self._load(
                 lambda: self._with_critic_lora(build_critic(path, attn_implementation=attn, design=design)),
                 lambda: self._with_critic_lora(load_critic(path, attn_implementation=attn, design=design)))
+            if self.critic_frozen:  # model.critic_trunk = "frozen": the value head alone trains
+                for name, p in self.critic.named_parameters():
+                    p.requires_grad_(name.startswith("score."))
             self.critic_opt = torch.optim.AdamW(self._critic_param_groups(), lr=cfg.optim.critic_lr,
                                                 betas=(cfg.optim.beta1, cfg.optim.beta2),
                                                 weight_decay=cfg.optim.weight_decay)
@@ -331,7 +342,7 @@ class Learner:
         """The critic optimiser's parameter groups: one, or with ``optim.critic_head_lr`` the trunk's and then the
         value head's (``score``, a design's extra layers included), each with its own rate (:meth:`_critic_lrs`)."""
         params = [p for p in self.critic.parameters() if p.requires_grad]  # model.critic_lora: a frozen trunk
-        if self.cfg.optim.critic_head_lr is None:
+        if self.cfg.optim.critic_head_lr is None or self.critic_frozen:  # frozen: the head's group alone
             return [{"params": params}]
         head = {id(p) for p in self.critic.score.parameters()}
         return [{"params": [p for p in params if id(p) not in head]},
@@ -343,6 +354,8 @@ class Learner:
         value pretraining runs at version 0, at the full rate)."""
         o = self.cfg.optim
         lrs = [o.critic_lr] if o.critic_head_lr is None else [o.critic_lr, o.critic_head_lr]
+        if self.critic_frozen:  # model.critic_trunk = "frozen": one group, the head's (critic_head_lr if set)
+            lrs = lrs[-1:]
         total = self.cfg.train.total_steps
         if o.critic_lr_schedule == "constant" or total == 0:
             return lrs
@@ -378,8 +391,32 @@ class Learner:
         """The critic's values of ``tb`` = ``batch.tokens.select(rows)``; a log-prob design reads the rows' behaviour
         log-probs (``models.rl.logprob_features``: those of the tokens before each one)."""
         lp = batch.behavior_logprobs[rows, : tb.response_ids.shape[1]] if self._critic_reads_logprobs else None
+        if self.critic_frozen:
+            return self._frozen_values(tb, lp)
         with self.precision.autocast():
             return response_values(self.critic, tb, self.packing or False, self.precision.compute_dtype, logprobs=lp)
+
+    def _cache_metrics(self) -> dict[str, float]:
+        """A frozen trunk's state cache: its size and the responses read from it / run through the trunk so far."""
+        c = self._trunk_cache
+        if c is None:
+            return {}
+        return {"critic/trunk_cache_mb": c.bytes / 2**20, "critic/trunk_cache_hits": float(c.hits),
+                "critic/trunk_cache_misses": float(c.misses)}
+
+    def _frozen_values(self, tb: TokenBatch, lp: torch.Tensor | None) -> torch.Tensor:
+        """``model.critic_trunk = "frozen"``: the value head on the trunk's states of ``tb``, each response's run
+        through the trunk once (without a gradient) and then read from the cache while it holds them."""
+        packed, dtype = self.packing or False, self.precision.compute_dtype
+
+        @torch.no_grad()
+        def compute(sub: TokenBatch) -> torch.Tensor:
+            with self.precision.autocast():
+                return trunk_states(self.critic, sub, packed, dtype)
+
+        states = self._trunk_cache.states(tb, compute)
+        with self.precision.autocast():
+            return head_values(self.critic, states, tb.response_mask, lp)
 
     def _minibatches(self, n: int, size: int | None = None, rng: random.Random | None = None) -> list[list[int]]:
         """The rows 0..n-1 shuffled (by ``rng``, None: ``self.rng``) into mini-batches of ``size`` (None:
@@ -534,7 +571,7 @@ class Learner:
         size = self.algo.effective_critic_mini_batch_size
         rows = [self._critic_minibatch(batch, idx, seq_tokens, returns, values)
                 for _ in range(self.algo.value_pretrain_epochs) for idx in self._minibatches(len(mask), size)]
-        return _mean_metrics(rows) | before | {"critic/steps": float(len(rows))}
+        return _mean_metrics(rows) | before | {"critic/steps": float(len(rows))} | self._cache_metrics()
 
     @torch.no_grad()
     def critic_values(self, batch: RolloutBatch) -> torch.Tensor:
@@ -700,6 +737,7 @@ class Learner:
         metrics.update(stats)
         if self.critic is not None:
             metrics["critic/steps"] = float(self.critic_steps - critic_before)
+            metrics.update(self._cache_metrics())
         # tokens without an engine log-prob count as on-policy (weight 1)
         behavior = torch.where(nan_behavior, old_lp, batch.behavior_logprobs)
         metrics["behavior_logprob_gap"] = float(masked_mean((old_lp - behavior).abs(), mask))

@@ -609,6 +609,89 @@ def response_values(critic: torch.nn.Module, batch: TokenBatch, packed: bool | s
     return inputs.select(out.logits)[..., 0].float()
 
 
+def trunk_states(critic: torch.nn.Module, batch: TokenBatch, packed: bool | str = False,
+                 mask_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The critic trunk's last hidden state at the position scoring each response token: ``[B, T, H]`` (what its
+    value head reads; :func:`response_values` is ``head_values`` of these)."""
+    inputs = model_inputs(batch, packed, mask_dtype)
+    trunk = getattr(critic, critic.base_model_prefix)
+    return inputs.select(trunk(**inputs.kwargs, use_cache=False).last_hidden_state)
+
+
+def head_values(critic: torch.nn.Module, states: torch.Tensor, response_mask: torch.Tensor,
+                logprobs: torch.Tensor | None = None) -> torch.Tensor:
+    """The critic's values ``[B, T]`` from its trunk's states ``[B, T, H]`` (:func:`trunk_states`): its value head
+    alone. ``logprobs`` as in :func:`response_values`."""
+    states = critic.dropout(states) if hasattr(critic, "dropout") else states  # the HF forward's (eval: identity)
+    if not reads_logprobs(critic):
+        return critic.score(states)[..., 0].float()
+    if logprobs is None:
+        raise ValueError("this critic reads the behaviour log-probs of the response tokens (model.critic_logprobs): "
+                         "pass logprobs")
+    t = states.shape[1]
+    feats = logprob_features(logprobs[:, :t].to(states.device), response_mask[:, :t])
+    with critic.score.reading(feats):
+        return critic.score(states)[..., 0].float()
+
+
+class TrunkStateCache:
+    """A frozen critic trunk's states of each response (``model.critic_trunk = "frozen"``), kept so that a response
+    runs through the trunk once however many head steps and passes train on it. A response is known by its prompt and
+    response tokens (the states depend on nothing else); it keeps the states of its own response tokens only, as
+    float32, and the least recently used are dropped beyond ``max_bytes``."""
+
+    def __init__(self, max_bytes: int):
+        from collections import OrderedDict
+
+        self.max_bytes = max_bytes
+        self._rows: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.bytes = 0
+        self.hits = self.misses = 0
+
+    @staticmethod
+    def _response_len(batch: TokenBatch, i: int) -> int:
+        """Row ``i``'s response positions in the forward: its generated and environment tokens (not padding)."""
+        return int(batch.attention_mask[i, batch.prompt_len:].sum())
+
+    def key(self, batch: TokenBatch, i: int) -> bytes:
+        ids = batch.input_ids[i][batch.attention_mask[i].bool()]  # prompt + response tokens, padding dropped
+        return ids.to(torch.int64).cpu().numpy().tobytes() + self._response_len(batch, i).to_bytes(4, "little")
+
+    def states(self, batch: TokenBatch, compute) -> torch.Tensor:
+        """``[B, T, H]`` float32 states of ``batch`` (0 at padding): the kept rows' from the cache, the others' from
+        ``compute(rows)`` (one call on a :meth:`TokenBatch.select` of the rows not kept), which are then kept."""
+        keys = [self.key(batch, i) for i in range(len(batch))]
+        kept = {i: self._rows[k] for i, k in enumerate(keys) if k in self._rows}
+        missing = [i for i in range(len(keys)) if i not in kept]
+        self.hits, self.misses = self.hits + len(kept), self.misses + len(missing)
+        for i in kept:
+            self._rows.move_to_end(keys[i])
+        fresh = compute(batch.select(missing)).detach().float() if missing else None
+        t = batch.response_ids.shape[1]
+        hidden = fresh.shape[-1] if fresh is not None else next(iter(kept.values())).shape[-1]
+        out = torch.zeros(len(keys), t, hidden, device=batch.response_ids.device)
+        for i, row in kept.items():
+            out[i, : row.shape[0]] = row.to(out.device)
+        for j, i in enumerate(missing):
+            n = self._response_len(batch, i)
+            out[i, :n] = fresh[j, :n]
+            self._put(keys[i], fresh[j, :n].clone())
+        return out
+
+    def _put(self, key: bytes, row: torch.Tensor) -> None:
+        size = row.numel() * row.element_size()
+        if size > self.max_bytes:
+            return
+        self._rows[key] = row
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, old = self._rows.popitem(last=False)
+            self.bytes -= old.numel() * old.element_size()
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
 def _head_logprobs(head: torch.nn.Module, h: torch.Tensor, labels: torch.Tensor, temperature: float
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     logits = head(h).float()
