@@ -1215,11 +1215,6 @@ class Config(_Section):
                              f"{self.verifier.answer_format!r}, task.answer={self.task.answer!r})")
         if self.algo.overlong_buffer >= self.rollout.max_response_tokens:
             raise ValueError("algo.overlong_buffer must be smaller than rollout.max_response_tokens")
-        for name, lc in (("model.lora", self.model.lora), ("model.critic_lora", self.model.critic_lora)):
-            if lc.enabled and (self.async_.learner_devices > 1 or self.learner.fsdp == "on"):
-                raise ValueError(f"{name} with a sharded learner (async.learner_devices = "
-                                 f"{self.async_.learner_devices}, learner.fsdp = {self.learner.fsdp!r}) is not "
-                                 "supported yet: LoRA is trained by one learner rank (async.learner_devices = 1)")
         if self.model.critic_trunk == "frozen":
             if self.model.critic_lora.enabled:
                 raise ValueError('model.critic_trunk = "frozen" and model.critic_lora both decide what the critic\'s '

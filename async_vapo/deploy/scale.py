@@ -602,8 +602,6 @@ def search(cfg, shape: ModelShape, cl: Cluster, *, hosts: int, gpus_per_host: in
     for k in range(1, hosts + 1):
         for per in _powers(gpus_per_host):
             for tp in _powers(gpus_per_host):
-                if (cfg.model.lora.enabled or cfg.model.critic_lora.enabled) and k * per > 1:  # one LoRA rank
-                    continue
                 free = [gpus_per_host - (per if i < k else 0) for i in range(hosts)]
                 rollout = tp * sum(f // tp for f in free)
                 if rollout == 0:

@@ -207,7 +207,8 @@ class StepLoop:
 
     ``leader``: this rank writes rows, publishes, evaluates and checkpoints, and decides when to stop.
     Hooks, each optional: ``publish(version, state) -> seconds`` (the version to the engines; ``state`` is the
-    policy's weights that a sharded learner gathers whole on every rank for it, else None: the hook takes from the
+    policy's weights, or with ``model.lora`` its adapter, that a sharded learner gathers on every rank for it
+    (``publish_state()``), else None: the hook takes from the
     learner what it sends, ``policy_state()`` or with ``model.lora`` the adapter alone, so no merged copy is built
     that nothing reads), or instead ``publish_collective(version) -> row metrics``, run
     on every rank of a sharded learner, which gathers what it sends itself (``learner.sharding.publish_sharded``:
@@ -409,7 +410,7 @@ class StepLoop:
                 if self._publish_collective is not None:
                     with self._busy("publish"):
                         pushed = self._publish_collective(self.learner.version) or {}
-                state = self.learner.policy_state() if sharded and self._publish_collective is None else None
+                state = self.learner.publish_state() if sharded and self._publish_collective is None else None
                 if not self.leader:
                     if sharded and broadcast_object(None):
                         self.checkpoint(self.step)

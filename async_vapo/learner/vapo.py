@@ -205,6 +205,12 @@ def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A tensor whole: a DTensor shard gathered (a collective), a plain tensor as it is; detached."""
+    t = t.detach()
+    return t.full_tensor() if callable(getattr(t, "full_tensor", None)) else t
+
+
 def critic_error_by_age(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, ages: torch.Tensor
                         ) -> dict[str, float]:
     """The critic's error on the samples of each age (learner version − the version that generated them;
@@ -257,15 +263,11 @@ class Learner:
                                        cfg.learner.share_prompts)
         attn = attn_implementation(self.packing)
         # model.lora: adapters on the frozen policy (models.lora); the optimiser gets the adapter parameters only
+        # A sharded LoRA model is sharded like any other (its frozen base weights and its adapters alike, per decoder
+        # layer); a version is its adapter, gathered on every rank (adapter_state), never the base's weight stream
         self.lora = lora.config_of(cfg)
-        if self.lora is not None and self.sharded:
-            raise ValueError("model.lora with a sharded learner (learner.fsdp, several ranks) is not supported yet: "
-                             "the sharded weight stream publishes the base model's names; train LoRA in one process")
         # model.critic_lora: adapters on the critic's trunk, its value head trained in full (models.lora)
         self.critic_lora = lora.config_of(cfg, "critic") if self.algo.uses_critic else None
-        if self.critic_lora is not None and self.sharded:
-            raise ValueError("model.critic_lora with a sharded learner (learner.fsdp, several ranks) is not supported "
-                             "yet: train LoRA in one process")
         self.policy = self._load(lambda: self._with_lora(build_policy(policy_path, attn_implementation=attn)),
                                  lambda: self._with_lora(load_policy(policy_path, attn_implementation=attn)))
         self._sources = {"policy": policy_path, "critic": critic_path or policy_path}  # for the HF files of a save
@@ -807,18 +809,26 @@ class Learner:
         sharded policy: ``learner.sharding.publish_sharded`` streams each version one gathered bucket at a time and
         builds the whole version on rank 0 from that same walk only when an engine needs it so."""
         if self.sharded:
-            return self.precision.engine_state(sharding.full_state_dict(self.policy))
-        state = {k: v.cpu() for k, v in self.policy.state_dict().items()}
-        if self.lora is not None:  # the merged weights: what an engine without the adapter serves
+            state = sharding.full_state_dict(self.policy)
+        else:
+            state = {k: v.cpu() for k, v in self.policy.state_dict().items()}
+        if self.lora is not None and state:  # the merged weights: what an engine without the adapter serves
             state = lora.merged_state(state, lora.scaling(self.lora))
         return self.precision.engine_state(state)
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
         """The policy's LoRA adapter (``model.lora``) as a PEFT ``adapter_model.safetensors`` names it, on the host in
-        float32 (the masters: adapters are small, and vLLM casts them to its dtype as it loads them)."""
+        float32 (the masters: adapters are small, and vLLM casts them to its dtype as it loads them). A sharded policy
+        gathers its adapter's tensors alone (a collective: every rank must call it, and every rank gets the adapter);
+        the frozen base is never gathered for a version."""
         if self.lora is None:
             raise ValueError("the policy has no LoRA adapter (model.lora.rank = 0)")
-        return lora.adapter_tensors({k: v.detach().cpu() for k, v in self.policy.state_dict().items()})
+        return lora.adapter_tensors({k: _full(v).cpu() for k, v in self.policy.state_dict().items() if ".lora_" in k})
+
+    def publish_state(self) -> dict[str, torch.Tensor]:
+        """What a version sends: the adapter with ``model.lora`` (:meth:`adapter_state`), else the weights
+        (:meth:`policy_state`). A collective when the learner is sharded."""
+        return self.adapter_state() if self.lora is not None else self.policy_state()
 
     def _train_state(self) -> dict:
         """Models and optimisers as torch.distributed.checkpoint state (each rank's shards when sharded)."""
@@ -853,6 +863,12 @@ class Learner:
         self._barrier()
         with single_process_checkpoint():
             dcp.save(self._train_state(), checkpoint_id=str(tmp / "dcp"), no_dist=self.world == 1)
+        # collectives when sharded, so before rank 0 writes alone: the adapter, and a LoRA critic's whole state
+        adapter = self.adapter_state() if self.lora is not None else None
+        critic_state = None
+        if self.critic_lora is not None:
+            critic_state = (sharding.full_state_dict(self.critic) if self.sharded else
+                            {k: v.detach().cpu() for k, v in self.critic.state_dict().items()})
         if self.rank == 0:
             from async_vapo.learner.export import write_meta
 
@@ -861,12 +877,12 @@ class Learner:
                 write_meta(self.critic, self._sources["critic"], tmp / "hf_meta" / "critic")
             if self.lora is not None:  # the adapter's config beside the base's (export), and the adapter itself
                 self.lora.save_pretrained(str(tmp / "hf_meta" / "policy"))
-                lora.save_adapter(tmp / "policy_adapter", self.adapter_state(), self.lora, str(self._sources["policy"]))
+                lora.save_adapter(tmp / "policy_adapter", adapter, self.lora, str(self._sources["policy"]))
             elif not self.sharded:
                 self.policy.save_pretrained(tmp / "policy", safe_serialization=True)
             if self.critic_lora is not None:  # the adapter's config (export), and the merged critic: a plain one
                 self.critic_lora.save_pretrained(str(tmp / "hf_meta" / "critic"))
-                self._save_merged_critic(tmp / "critic")
+                self._save_merged_critic(tmp / "critic", critic_state)
             elif not self.sharded and self.critic is not None:
                 self.critic.save_pretrained(tmp / "critic", safe_serialization=True)
             torch.save({
@@ -883,7 +899,7 @@ class Learner:
         self._barrier()
         return path
 
-    def _save_merged_critic(self, directory: Path) -> None:
+    def _save_merged_critic(self, directory: Path, state: dict[str, torch.Tensor]) -> None:
         """A LoRA critic as an ordinary critic directory (``model.critic_lora``): its trunk's weights merged with the
         adapters, its head as trained; ``load_critic`` reads it, and a resume from it restores the exact critic (its
         base and adapters come from ``dcp/``)."""
@@ -891,7 +907,6 @@ class Learner:
 
         from async_vapo.learner.export import write_meta
 
-        state = {k: v.detach().cpu() for k, v in self.critic.state_dict().items()}
         merged = lora.merged_state(state, lora.scaling(self.critic_lora))
         self.critic.config.architectures = [type(self.critic).__name__]  # as save_pretrained records it: a critic
         write_meta(self.critic, self._sources["critic"], directory)

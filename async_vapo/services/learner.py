@@ -311,7 +311,9 @@ class LearnerService:
         self.lm = ctx.metrics.learner
         self.last_publish: dict = {}
         """``publish_sharded``'s figures for the last version this rank published with ``publish_all``."""
-        self.streams = self.learner.sharded and cfg.cluster.weights.transfer in ("dist", "auto")
+        # a LoRA version is its adapter, published whole (publish_state), never streamed as the base's weights
+        self.streams = (self.learner.sharded and self.learner.lora is None
+                        and cfg.cluster.weights.transfer in ("dist", "auto"))
         """Each version is published by every rank (``publish_all``): gathered one bucket at a time as it is streamed
         to the engines' weight groups, whole on rank 0 only for engines that need it so."""
         self.loop = StepLoop(cfg, self.learner,
@@ -422,10 +424,8 @@ class LearnerService:
         """Version ``version`` to the engines: the policy's weights (``state`` when a sharded learner gathered them
         on every rank, else taken here), or with ``model.lora`` the policy's adapter alone (``weights.adapter``: the
         engines load it over their base; the merged weights are never built)."""
-        if self.learner.lora is not None:
-            state = self.learner.adapter_state()
-        elif state is None:
-            state = self.learner.policy_state()
+        if state is None:  # an unsharded learner's (a sharded one gathered it on every rank: publish_state)
+            state = self.learner.publish_state()
         return self.sync.publish(version, state, self.floor(version))
 
     def publish_all(self, version: int, again: bool = False) -> dict[str, float]:
@@ -457,8 +457,8 @@ class LearnerService:
         state = None
         if self.streams:  # a collective
             self.publish_all(v)
-        elif self.learner.lora is None:
-            state = self.learner.policy_state()  # a collective when the learner is sharded
+        elif self.learner.lora is None or self.learner.sharded:
+            state = self.learner.publish_state()  # a collective when the learner is sharded
         if self.rank != 0:
             self.loop.run()
             return None

@@ -29,6 +29,8 @@ SCENARIOS = {
     "budget": ["algo.max_tokens_per_micro_batch=64", "learner.logprob_chunk_tokens=5", "learner.packing=true"],
     # the critic on a schedule of its own (mini-batches of 4, 2 passes) with its head in a param group of its own
     "critic": ["algo.critic_mini_batch_size=4", "algo.critic_epochs=2", "optim.critic_head_lr=1e-2"],
+    # LoRA adapters on the policy and on the critic's trunk, sharded with their frozen bases
+    "lora": ["model.lora.rank=4", "model.critic_lora.rank=4", "optim.actor_lr=1e-2", "optim.critic_lr=1e-2"],
 }
 
 
@@ -146,7 +148,9 @@ def main() -> None:
                 continue
             state, metrics, learner = updates(cfg_for(cache, extra))
             assert_sharded(learner)
-            torch.save((state, metrics), out / f"{name}.{rank}")
+            # a LoRA version: its adapter alone, gathered on every rank (a collective)
+            adapter = learner.publish_state() if learner.lora is not None else None
+            torch.save((state, metrics) + ((adapter,) if adapter is not None else ()), out / f"{name}.{rank}")
         if only:
             return
         # DCP: save after one update on 2 ranks, then the next update from it on 2 ranks

@@ -37,8 +37,10 @@ def full_forward_values(learner: Learner, batch) -> torch.Tensor:
     return v.masked_fill(~batch.tokens.response_mask.bool(), 0.0)
 
 
-@pytest.mark.parametrize("design", [[], ["model.critic_head_layers=2"], ["model.critic_logprobs=true"],
-                                    ["model.critic_head_layers=1", "learner.packing=true", "learner.share_prompts=true"]],
+SHARED_PACKING = ["model.critic_head_layers=1", "learner.packing=true", "learner.share_prompts=true"]
+
+
+@pytest.mark.parametrize("design", [[], ["model.critic_head_layers=2"], ["model.critic_logprobs=true"], SHARED_PACKING],
                          ids=["linear", "layers2", "logprobs", "shared-prompt-packing"])
 def test_head_on_kept_states_equals_the_whole_forward_and_only_the_head_trains(cache, design):
     learner, batch = make(cache, "algo.critic_mini_batch_size=4", "algo.critic_epochs=3",

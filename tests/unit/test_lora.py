@@ -186,12 +186,46 @@ def test_lora_refuses_what_it_does_not_support(cache):
         lora.vllm_max_lora_rank(513)
 
 
-def test_a_sharded_learner_refuses_lora(cache, tmp_path):
+def test_a_sharded_lora_learner_makes_the_one_process_update_and_saves_its_adapters(cache, tmp_path):
+    """FSDP2 (learner.fsdp = on, one gloo rank: the sharded code path) with adapters on the policy and the critic:
+    the same update as one unsharded process, the version's adapter gathered alone (publish_state), and a checkpoint
+    with the PEFT adapter and the merged critic, as one process writes them."""
     import torch.distributed as dist
+    from safetensors.torch import load_file
 
+    from async_vapo.learner.sharding import is_sharded
+
+    both = ["algo.name=vapo", "model.critic_lora.rank=4", "optim.critic_lr=1e-2"]
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
-        with pytest.raises(ValueError, match="model.lora with a sharded learner"):
-            make(cache, "learner.fsdp=on")
+        sharded, batch, _ = make(cache, *both, "learner.fsdp=on")
+        single, _, _ = make(cache, *both)
+        assert is_sharded(sharded.policy) and is_sharded(sharded.critic) and not is_sharded(single.policy)
+        a = single.update(batch)
+        b = sharded.update(batch)
+        for key in ("actor/grad_norm", "critic/grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5)
+        adapter = sharded.publish_state()
+        assert adapter.keys() == single.adapter_state().keys()
+        for k, v in single.adapter_state().items():
+            torch.testing.assert_close(adapter[k], v, rtol=0, atol=2e-6)
+        assert any(".lora_B." in k and v.abs().sum() > 0 for k, v in adapter.items())  # the update moved B
+        sharded.save(tmp_path / "sharded")
+        single.save(tmp_path / "single")
+        for part in ("policy_adapter/adapter_model.safetensors", "critic/model.safetensors"):
+            got, want = load_file(str(tmp_path / "sharded" / part)), load_file(str(tmp_path / "single" / part))
+            assert got.keys() == want.keys()
+            for k, v in want.items():
+                torch.testing.assert_close(got[k], v, rtol=0, atol=2e-6)
+        assert not (tmp_path / "sharded" / "policy").exists()  # a version of a LoRA policy is its adapter
+        from async_vapo.cli import main
+
+        for side in ("sharded", "single"):  # the export of each checkpoint, merged: the same HF model
+            assert main(["export", str(tmp_path / side), str(tmp_path / f"{side}_merged"), "--merge"]) == 0
+        got = load_file(str(tmp_path / "sharded_merged" / "model.safetensors"))
+        want = load_file(str(tmp_path / "single_merged" / "model.safetensors"))
+        assert got.keys() == want.keys() and not any("lora" in k for k in got)
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v, rtol=0, atol=2e-6)
     finally:
         dist.destroy_process_group()

@@ -10,8 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from async_vapo.config import load_config
 from async_vapo.deploy.scale import (
     QWEN25_7B,
@@ -90,17 +88,27 @@ def test_plan_fits_the_7b_lora_config_on_the_host_it_names(tmp_path):
     assert vapo.returncode == 1 and "142.3 GiB" in vapo.stdout and "176.9 GiB  (DOES NOT FIT 80 GiB)" in vapo.stdout
 
 
-def test_lora_plans_and_runs_one_learner_rank():
-    """Several learner ranks with LoRA are refused by the config (the learner refuses a sharded LoRA policy), and
-    plan --search never proposes them."""
-    with pytest.raises(ValueError, match="model.lora with a sharded learner"):
-        load_config([str(LORA_7B)], ["async.learner_devices=2", "async.rollout_devices=6"])
-    with pytest.raises(ValueError, match="model.lora with a sharded learner"):
-        load_config([str(LORA_7B)], ["learner.fsdp=on"])
+def test_lora_shards_over_several_learner_ranks(tmp_path):
+    """A LoRA learner may be sharded (FSDP2 over its ranks): the config takes several learner ranks, plan --search
+    proposes them, and VAPO with LoRA on the policy and the critic (configs/qwen2.5-7b_vapo_lora.toml) fits the one
+    8-GPU host it names on four ranks, where one rank holds neither."""
+    cfg = load_config([str(LORA_7B)], ["async.learner_devices=2", "async.rollout_devices=6"])
+    assert cfg.async_.learner_devices == 2
     cfg = load_config([str(LORA_7B)])
     found, tried = search(cfg, ModelShape.from_hf_config(QWEN25_7B), Cluster(gpu_memory_gib=80), hosts=1,
                           gpus_per_host=8)
-    assert found and {c.learner_devices for c in found} == {1}
+    assert found and max(c.learner_devices for c in found) > 1
+    vapo_lora = REPO / "configs" / "qwen2.5-7b_vapo_lora.toml"
+    assert "# fits: 1 hosts x 8 GPUs x 80 GiB, learner on 1 host" in vapo_lora.read_text()
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("".join(f"{h} {r}\n" for h, r in search_hostfile(1, 1)))
+    where = ["--hostfile", str(hostfile), "--gpus-per-host", "8", "--gpu-memory-gib", "80"]
+    r = plan(str(vapo_lora), *where)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert "(4 ranks)" in r.stdout and "43.5 GiB  (fits)" in r.stdout and "DOES NOT FIT" not in r.stdout
+    one = plan(str(vapo_lora), *where, "async.learner_devices=1", "async.rollout_devices=7",
+               "rollout.tensor_parallel_size=1")
+    assert one.returncode == 1 and "92.4 GiB  (DOES NOT FIT 80 GiB)" in one.stdout
 
 
 def test_a_lora_critic_is_counted_as_its_frozen_trunk_and_adapter():
