@@ -51,10 +51,10 @@ vapo_critic_nopretrain=("${vapo_critic[@]}" algo.value_pretrain_steps=0 algo.val
 vapo_v0=(algo.name=vapo algo.zero_values=true)
 # the frozen-trunk critic (benchmarks/results/value_model/plan.md, design 2): the head alone trains (two MLP layers
 # before the linear head, lr 1e-3) on the trunk's states, computed once per response; value pretraining on a pool of
-# 24 batches, up to 96 steps of two passes over a batch; 32 head steps per update
+# 32 batches, up to 320 steps of two passes over a batch (5,120 head steps), at least 128; 32 head steps per update
 vapo_frozen=(algo.name=vapo model.critic_trunk=frozen model.critic_head_layers=2 algo.critic_mini_batch_size=8
-             algo.critic_epochs=4 algo.value_pretrain_pool=24 algo.value_pretrain_steps=96
-             algo.value_pretrain_epochs=2 algo.value_pretrain_min_steps=48 algo.value_pretrain_patience=24
+             algo.critic_epochs=4 algo.value_pretrain_pool=32 algo.value_pretrain_steps=320
+             algo.value_pretrain_epochs=2 algo.value_pretrain_min_steps=128 algo.value_pretrain_patience=64
              optim.critic_head_lr=1e-3 rollout.critic_eval_problems=50 rollout.critic_eval_samples=4)
 vapo_frozen_nopretrain=("${vapo_frozen[@]}" algo.value_pretrain_steps=0 algo.value_pretrain_pool=0
                         algo.value_pretrain_min_steps=0 algo.value_pretrain_patience=0)
