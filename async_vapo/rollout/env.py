@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import math
 import re
 from collections.abc import Callable
@@ -80,14 +81,78 @@ def code_block(text: str) -> str | None:
     return blocks[-1] if blocks else None
 
 
+PYTHON_TOOL = {"type": "function", "function": {
+    "name": "python",
+    "description": "Run a Python program in a sandbox and return what it prints (stdout, then stderr).",
+    "parameters": {"type": "object", "required": ["code"],
+                   "properties": {"code": {"type": "string", "description": "the Python program to run"}}}}}
+"""The built-in tool as a chat template's ``tools=`` entry (the OpenAI function schema that Hermes-style templates
+render into the system prompt)."""
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.DOTALL)
+
+
+class ToolCallError(ValueError):
+    """A tool call that cannot be run (not JSON, another tool, no code): an observation, never a crash."""
+
+
+def tool_call(text: str) -> str | None:
+    """The code of the last Hermes-style tool call in ``text`` (``<tool_call>{"name": "python", "arguments":
+    {"code": ...}}</tool_call>``; the closing tag may be missing where generation stopped), or None without one.
+    ``arguments`` may also be a JSON string of the object, as some models write it. Raises :class:`ToolCallError`
+    for a call that is not a python call with its code."""
+    calls = _TOOL_CALL.findall(text)
+    if not calls:
+        return None
+    try:
+        call = json.loads(calls[-1])
+    except json.JSONDecodeError as e:
+        raise ToolCallError(f"the tool call is not JSON ({e.msg} at character {e.pos})") from None
+    if not isinstance(call, dict):
+        raise ToolCallError('a tool call is a JSON object {"name": ..., "arguments": {...}}')
+    name, args = call.get("name"), call.get("arguments", call.get("parameters"))
+    if name != "python":
+        raise ToolCallError(f"unknown tool {name!r}: the one tool is 'python'")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            args = None
+    if not isinstance(args, dict) or not isinstance(args.get("code"), str):
+        raise ToolCallError('the python tool takes {"code": "<program>"}')
+    return args["code"]
+
+
+def template_calls_tools(tokenizer) -> bool:
+    """The tokenizer's chat template has a Hermes-style tool-call format (it writes ``<tool_call>``)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "<tool_call>" in template
+
+
+def prompt_tools(cfg, tokenizer) -> list[dict] | None:
+    """The ``tools=`` a run's chat prompts are rendered with: the python tool's description where ``rollout.env =
+    "python"`` calls it in the template's own format (``env_tool_format`` "hermes", or "auto" on a template that
+    has one); else None. Raises for "hermes" on a template without a tool-call format."""
+    r = cfg.rollout
+    if r.env != "python" or r.env_tool_format == "fenced" or cfg.task.prompt_format != "chat":
+        return None
+    if template_calls_tools(tokenizer):
+        return [PYTHON_TOOL]
+    if r.env_tool_format == "hermes":
+        raise ValueError('rollout.env_tool_format = "hermes": the tokenizer\'s chat template has no tool-call format '
+                         '(it never writes <tool_call>); use "fenced" or "auto"')
+    return None
+
+
 class PythonToolEnv:
-    """The built-in ``python`` environment: a fenced Python block in the model's turn runs in a fresh tool sandbox
-    (never the grading pool), its stdout, then its stderr, come back as the next turn; a turn without a block ends
-    the sample and the verifier grades it. A call that fails (an exception, a timeout, a limit, a kill) is an
-    observation too: its output and ``[status: ...]``."""
+    """The built-in ``python`` environment: a tool call in the model's turn (a fenced Python block, or the chat
+    template's own ``<tool_call>`` format: ``rollout.env_tool_format``) runs in a fresh tool sandbox (never the
+    grading pool), its stdout, then its stderr, come back as the next turn; a turn without a call ends the sample and
+    the verifier grades it. A call that fails (an exception, a timeout, a limit, a kill) is an observation too: its
+    output and ``[status: ...]``; so is a tool call that cannot be run (``[tool call error: ...]``)."""
 
     def __init__(self, cfg=None, *, tool_seconds: float | None = None, backend: str = DEFAULT_BACKEND,
-                 output_bytes: int = 4096):
+                 output_bytes: int = 4096, tool_format: str | None = None):
         seconds = tool_seconds if tool_seconds is not None else (cfg.rollout.env_tool_seconds if cfg else 5.0)
         reason = unavailable_reason(backend)
         if reason is not None:
@@ -95,6 +160,9 @@ class PythonToolEnv:
                                          f"which cannot run here: {reason}")
         self.backend = backend
         self.limits = ToolLimits(wall_s=seconds, cpu_s=max(1, math.ceil(seconds)), output_bytes=output_bytes)
+        self.tool_format = tool_format or (cfg.rollout.env_tool_format if cfg else "auto")
+        if self.tool_format not in ("auto", "fenced", "hermes"):
+            raise ValueError(f"tool_format must be 'auto', 'fenced' or 'hermes', got {self.tool_format!r}")
         self.tool_calls = self.tool_errors = 0
         self.tool_seconds = 0.0
 
@@ -102,11 +170,22 @@ class PythonToolEnv:
         return None
 
     def code_of(self, text: str) -> str | None:
-        """The code a turn asks to run (None: no tool call)."""
+        """The code a turn asks to run (None: no tool call): its last tool call in the template's format (``hermes``,
+        ``auto``) or its last fenced Python block (``fenced``, ``auto`` without a tool call). Raises
+        :class:`ToolCallError` for a tool call that cannot be run."""
+        if self.tool_format != "fenced":
+            code = tool_call(text)
+            if code is not None or self.tool_format == "hermes":
+                return code
         return code_block(text)
 
     def step(self, text: str) -> StepResult:
-        code = self.code_of(text)
+        try:
+            code = self.code_of(text)
+        except ToolCallError as e:
+            self.tool_calls += 1
+            self.tool_errors += 1
+            return f"[tool call error: {e}]", None, False
         if code is None:
             return None, None, True
         r = run_python(code, backend=self.backend, limits=self.limits)

@@ -37,7 +37,7 @@ class PromptEncoder:
     tokenised without adding special tokens again (the template writes them)."""
 
     def __init__(self, tokenizer, template: str = "{prompt}", *, prompt_format: str = "raw",
-                 system_prompt: str | None = None):
+                 system_prompt: str | None = None, tools: list[dict] | None = None):
         if prompt_format not in ("raw", "chat"):
             raise ValueError(f"prompt_format must be 'raw' or 'chat', got {prompt_format!r}")
         if prompt_format == "chat" and not getattr(tokenizer, "chat_template", None):
@@ -45,13 +45,19 @@ class PromptEncoder:
                              "(with task.prompt_template) or a model directory whose tokenizer_config.json has one")
         self.tokenizer, self.template = tokenizer, template
         self.prompt_format, self.system_prompt = prompt_format, system_prompt
+        self.tools = tools
+        """``tools=`` of every chat prompt (the python tool's description where the template calls tools its own way:
+        ``rollout.env.prompt_tools``); None: none."""
         self.cache: dict[str, list[int]] = {}
         self._delta: tuple[str, str] | None = None
 
     @classmethod
     def from_config(cls, cfg: Config, tokenizer) -> PromptEncoder:
+        from async_vapo.rollout.env import prompt_tools
+
         t = cfg.task
-        return cls(tokenizer, t.prompt_template, prompt_format=t.prompt_format, system_prompt=t.system_prompt)
+        return cls(tokenizer, t.prompt_template, prompt_format=t.prompt_format, system_prompt=t.system_prompt,
+                   tools=prompt_tools(cfg, tokenizer))
 
     def messages(self, p: Problem) -> list[dict[str, str]]:
         """The chat ``p`` is rendered from (``chat`` format)."""
@@ -65,7 +71,8 @@ class PromptEncoder:
         """The prompt text the model sees."""
         if self.prompt_format == "raw":
             return self.template.format(prompt=p.prompt)
-        return self.tokenizer.apply_chat_template(self.messages(p), add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.apply_chat_template(self.messages(p), add_generation_prompt=True, tokenize=False,
+                                                  **self._tools())
 
     def __call__(self, p: Problem) -> list[int]:
         ids = self.cache.get(p.uid)
@@ -85,8 +92,12 @@ class PromptEncoder:
         if self.prompt_format != "chat":
             raise ValueError("an environment's reset returned messages, which need task.prompt_format = 'chat' "
                              "(a raw prompt is the task's own: return None)")
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False,
+                                                  **self._tools())
         return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def _tools(self) -> dict:
+        return {"tools": self.tools} if self.tools else {}
 
     def observation_ids(self, text: str, ended_with: int | None) -> list[int]:
         """The tokens of one environment turn holding ``text``, to append after a model turn whose last token is
