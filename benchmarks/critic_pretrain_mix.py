@@ -121,8 +121,9 @@ def main() -> int:
         results[f"{mix}/{len(train_problems)}"] = {
             "mix": mix, "train_problems": len(train_problems), "train_responses": len(train), "curve": curve,
             "last": curve[-1]["held_out_ev"], "best": max(c["held_out_ev"] for c in curve)}
-    write_result(args.out, {"command": "OMP_NUM_THREADS=2 PYTHONPATH=. .venv/bin/python benchmarks/critic_pretrain_mix.py "
-                                       + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+    command = "OMP_NUM_THREADS=2 PYTHONPATH=. .venv/bin/python benchmarks/critic_pretrain_mix.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())
+    write_result(args.out, {"command": command,
                             "config": args.config, "pool": args.pool,
                             "held_out_responses": len(test), "batch": args.batch,
                             "critic_mini_batch_size": cfg.algo.effective_critic_mini_batch_size,
