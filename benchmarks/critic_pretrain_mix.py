@@ -38,6 +38,9 @@ def main() -> int:
     p.add_argument("--train-problems", default="0",
                    help="comma-separated numbers of training problems to fit on (the first N of them, shuffled by "
                         "--seed); 0: all. Each with each mix, from the same initial head")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config overrides for the critic (repeatable), e.g. model.critic_trunk=train "
+                        "model.critic_lora.rank=16: another critic through the same path")
     p.add_argument("--out", default="benchmarks/results/critic_quality/pretrain_mix_smollm2.json")
     args = p.parse_args()
 
@@ -49,7 +52,7 @@ def main() -> int:
     from async_vapo.learner.vapo import Learner, make_rollout_batch
     from async_vapo.types import Group, Trajectory
 
-    cfg = load_config([args.config])
+    cfg = load_config([args.config], args.overrides)
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     pool = json.loads(Path(args.pool).read_text())["pool"]
     by_problem: dict[str, Group] = {}
@@ -122,9 +125,11 @@ def main() -> int:
             "mix": mix, "train_problems": len(train_problems), "train_responses": len(train), "curve": curve,
             "last": curve[-1]["held_out_ev"], "best": max(c["held_out_ev"] for c in curve)}
     command = "OMP_NUM_THREADS=2 PYTHONPATH=. .venv/bin/python benchmarks/critic_pretrain_mix.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "overrides") + "".join(
+        f" --set {o}" for o in args.overrides)
     write_result(args.out, {"command": command,
-                            "config": args.config, "pool": args.pool,
+                            "config": args.config, "overrides": args.overrides, "pool": args.pool,
+                            "critic_trunk": cfg.model.critic_trunk, "critic_lora_rank": cfg.model.critic_lora.rank,
                             "held_out_responses": len(test), "batch": args.batch,
                             "critic_mini_batch_size": cfg.algo.effective_critic_mini_batch_size,
                             "value_pretrain_epochs": cfg.algo.value_pretrain_epochs, "mixes": results})
