@@ -61,6 +61,7 @@ from async_vapo.learner.process_group import broadcast_object, destroy_process_g
 from async_vapo.learner.rundir import latest_checkpoint
 from async_vapo.metrics.prom import ServiceMetrics
 from async_vapo.metrics.rows import open_row_writer
+from async_vapo.models import lora
 from async_vapo.services.context import ServiceContext, make_transport
 from async_vapo.staleness import StalenessPolicy, token_lags
 from async_vapo.transport import (
@@ -426,6 +427,8 @@ class LearnerService:
         engines load it over their base; the merged weights are never built)."""
         if state is None:  # an unsharded learner's (a sharded one gathered it on every rank: publish_state)
             state = self.learner.publish_state()
+        elif self.learner.lora is not None and not all(k.startswith(lora.PEFT_PREFIX) for k in state):
+            raise ValueError("a LoRA version is its adapter (Learner.publish_state), not the policy's weights")
         return self.sync.publish(version, state, self.floor(version))
 
     def publish_all(self, version: int, again: bool = False) -> dict[str, float]:

@@ -67,8 +67,10 @@ def test_the_learner_service_publishes_adapters_that_the_engine_serves(transfer,
     try:
         sync = learner.sync
         v1 = set_adapter(learner.learner, seed=1)
-        # as the step loop calls it, with the policy's (merged) weights: with model.lora the adapter goes instead
-        learner.publish(1, learner.learner.policy_state())
+        # as the step loop of a sharded learner calls it, with what every rank gathered (publish_state: the adapter)
+        learner.publish(1, learner.learner.publish_state())
+        with pytest.raises(ValueError, match="its adapter"):  # whole weights are refused, never written as a version
+            learner.publish(2, learner.learner.policy_state())
         a = sync.latest
         full = sum(t.numel() * t.element_size() for t in learner.learner.policy_state().values())
         assert a.transfer == "adapter", a.transfer
@@ -92,7 +94,7 @@ def test_the_learner_service_publishes_adapters_that_the_engine_serves(transfer,
 
         # version 2's adapter is corrupted after its announce: refused, acked as failed, version 1 still served
         set_adapter(learner.learner, seed=2)
-        learner.publish(2, learner.learner.policy_state())
+        learner.publish(2)
         if transfer != "zmq":
             from async_vapo.models.lora import ADAPTER_WEIGHTS
 
@@ -116,7 +118,7 @@ def test_the_learner_service_publishes_adapters_that_the_engine_serves(transfer,
 
         # the next good version is taken
         set_adapter(learner.learner, seed=3)
-        learner.publish(3, learner.learner.policy_state())
+        learner.publish(3)
         serve(learner, rollout, 3)
         assert_engine_serves(lora_engine, learner.learner.policy, tok)
         assert counter(rm.weight_transfers_total, via=way) == 2
