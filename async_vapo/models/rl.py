@@ -649,18 +649,18 @@ class TrunkStateCache:
         self.hits = self.misses = 0
 
     @staticmethod
-    def _response_len(batch: TokenBatch, i: int) -> int:
-        """Row ``i``'s response positions in the forward: its generated and environment tokens (not padding)."""
-        return int(batch.attention_mask[i, batch.prompt_len:].sum())
-
-    def key(self, batch: TokenBatch, i: int) -> bytes:
-        ids = batch.input_ids[i][batch.attention_mask[i].bool()]  # prompt + response tokens, padding dropped
-        return ids.to(torch.int64).cpu().numpy().tobytes() + self._response_len(batch, i).to_bytes(4, "little")
+    def keys(batch: TokenBatch) -> tuple[list[bytes], list[int]]:
+        """Each row's key (its prompt and response tokens, padding dropped, and where the response starts) and its
+        response positions in the forward (generated and environment tokens, not padding); one copy to the host."""
+        ids, mask = batch.input_ids.to("cpu", torch.int64), batch.attention_mask.to("cpu").bool()
+        lengths = mask[:, batch.prompt_len:].sum(-1).tolist()
+        return [ids[i][mask[i]].numpy().tobytes() + int(n).to_bytes(4, "little")
+                for i, n in enumerate(lengths)], [int(n) for n in lengths]
 
     def states(self, batch: TokenBatch, compute) -> torch.Tensor:
         """``[B, T, H]`` float32 states of ``batch`` (0 at padding): the kept rows' from the cache, the others' from
         ``compute(rows)`` (one call on a :meth:`TokenBatch.select` of the rows not kept), which are then kept."""
-        keys = [self.key(batch, i) for i in range(len(batch))]
+        keys, lengths = self.keys(batch)
         kept = {i: self._rows[k] for i, k in enumerate(keys) if k in self._rows}
         missing = [i for i in range(len(keys)) if i not in kept]
         self.hits, self.misses = self.hits + len(kept), self.misses + len(missing)
@@ -673,7 +673,7 @@ class TrunkStateCache:
         for i, row in kept.items():
             out[i, : row.shape[0]] = row.to(out.device)
         for j, i in enumerate(missing):
-            n = self._response_len(batch, i)
+            n = lengths[i]
             out[i, :n] = fresh[j, :n]
             self._put(keys[i], fresh[j, :n].clone())
         return out
