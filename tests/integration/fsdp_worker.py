@@ -38,6 +38,19 @@ def cfg_for(cache: str, extra: list[str]):
     return load_config([], SHARD + [f"model.cache_dir={cache}", *extra])
 
 
+def launch_two_ranks(tmp_path_factory, worker: str, *args, name: str = "ranks", timeout: float = 600):
+    """A test module's one torchrun launch of ``worker`` on two ranks, ``CACHE_DIR OUT_DIR *args``: the model cache
+    built once before the ranks start (they would race to build it), a fresh output folder; returns both."""
+    from conftest import torchrun_two_ranks
+
+    from async_vapo.models.base_model import ensure_base_model
+
+    cache, out = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp(name)
+    ensure_base_model(cfg_for(str(cache), []), progress=False)
+    torchrun_two_ranks(worker, cache, out, *args, timeout=timeout)
+    return cache, out
+
+
 def learner_state(learner) -> dict[str, torch.Tensor]:
     """Full float32 weights of policy (and critic), on every rank (a collective when sharded)."""
     from async_vapo.learner.sharding import full_state_dict

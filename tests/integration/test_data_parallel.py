@@ -17,11 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import torchrun_two_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fsdp_worker import LOOP, SCENARIOS, cfg_for, run_loop, updates  # noqa: E402
+from fsdp_worker import LOOP, SCENARIOS, cfg_for, launch_two_ranks, run_loop, updates  # noqa: E402
 
 from async_vapo.models.base_model import ensure_base_model  # noqa: E402
 from async_vapo.models.rl import load_policy  # noqa: E402
@@ -32,10 +31,7 @@ GRAD_RTOL, W_ATOL = 1e-5, 2e-5
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """The two ranks' results (one torchrun launch for the module) and the model cache they used."""
-    cache = tmp_path_factory.mktemp("cache")
-    out = tmp_path_factory.mktemp("ranks")
-    ensure_base_model(cfg_for(str(cache), []), progress=False)  # built once, before the ranks start
-    torchrun_two_ranks("fsdp_worker.py", cache, out, timeout=900)
+    cache, out = launch_two_ranks(tmp_path_factory, "fsdp_worker.py", timeout=900)
     return str(cache), out
 
 

@@ -12,20 +12,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fsdp_worker import cfg_for  # noqa: E402
+from fsdp_worker import launch_two_ranks  # noqa: E402
 
 from async_vapo.models import lora  # noqa: E402
-from async_vapo.models.base_model import ensure_base_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def published(tmp_path_factory):
-    from conftest import torchrun_two_ranks
-
-    cache = tmp_path_factory.mktemp("cache")
-    out = tmp_path_factory.mktemp("publish")
-    ensure_base_model(cfg_for(str(cache), []), progress=False)  # built once, before the ranks start
-    torchrun_two_ranks("lora_publish_worker.py", cache, out)
+    _, out = launch_two_ranks(tmp_path_factory, "lora_publish_worker.py", name="publish")
     return torch.load(out / "published.pt", weights_only=False), [
         torch.load(out / f"adapter.{r}", weights_only=False) for r in (0, 1)]
 

@@ -26,22 +26,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fsdp_worker import cfg_for  # noqa: E402
+from fsdp_worker import launch_two_ranks  # noqa: E402
 from publish_worker import BUCKET_BYTES  # noqa: E402
 
-from async_vapo.models.base_model import ensure_base_model  # noqa: E402
 from async_vapo.weights.collective import plan_buckets, version_meta  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def published(tmp_path_factory):
-    from conftest import free_ports, torchrun_two_ranks
+    from conftest import free_ports
 
-    cache = tmp_path_factory.mktemp("cache")
-    out = tmp_path_factory.mktemp("publish")
-    ensure_base_model(cfg_for(str(cache), []), progress=False)  # built once, before the ranks start
     [port] = free_ports(1)
-    torchrun_two_ranks("publish_worker.py", cache, out, port)
+    _, out = launch_two_ranks(tmp_path_factory, "publish_worker.py", port, name="publish")
     return (torch.load(out / "published.pt", weights_only=False),
             *(torch.load(out / f"figures.{r}", weights_only=False) for r in (0, 1)))
 

@@ -15,24 +15,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import torchrun_two_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fsdp_worker import cfg_for  # noqa: E402
+from fsdp_worker import launch_two_ranks  # noqa: E402
 from stream_worker import BUCKET_BYTES, ENGINES  # noqa: E402
 
-from async_vapo.models.base_model import ensure_base_model  # noqa: E402
 from async_vapo.weights.collective import _views, plan_buckets, version_meta  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def streamed(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
-    out = tmp_path_factory.mktemp("stream")
-    ensure_base_model(cfg_for(str(cache), []), progress=False)  # built once, before the ranks start
-    torchrun_two_ranks("stream_worker.py", cache, out)
-    return out
+    return launch_two_ranks(tmp_path_factory, "stream_worker.py", name="stream")[1]
 
 
 def test_engines_get_the_unsharded_state_bucket_by_bucket(streamed):
