@@ -3,6 +3,7 @@ embedded default under deploy/start_cluster.sh, with the engines lending their c
 the default) and without (disjoint ``taskset`` slices, as before).
 
     .venv/bin/python benchmarks/cpu_lending.py [--minutes 3] [--out benchmarks/results/cpu_lending]
+    .venv/bin/python benchmarks/cpu_lending.py --attach RUN_DIR --out DIR    # a cluster started elsewhere
 
 Each mode runs ``configs/tiny_cpu.toml`` for ``--minutes`` of training (``train.max_minutes``), one after the other.
 Every 0.5 s it samples ``/proc/stat`` (each core's busy share, every process of the machine) and the CPU seconds of
@@ -89,10 +90,40 @@ def run_mode(lend: bool, minutes: float, out: Path) -> dict:
     env = {**os.environ, "ASYNC_VAPO_T0": f"{t0:.6f}"}
     log = open(out / f"{run.name}.log", "w")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    result = measure(run, lambda: proc.poll() is None, out, "lend_cpus" if lend else "disjoint",
+                     {"minutes": minutes, "command": " ".join(cmd)})
+    log.close()
+    for d in ("checkpoints", "replay", "pids"):
+        shutil.rmtree(run / d, ignore_errors=True)
+    return result
+
+
+def attach(run: Path, out: Path) -> dict:
+    """Sample a cluster started by someone else (e.g. ``benchmarks/smollm2_learning.sh``'s NAME_services) from its
+    learner's start until its ``DONE``; the mode is read from the run's resolved config."""
+    while read_pid(run, "learner") is None or not (run / "config.resolved.json").exists():
+        time.sleep(1.0)
+    cfg = json.loads((run / "config.resolved.json").read_text())
+    lend = cfg["cluster"]["deploy"]["lend_cpus"]
+    last_alive = [time.time()]
+
+    def running() -> bool:  # until DONE, or a minute with no learner process (a cluster that failed)
+        pid = read_pid(run, "learner")
+        if pid is not None and psutil.pid_exists(pid):
+            last_alive[0] = time.time()
+        return not (run / "DONE").exists() and time.time() - last_alive[0] < 60
+
+    return measure(run, running, out, "lend_cpus" if lend else "disjoint",
+                   {"minutes": cfg["train"]["max_minutes"], "command": f"attached to {run}"})
+
+
+def measure(run: Path, running, out: Path, mode: str, meta: dict) -> dict:
+    """Every 0.5 s while ``running()``: each core's busy share and the learner's and rollout's CPU seconds; then the
+    figures over the samples inside the learner's ``learn`` spans, written to ``out/<mode>.json``."""
     samples = []
     prev = None
     t_origin = None
-    while proc.poll() is None:
+    while running():
         time.sleep(0.5)
         now, cores = time.time(), cpu_times()
         learner, rollout = tree_seconds(read_pid(run, "learner")), tree_seconds(read_pid(run, "rollout-0"))
@@ -106,9 +137,8 @@ def run_mode(lend: bool, minutes: float, out: Path) -> dict:
                             "learner": max(0.0, learner - prev[2]) / dt,
                             "rollout": max(0.0, rollout - prev[3]) / dt})
         prev = (now, cores, learner, rollout)
-    log.close()
     if t_origin is None:
-        raise SystemExit(f"the learner of {run} never started: see {out / (run.name + '.log')}")
+        raise SystemExit(f"the learner of {run} never started")
     spans = []
     busy = run / "stats" / "learner-0.busy.jsonl"
     for line in busy.read_text().splitlines() if busy.exists() else []:
@@ -126,7 +156,7 @@ def run_mode(lend: bool, minutes: float, out: Path) -> dict:
         return sum(xs) / len(xs) if xs else float("nan")
 
     result = {
-        "mode": "lend_cpus" if lend else "disjoint", "minutes": minutes, "command": " ".join(cmd), "ncpu": ncpu,
+        "mode": mode, **meta, "ncpu": ncpu,
         "updates": len(train), "learn_spans": len(spans), "samples_in_updates": len(inside),
         "seconds_in_updates": sum(s["dt"] for s in inside),
         "core_busy_in_updates": [mean(s["cores"][i] for s in inside) for i in range(ncpu)],
@@ -144,8 +174,6 @@ def run_mode(lend: bool, minutes: float, out: Path) -> dict:
     (out / f"{result['mode']}.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / f"{result['mode']}.samples.json").write_text(json.dumps({"t_origin": t_origin, "learn_spans": spans,
                                                                    "samples": samples}) + "\n")
-    for d in ("checkpoints", "replay", "pids"):
-        shutil.rmtree(run / d, ignore_errors=True)
     return result
 
 
@@ -154,8 +182,13 @@ def main() -> int:
     p.add_argument("--minutes", type=float, default=3.0)
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "cpu_lending")
     p.add_argument("--modes", default="disjoint,lend")
+    p.add_argument("--attach", type=Path, help="sample the cluster of this run directory instead of starting one")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.attach:
+        r = attach(a.attach, a.out)
+        print(json.dumps(r), flush=True)
+        return 0
     results = {}
     for mode in a.modes.split(","):
         r = run_mode(mode == "lend", a.minutes, a.out)

@@ -88,7 +88,10 @@ def load_run(path: Path, bases: Sequence[Path] = ()) -> dict:
            "algo": _row_name(path, cfg), "seed": cfg["train"]["seed"], "eval_samples_total": n, "curve": curve,
            "updates": len(steps), "s_per_update": statistics.fmean(r["time/step_s"] for r in steps) if steps else None,
            "learn_s": statistics.fmean(r["time/learn_s"] for r in steps) if steps else None,
-           "generate_s": statistics.fmean(r["time/generate_s"] for r in steps) if steps else None}
+           "generate_s": statistics.fmean(r["time/generate_s"] for r in steps if "time/generate_s" in r)
+           if any("time/generate_s" in r for r in steps) else None}
+    if (path / "stats").is_dir() and len(steps) >= 2:  # through the services (smollm2_learning.sh's NAME_services)
+        out["services"] = services_split(path, steps)
     if curve:
         first, last = curve[0], curve[-1]
         peak = max(curve, key=lambda c: c["accuracy"])
@@ -111,6 +114,27 @@ def load_run(path: Path, bases: Sequence[Path] = ()) -> dict:
         out["gain_paired"]["rates_before"] = answer_rates(base / "samples.jsonl")
         out["gain_paired"]["rates_after"] = answer_rates(final / "samples.jsonl")
     return out
+
+
+def services_split(path: Path, steps: list[dict]) -> dict:
+    """Where a services run's time went, over its training window (first to last update): each stage's busy share
+    (the services' busy logs), the learner's wait for a batch and weight push per update, and how old the trained
+    tokens were (the share of tokens generated K versions behind the learner, averaged over updates)."""
+    from async_vapo.experiments.report import analyse_cluster_run
+
+    a = analyse_cluster_run(path)
+    lags: dict[str, list[float]] = defaultdict(list)
+    for r in steps:
+        for k, v in r.items():
+            if k.startswith("mismatch/lag") and k.endswith("/token_frac"):
+                lags[k.split("/")[1].removeprefix("lag")].append(v)
+    return {"seconds_per_update": a["seconds_per_update"], "busy_fraction": a["busy_fraction"],
+            "generate_and_learn_overlap": a["generate_and_learn_overlap"], "learn_s": a["learn_s_per_update"],
+            "wait_s": a["wait_s_per_update"],
+            "push_s": statistics.fmean(r.get("time/weight_push_s", 0.0) for r in steps),
+            "token_lag_mean": a["token_lag_mean"], "token_lag_max": a["token_lag_max"],
+            "multi_version_samples": a["multi_version_samples"],
+            "token_lag_share": {k: sum(v) / len(steps) for k, v in sorted(lags.items(), key=lambda kv: int(kv[0]))}}
 
 
 def side_by_side(runs: list[dict]) -> list[dict]:
@@ -195,6 +219,19 @@ def main(argv: list[str] | None = None) -> int:
                      f"| {u.get('before', float('nan')):.3f} → {u.get('after', float('nan')):.3f} "
                      f"| {u.get('minutes', float('nan')):.1f} | {u.get('gain', float('nan')):+.3f} ± "
                      f"{u.get('se', float('nan')):.3f} | {paired} | {best} |")
+    services = [r for r in runs if "services" in r]
+    if services:
+        lines += ["", "| through the services | s / update | busy share: generate, learn, evaluate, load weights | "
+                  "generate and learn at once | learner waits for a batch (s / update) | trained tokens by version lag "
+                  "| samples under two versions |", "|---|---|---|---|---|---|---|"]
+        for r in services:
+            x = r["services"]
+            b = x["busy_fraction"]
+            lag = ", ".join(f"{k}: {v:.1%}" for k, v in x["token_lag_share"].items())
+            lines.append(f"| {r['algo']} seed {r['seed']} | {x['seconds_per_update']:.1f} | "
+                         + ", ".join(f"{b.get(k, 0.0):.2f}" for k in ("generate", "learn", "evaluate", "load_weights"))
+                         + f" | {x['generate_and_learn_overlap']:.2f} | {x['wait_s']:.1f} | {lag} "
+                         f"| {x['multi_version_samples'] or 0.0:.1%} |")
     side = side_by_side(runs)
     if side:
         lines += ["", "| side by side | per seed | mean |", "|---|---|---|"]

@@ -11,6 +11,12 @@
 #   ALGOS="gspo cispo rloo reinforce_pp dr_grpo" SEEDS=0 bash benchmarks/smollm2_learning.sh
 # With one optimiser step per update on fresh samples every ratio is 1 at the step: GSPO's and CISPO's clips
 # never bind, and GSPO's gradient is GRPO's (sample-level), CISPO's a token-level GRPO's.
+# NAME_services (e.g. grpo_services, vapo_frozen_services; issue 46) runs NAME's settings through the four services
+# (deploy/start_cluster.sh with its default placement) at async.max_staleness 1 with continuous generation and
+# in-flight weight updates (rollout.weight_update = keep); its held-out evaluations are rollout 0's, its clock the
+# learner's, and its run directory's metrics, config, logs and busy spans are copied to OUT with the CPU use sampled
+# during its updates (cpu/, benchmarks/cpu_lending.py --attach), e.g.
+#   ALGOS="grpo_services vapo_frozen_services" SEEDS=0 bash benchmarks/smollm2_learning.sh
 # Runs add to OUT: a run of the same algorithm and seed is replaced, the untrained model's evaluation is made once per
 # SAMPLES (base/ for the committed runs' 2, base_sN/ for another N; each run is paired with its own), and the summary
 # covers every run in OUT.
@@ -58,6 +64,11 @@ vapo_frozen=(algo.name=vapo model.critic_trunk=frozen model.critic_head_layers=2
              optim.critic_head_lr=1e-3 rollout.critic_eval_problems=50 rollout.critic_eval_samples=4)
 vapo_frozen_nopretrain=("${vapo_frozen[@]}" algo.value_pretrain_steps=0 algo.value_pretrain_pool=0
                         algo.value_pretrain_min_steps=0 algo.value_pretrain_patience=0)
+# through the services: one step behind at most, continuous generation, a request keeps its version's weights when a
+# new one lands mid-response; 1000 updates (the minutes stop it first), an evaluation every EVAL_EVERY, a checkpoint at
+# the end
+services=(async.max_staleness=1 rollout.generation=continuous rollout.weight_update=keep train.total_steps=1000
+          "train.eval_every=$EVAL_EVERY" train.checkpoint_every=0)
 # the further objectives: their configs/baselines/*.toml settings (REINFORCE++ without a group: 64 prompts x 1)
 critic_free=(algo.value_pretrain_steps=0 algo.pos_lm_coef=0.0)
 gspo=(algo.name=gspo "${critic_free[@]}" algo.token_level_loss=false)
@@ -73,9 +84,22 @@ for algo in $ALGOS; do
     run="$out/${algo}_seed$seed"
     rm -rf "$run" "runs/smollm2_learning/${algo}_seed$seed"
     echo "[smollm2_learning] $algo, train.seed=$seed -> $run" >&2
-    declare -n extra="$algo"
-    .venv/bin/python benchmarks/smollm2.py --steps 1000 --eval-every "$EVAL_EVERY" --out "$run" --skip-base \
-      --keep-checkpoint --run-dir "runs/smollm2_learning/${algo}_seed$seed" "${common[@]}" "${extra[@]}" train.seed="$seed" "$@"
+    declare -n extra="${algo%_services}"
+    if [[ $algo == *_services ]]; then
+      mkdir -p "$run"
+      # each core's busy share and the services' CPU seconds every 0.5 s, over the learner's updates
+      .venv/bin/python benchmarks/cpu_lending.py --attach "runs/smollm2_learning/${algo}_seed$seed" --out "$run/cpu" &
+      sampler=$!
+      bash deploy/start_cluster.sh --config configs/smollm2_cpu.toml --run-dir "runs/smollm2_learning/${algo}_seed$seed" \
+        --wait -- "${common[@]}" "${extra[@]}" "${services[@]}" train.seed="$seed" "$@"
+      wait "$sampler"
+      cp "runs/smollm2_learning/${algo}_seed$seed"/{metrics.jsonl,config.resolved.json,run.json} "$run"/
+      cp -r "runs/smollm2_learning/${algo}_seed$seed"/{logs,stats} "$run"/
+    else
+      .venv/bin/python benchmarks/smollm2.py --steps 1000 --eval-every "$EVAL_EVERY" --out "$run" --skip-base \
+        --keep-checkpoint --run-dir "runs/smollm2_learning/${algo}_seed$seed" "${common[@]}" "${extra[@]}" \
+        train.seed="$seed" "$@"
+    fi
     ckpt=$(ls -d "runs/smollm2_learning/${algo}_seed$seed"/checkpoints/step_* | sort -t_ -k2 -n | tail -1)
     if [ ! -f "$base/samples.jsonl" ]; then  # the untrained model, once: every run evaluates the same problems
       .venv/bin/async-vapo eval "$model" --config "$run/config.resolved.json" --samples "$SAMPLES" --out "$base"
