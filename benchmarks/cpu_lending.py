@@ -4,6 +4,7 @@ the default) and without (disjoint ``taskset`` slices, as before).
 
     .venv/bin/python benchmarks/cpu_lending.py [--minutes 3] [--out benchmarks/results/cpu_lending]
     .venv/bin/python benchmarks/cpu_lending.py --attach RUN_DIR --out DIR    # a cluster started elsewhere
+    .venv/bin/python benchmarks/cpu_lending.py --config FILE --set KEY=VALUE ... --modes lend    # another config
 
 Each mode runs ``configs/tiny_cpu.toml`` for ``--minutes`` of training (``train.max_minutes``), one after the other.
 Every 0.5 s it samples ``/proc/stat`` (each core's busy share, every process of the machine) and the CPU seconds of
@@ -80,12 +81,13 @@ def read_pid(run: Path, name: str) -> int | None:
         return None
 
 
-def run_mode(lend: bool, minutes: float, out: Path) -> dict:
+def run_mode(lend: bool, minutes: float, out: Path, config: Path = REPO / "configs" / "tiny_cpu.toml",
+             overrides: list[str] | None = None) -> dict:
     run = out / f"run-{'lend' if lend else 'disjoint'}"
     shutil.rmtree(run, ignore_errors=True)
     t0 = time.time()
-    cmd = ["bash", str(REPO / "deploy" / "start_cluster.sh"), "--config", str(REPO / "configs" / "tiny_cpu.toml"),
-           "--run-dir", str(run), "--new-run", "--wait", "--", f"train.max_minutes={minutes}",
+    cmd = ["bash", str(REPO / "deploy" / "start_cluster.sh"), "--config", str(config),
+           "--run-dir", str(run), "--new-run", "--wait", "--", *(overrides or []), f"train.max_minutes={minutes}",
            f"cluster.deploy.lend_cpus={'true' if lend else 'false'}"]
     env = {**os.environ, "ASYNC_VAPO_T0": f"{t0:.6f}"}
     log = open(out / f"{run.name}.log", "w")
@@ -183,6 +185,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "cpu_lending")
     p.add_argument("--modes", default="disjoint,lend")
     p.add_argument("--attach", type=Path, help="sample the cluster of this run directory instead of starting one")
+    p.add_argument("--config", type=Path, default=REPO / "configs" / "tiny_cpu.toml")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override (repeatable)")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     if a.attach:
@@ -191,7 +195,7 @@ def main() -> int:
         return 0
     results = {}
     for mode in a.modes.split(","):
-        r = run_mode(mode == "lend", a.minutes, a.out)
+        r = run_mode(mode == "lend", a.minutes, a.out, a.config, a.set)
         results[r["mode"]] = r
         print(json.dumps({k: r[k] for k in ("mode", "updates", "core_busy_in_updates", "ours_busy_in_updates",
                                              "learner_cores_in_updates", "rollout_cores_in_updates",

@@ -93,6 +93,7 @@ for algo in $ALGOS; do
       bash deploy/start_cluster.sh --config configs/smollm2_cpu.toml --run-dir "runs/smollm2_learning/${algo}_seed$seed" \
         --wait -- "${common[@]}" "${extra[@]}" "${services[@]}" train.seed="$seed" "$@"
       wait "$sampler"
+      rm -f "$run"/cpu/*.samples.json  # every 0.5 s sample of the hour (about 1 MB); the figures are in cpu/<mode>.json
       cp "runs/smollm2_learning/${algo}_seed$seed"/{metrics.jsonl,config.resolved.json,run.json} "$run"/
       cp -r "runs/smollm2_learning/${algo}_seed$seed"/{logs,stats} "$run"/
     else

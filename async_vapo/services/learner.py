@@ -335,7 +335,9 @@ class LearnerService:
         on every core, with its own share as ``train.threads``): while every engine in rotation waits for a version,
         each forward of the policy or the critic, and the backward that follows in the same thread, runs on every
         core; on its own share again once an engine generates. Set at each forward (a pre-hook), in the thread that
-        runs the update: torch's intra-op thread count is the calling thread's."""
+        runs the update: torch's intra-op thread count is the calling thread's. The hook is on each model's backbone
+        (``base_model_prefix``), which every forward passes through: the chunked log-probs
+        (``learner.logprob_chunk_tokens``) and the frozen critic's trunk call it without the outer model."""
         import torch
 
         if not self.ctx.cfg.cluster.deploy.lend_cpus or self.world > 1 or self.learner.device.type != "cpu":
@@ -344,8 +346,10 @@ class LearnerService:
         if every <= own:
             return None
         for model in (self.learner.policy, self.learner.critic):
-            if model is not None:
-                model.register_forward_pre_hook(self._threads)
+            if model is not None:  # on the backbone: the chunked log-probs and the critic's trunk call it directly
+                prefix = getattr(model, "base_model_prefix", None)
+                backbone = getattr(model, prefix, None) if isinstance(prefix, str) and prefix else None
+                (backbone if isinstance(backbone, torch.nn.Module) else model).register_forward_pre_hook(self._threads)
         self.ctx.log.info("learner: %d torch threads of its own, %d while every engine waits for a version (the "
                           "engines lend their cores: cluster.deploy.lend_cpus)", own, every)
         return own, every

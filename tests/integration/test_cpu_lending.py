@@ -61,9 +61,10 @@ def test_the_learner_takes_the_engines_cores_while_every_engine_waits(tiny_cfg, 
     rollout = RolloutService(ctxs["rollout"], transport, vllm_engine, tok, train_set, eval_set, pretrain_batches=1)
     ids = torch.tensor([tok("12+7=")["input_ids"]])
 
-    def forward() -> int:
-        with torch.no_grad():
-            learner.learner.policy(ids)
+    def forward(backbone_only: bool = False) -> int:
+        policy = learner.learner.policy
+        with torch.no_grad():  # the chunked log-probs' path calls the backbone without the outer model
+            (getattr(policy, policy.base_model_prefix) if backbone_only else policy)(ids)
         return torch.get_num_threads()
 
     try:
@@ -78,7 +79,8 @@ def test_the_learner_takes_the_engines_cores_while_every_engine_waits(tiny_cfg, 
         rollout.weights.waiting(True)  # its budget is spent
         _until(sync.engines_idle, lambda: sync.poll(0.05))
         assert forward() == NCPU, "the learner did not take the waiting engine's cores"
-        assert forward() == NCPU
+        torch.set_num_threads(1)
+        assert forward(backbone_only=True) == NCPU, "a forward of the backbone alone did not take them"
         rollout.weights.waiting(False)
         _until(lambda: not sync.engines_idle(), lambda: sync.poll(0.05))
         assert forward() == 1, "the learner kept the cores of an engine that generates"
