@@ -347,9 +347,7 @@ class LearnerService:
             return None
         for model in (self.learner.policy, self.learner.critic):
             if model is not None:  # on the backbone: the chunked log-probs and the critic's trunk call it directly
-                prefix = getattr(model, "base_model_prefix", None)
-                backbone = getattr(model, prefix, None) if isinstance(prefix, str) and prefix else None
-                (backbone if isinstance(backbone, torch.nn.Module) else model).register_forward_pre_hook(self._threads)
+                getattr(model, model.base_model_prefix, model).register_forward_pre_hook(self._threads)
         self.ctx.log.info("learner: %d torch threads of its own, %d while every engine waits for a version (the "
                           "engines lend their cores: cluster.deploy.lend_cpus)", own, every)
         return own, every
