@@ -439,12 +439,15 @@ class RolloutConfig(_Section):
     env_tool_seconds: float = Field(5.0, gt=0, le=600)
     """``env = "python"``: wall seconds of one tool call (start-up included; CPU seconds: its ceiling); a call over
     it is killed and its observation says so."""
-    env_tool_format: Literal["auto", "fenced", "hermes"] = "auto"
+    env_tool_format: Literal["auto", "fenced", "hermes", "llama", "mistral"] = "auto"
     """``env = "python"``: how the model calls the tool. ``"fenced"``: a fenced Python block (```` ```python ````).
-    ``"hermes"``: the chat template's own tool-call format where it has one (Qwen2.5's and other Hermes-style
-    templates: ``<tool_call>{"name": "python", "arguments": {"code": ...}}</tool_call>``), the tool's description
-    rendered into the prompt by the template (``tools=``); a template without ``<tool_call>`` is refused. ``"auto"``
-    (the default): either call is run, and the tool is described to templates that have a tool-call format."""
+    ``"hermes"``, ``"llama"``, ``"mistral"``: the chat template's own tool-call format
+    (``rollout.env.TOOL_CALL_FORMATS``): Qwen2.5's and other Hermes-style templates' ``<tool_call>{"name": "python",
+    "arguments": {"code": ...}}</tool_call>``; Llama 3.1's ``<|python_tag|>`` followed by the program or a JSON call
+    (or a bare ``{"name": "python", "parameters": ...}``); Mistral's ``[TOOL_CALLS]`` JSON list (or
+    ``python[ARGS]{...}``). The tool's description is rendered into the prompt by the template (``tools=``); a
+    template that does not write the named format's marker is refused. ``"auto"`` (the default): a call in any of
+    these formats or a fenced block is run, and the tool is described to templates that have a tool-call format."""
     env_first_turn_prefix: str = ""
     """``env``: text that opens the model's first turn of every sample, e.g. ``"```python\\n"`` (its first turn is
     then a tool call): its tokens end the prompt (the model does not write them and is not trained on them) and the

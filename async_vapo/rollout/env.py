@@ -96,23 +96,26 @@ class ToolCallError(ValueError):
     """A tool call that cannot be run (not JSON, another tool, no code): an observation, never a crash."""
 
 
-def tool_call(text: str) -> str | None:
-    """The code of the last Hermes-style tool call in ``text`` (``<tool_call>{"name": "python", "arguments":
-    {"code": ...}}</tool_call>``; the closing tag may be missing where generation stopped), or None without one.
-    ``arguments`` may also be a JSON string of the object, as some models write it. Raises :class:`ToolCallError`
-    for a call that is not a python call with its code."""
-    calls = _TOOL_CALL.findall(text)
-    if not calls:
-        return None
+def _json(text: str):
     try:
-        call = json.loads(calls[-1])
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise ToolCallError(f"the tool call is not JSON ({e.msg} at character {e.pos})") from None
+
+
+def _python_code(call, args_keys: tuple[str, ...] = ("arguments", "parameters")) -> str:
+    """The code of one parsed call ``{"name": "python", "arguments": {"code": ...}}`` (``parameters`` in Llama's
+    format; the arguments may be a JSON string of the object)."""
     if not isinstance(call, dict):
         raise ToolCallError('a tool call is a JSON object {"name": ..., "arguments": {...}}')
-    name, args = call.get("name"), call.get("arguments", call.get("parameters"))
+    name = call.get("name")
+    args = next((call[k] for k in args_keys if k in call), None)
     if name != "python":
         raise ToolCallError(f"unknown tool {name!r}: the one tool is 'python'")
+    return _code_argument(args)
+
+
+def _code_argument(args) -> str:
     if isinstance(args, str):
         try:
             args = json.loads(args)
@@ -123,33 +126,116 @@ def tool_call(text: str) -> str | None:
     return args["code"]
 
 
-def template_calls_tools(tokenizer) -> bool:
-    """The tokenizer's chat template has a Hermes-style tool-call format (it writes ``<tool_call>``)."""
+def tool_call(text: str) -> str | None:
+    """The code of the last Hermes-style tool call in ``text`` (``<tool_call>{"name": "python", "arguments":
+    {"code": ...}}</tool_call>``, the format of Qwen2.5's template; the closing tag may be missing where generation
+    stopped), or None without one. ``arguments`` may also be a JSON string of the object, as some models write it.
+    Raises :class:`ToolCallError` for a call that is not a python call with its code."""
+    calls = _TOOL_CALL.findall(text)
+    return _python_code(_json(calls[-1])) if calls else None
+
+
+LLAMA_PYTHON_TAG = "<|python_tag|>"
+
+
+def llama_tool_call(text: str) -> str | None:
+    """The code of a Llama 3.1-style tool call in ``text``, or None without one. After the last ``<|python_tag|>``
+    (the turn then ends with ``<|eom_id|>``): a JSON call ``{"name": "python", "parameters": {"code": ...}}``, or
+    else the program itself (the form of Llama's built-in code interpreter). Without the tag: a turn that is
+    nothing but a JSON object naming the python tool, ``{"name": "python", "parameters": {...}}`` (Llama 3.1's
+    custom-tool form; a JSON object naming anything else is an answer, not a call). Meta's prompt format:
+    https://www.llama.com/docs/model-cards-and-prompt-formats/llama3_1/. Raises :class:`ToolCallError` for a tagged
+    call that is not a python call with its code, or a bare one without its code."""
+    if LLAMA_PYTHON_TAG in text:
+        body = text.rsplit(LLAMA_PYTHON_TAG, 1)[1].strip()
+        if body.startswith("{"):
+            return _python_code(_json(body))
+        if not body:
+            raise ToolCallError("the tool call holds no code")
+        return body + "\n"
+    body = text.strip()
+    if body.startswith("{") and body.endswith("}"):
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError:
+            return None  # an answer written as text in braces, not a call
+        if isinstance(call, dict) and call.get("name") == "python":
+            return _python_code(call)
+    return None
+
+
+MISTRAL_TOOL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+
+def mistral_tool_call(text: str) -> str | None:
+    """The code of the last call after the last ``[TOOL_CALLS]`` in ``text`` (Mistral's tokenizers), or None
+    without one: a JSON list of calls ``[{"name": "python", "arguments": {"code": ...}}]`` (or one object; tokenizer
+    v3, Mistral-7B-Instruct-v0.3's template) or ``python[ARGS]{"code": ...}`` (tokenizer v11 and later, where a
+    ``[CALL_ID]...`` may precede ``[ARGS]``). Raises :class:`ToolCallError` for a call that is not a python call
+    with its code."""
+    if MISTRAL_TOOL_CALLS not in text:
+        return None
+    body = text.rsplit(MISTRAL_TOOL_CALLS, 1)[1].strip()
+    if MISTRAL_ARGS in body:
+        name, args = body.split(MISTRAL_ARGS, 1)
+        name = name.split("[CALL_ID]", 1)[0].strip()
+        if name != "python":
+            raise ToolCallError(f"unknown tool {name!r}: the one tool is 'python'")
+        return _code_argument(_json(args.strip()))
+    calls = _json(body)
+    if isinstance(calls, list):
+        if not calls:
+            raise ToolCallError("the tool-call list is empty")
+        calls = calls[-1]
+    return _python_code(calls)
+
+
+TOOL_CALL_FORMATS: dict[str, tuple[str, Callable[[str], str | None]]] = {
+    "hermes": ("<tool_call>", tool_call),
+    "llama": (LLAMA_PYTHON_TAG, llama_tool_call),
+    "mistral": (MISTRAL_TOOL_CALLS, mistral_tool_call)}
+"""The chat templates' own tool-call formats: name -> (the marker a template that uses it writes, the parser of a
+model turn). Their markers are kept in the text of a model turn where they are special tokens
+(:meth:`~async_vapo.rollout.generate.PromptEncoder.decode_turn`)."""
+TOOL_MARKERS = ("<tool_call>", "</tool_call>", LLAMA_PYTHON_TAG, MISTRAL_TOOL_CALLS, MISTRAL_ARGS, "[CALL_ID]")
+
+
+def template_tool_format(tokenizer) -> str | None:
+    """The tool-call format of the tokenizer's chat template (a key of :data:`TOOL_CALL_FORMATS`: the one whose
+    marker the template writes), or None."""
     template = getattr(tokenizer, "chat_template", None)
-    return isinstance(template, str) and "<tool_call>" in template
+    if not isinstance(template, str):
+        return None
+    return next((name for name, (marker, _) in TOOL_CALL_FORMATS.items() if marker in template), None)
+
+
+def template_calls_tools(tokenizer) -> bool:
+    """The tokenizer's chat template has a tool-call format of its own (:func:`template_tool_format`)."""
+    return template_tool_format(tokenizer) is not None
 
 
 def prompt_tools(cfg, tokenizer) -> list[dict] | None:
     """The ``tools=`` a run's chat prompts are rendered with: the python tool's description where ``rollout.env =
-    "python"`` calls it in the template's own format (``env_tool_format`` "hermes", or "auto" on a template that
-    has one); else None. Raises for "hermes" on a template without a tool-call format."""
+    "python"`` calls it in the template's own format (``env_tool_format`` naming the template's format, or "auto" on
+    a template that has one); else None. Raises for a format the template does not write."""
     r = cfg.rollout
     if r.env != "python" or r.env_tool_format == "fenced" or cfg.task.prompt_format != "chat":
         return None
-    if template_calls_tools(tokenizer):
-        return [PYTHON_TOOL]
-    if r.env_tool_format == "hermes":
-        raise ValueError('rollout.env_tool_format = "hermes": the tokenizer\'s chat template has no tool-call format '
-                         '(it never writes <tool_call>); use "fenced" or "auto"')
-    return None
+    own = template_tool_format(tokenizer)
+    if r.env_tool_format != "auto" and r.env_tool_format != own:
+        marker = TOOL_CALL_FORMATS[r.env_tool_format][0]
+        has = "it has no tool-call format" if own is None else f"its tool-call format is {own!r}"
+        raise ValueError(f'rollout.env_tool_format = "{r.env_tool_format}": the tokenizer\'s chat template never '
+                         f'writes {marker} ({has}); use "fenced" or "auto"')
+    return [PYTHON_TOOL] if own else None
 
 
 class PythonToolEnv:
-    """The built-in ``python`` environment: a tool call in the model's turn (a fenced Python block, or the chat
-    template's own ``<tool_call>`` format: ``rollout.env_tool_format``) runs in a fresh tool sandbox (never the
-    grading pool), its stdout, then its stderr, come back as the next turn; a turn without a call ends the sample and
-    the verifier grades it. A call that fails (an exception, a timeout, a limit, a kill) is an observation too: its
-    output and ``[status: ...]``; so is a tool call that cannot be run (``[tool call error: ...]``)."""
+    """The built-in ``python`` environment: a tool call in the model's turn (a fenced Python block, or a chat
+    template's own format, :data:`TOOL_CALL_FORMATS`: ``rollout.env_tool_format``) runs in a fresh tool sandbox
+    (never the grading pool), its stdout, then its stderr, come back as the next turn; a turn without a call ends the
+    sample and the verifier grades it. A call that fails (an exception, a timeout, a limit, a kill) is an observation
+    too: its output and ``[status: ...]``; so is a tool call that cannot be run (``[tool call error: ...]``)."""
 
     def __init__(self, cfg=None, *, tool_seconds: float | None = None, backend: str = DEFAULT_BACKEND,
                  output_bytes: int = 4096, tool_format: str | None = None):
@@ -161,8 +247,9 @@ class PythonToolEnv:
         self.backend = backend
         self.limits = ToolLimits(wall_s=seconds, cpu_s=max(1, math.ceil(seconds)), output_bytes=output_bytes)
         self.tool_format = tool_format or (cfg.rollout.env_tool_format if cfg else "auto")
-        if self.tool_format not in ("auto", "fenced", "hermes"):
-            raise ValueError(f"tool_format must be 'auto', 'fenced' or 'hermes', got {self.tool_format!r}")
+        if self.tool_format not in ("auto", "fenced", *TOOL_CALL_FORMATS):
+            raise ValueError(f"tool_format must be 'auto', 'fenced' or one of {sorted(TOOL_CALL_FORMATS)}, "
+                             f"got {self.tool_format!r}")
         self.tool_calls = self.tool_errors = 0
         self.tool_seconds = 0.0
 
@@ -170,13 +257,17 @@ class PythonToolEnv:
         return None
 
     def code_of(self, text: str) -> str | None:
-        """The code a turn asks to run (None: no tool call): its last tool call in the template's format (``hermes``,
-        ``auto``) or its last fenced Python block (``fenced``, ``auto`` without a tool call). Raises
-        :class:`ToolCallError` for a tool call that cannot be run."""
-        if self.tool_format != "fenced":
-            code = tool_call(text)
-            if code is not None or self.tool_format == "hermes":
-                return code
+        """The code a turn asks to run (None: no tool call): its tool call in the named template format
+        (:data:`TOOL_CALL_FORMATS`), or in ``auto`` the first of those formats that finds a call in the turn, else
+        its last fenced Python block (``fenced``, ``auto``). Raises :class:`ToolCallError` for a tool call that
+        cannot be run."""
+        if self.tool_format in TOOL_CALL_FORMATS:
+            return TOOL_CALL_FORMATS[self.tool_format][1](text)
+        if self.tool_format == "auto":
+            for _, parse in TOOL_CALL_FORMATS.values():
+                code = parse(text)
+                if code is not None:
+                    return code
         return code_block(text)
 
     def step(self, text: str) -> StepResult:

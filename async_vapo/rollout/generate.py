@@ -49,7 +49,8 @@ class PromptEncoder:
         """``tools=`` of every chat prompt (the python tool's description where the template calls tools its own way:
         ``rollout.env.prompt_tools``); None: none."""
         self.cache: dict[str, list[int]] = {}
-        self._delta: tuple[str, str] | None = None
+        self._delta: _ChatDelta | None = None
+        self._markers: dict[int, str] | None = None  # decode_turn's kept special tokens, id -> text
 
     @classmethod
     def from_config(cls, cfg: Config, tokenizer) -> PromptEncoder:
@@ -87,6 +88,25 @@ class PromptEncoder:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    def decode_turn(self, ids: Sequence[int]) -> str:
+        """A model turn's text as an environment reads it: :meth:`decode`, but the tool-call markers of the chat
+        templates' formats (``rollout.env.TOOL_MARKERS``: Llama's ``<|python_tag|>``, Mistral's ``[TOOL_CALLS]``)
+        kept where the tokenizer has them as special tokens, which :meth:`decode` drops."""
+        if self._markers is None:
+            from async_vapo.rollout.env import TOOL_MARKERS
+
+            special = set(self.tokenizer.all_special_tokens) | {
+                t.content for t in getattr(self.tokenizer, "added_tokens_decoder", {}).values() if t.special}
+            self._markers = {self.tokenizer.convert_tokens_to_ids(m): m for m in TOOL_MARKERS if m in special}
+        if not self._markers:
+            return self.decode(ids)
+        parts, start = [], 0
+        for i, t in enumerate(ids):
+            if t in self._markers:
+                parts += [self.decode(ids[start:i]), self._markers[t]]
+                start = i + 1
+        return "".join(parts) + self.decode(ids[start:])
+
     def encode_messages(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         """Token ids of an environment's first messages (``chat`` format only), the assistant's turn opened."""
         if self.prompt_format != "chat":
@@ -103,17 +123,18 @@ class PromptEncoder:
         """The tokens of one environment turn holding ``text``, to append after a model turn whose last token is
         ``ended_with`` (a stop token; None: none), the model's next turn opened: ``raw``, a fenced ``output`` block
         (:data:`RAW_OBSERVATION`); ``chat``, the chat template's delta for that turn alone (its ``tool`` role where
-        the template renders one, else ``user``), less the stop token the model already wrote. Only these new tokens
-        are tokenised; nothing before them is."""
+        the template renders one, else ``user``), less the end-of-turn token the model already wrote: the template's
+        own, or another stop token in its place (Llama's ``<|eom_id|>`` after a tool call, where the template
+        closes a turn with ``<|eot_id|>``). Only these new tokens are tokenised; nothing before them is."""
         if self.prompt_format == "raw":
             return self.tokenizer(RAW_OBSERVATION.format(observation=text), add_special_tokens=False).input_ids
         if self._delta is None:
-            self._delta = _chat_delta(self.tokenizer)
-        closing, template = self._delta
+            self._delta = _ChatDelta.of(self.tokenizer)
+        closing = self._delta.closing
         if ended_with is not None:
-            stop = self.tokenizer.decode([ended_with])
-            closing = closing[len(stop):] if stop and closing.startswith(stop) else closing
-        return self.tokenizer(closing + template.replace(_SLOT, text), add_special_tokens=False).input_ids
+            stops = [self.tokenizer.decode([ended_with])] + [self.tokenizer.decode([i]) for i in self.stop_ids]
+            closing = next((closing[len(s):] for s in stops if s and closing.startswith(s)), closing)
+        return self.tokenizer(closing + self._delta.turn(text), add_special_tokens=False).input_ids
 
     def longest(self, problems: Sequence[Problem]) -> int:
         """Tokens of the longest prompt (sizes the engine's ``max_model_len``)."""
@@ -136,26 +157,48 @@ class PromptEncoder:
 
 RAW_OBSERVATION = "\n```output\n{observation}\n```\n"
 """An environment turn after a raw prompt's model turn."""
-_SLOT = "\x00OBSERVATION\x00"
+_SLOT = "xOBSERVATIONx"  # survives a template's escaping (tojson) of the turn's content
+_TOOL_CALL_ID = "call00000"
+"""The ``tool_call_id`` of the observation turn: templates that render it (Mistral's: nine alphanumerics) refuse a
+tool turn without one; the others ignore it."""
+_TWO_TURNS = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "\x00A\x00"}]
 
 
-def _chat_delta(tokenizer) -> tuple[str, str]:
-    """``(closing, turn)``: the text the chat template writes after an assistant message's content (its end-of-turn
-    marker) and the text of one observation turn with the next assistant turn opened, ``_SLOT`` standing for the
-    observation; found as the difference of two renderings of a two-message conversation, so that the template
-    alone decides the markers. The ``tool`` role where the template renders it with its content, else ``user``."""
-    base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "\x00A\x00"}]
-    head = tokenizer.apply_chat_template(base, tokenize=False)
-    for role in ("tool", "user"):
-        try:
-            full = tokenizer.apply_chat_template(base + [{"role": role, "content": _SLOT}], add_generation_prompt=True,
-                                                 tokenize=False)
-        except Exception:  # noqa: BLE001 - a template that refuses the role: try the next
-            continue
-        if full.startswith(head) and _SLOT in full[len(head):]:
-            return head[head.index("\x00A\x00") + 3:], full[len(head):]
-    raise ValueError("the tokenizer's chat template renders neither a tool nor a user turn after an assistant turn "
-                     "as a suffix of the conversation: rollout.env cannot append a turn without re-tokenising")
+@dataclass(frozen=True)
+class _ChatDelta:
+    """How the chat template appends an observation turn to a conversation, found once per tokenizer as the
+    difference of two renderings of a two-message conversation, so that the template alone decides the markers:
+    ``closing``, the text it writes after an assistant message's content (its end-of-turn marker); ``turn(text)``,
+    the text of one observation turn holding ``text`` with the next assistant turn opened (rendered with ``text``
+    itself, so a template that escapes the content escapes it). The ``tool`` role where the template renders it with
+    its content, else ``user``."""
+
+    tokenizer: object
+    head: str
+    closing: str
+    message: dict
+
+    @classmethod
+    def of(cls, tokenizer) -> _ChatDelta:
+        head = tokenizer.apply_chat_template(_TWO_TURNS, tokenize=False)
+        for role in ("tool", "user"):
+            message = {"role": role} | ({"tool_call_id": _TOOL_CALL_ID} if role == "tool" else {})
+            delta = cls(tokenizer, head, head[head.index("\x00A\x00") + 3:], message)
+            try:
+                if _SLOT in delta.turn(_SLOT):
+                    return delta
+            except Exception:  # noqa: BLE001 - a template that refuses the role: try the next
+                continue
+        raise ValueError("the tokenizer's chat template renders neither a tool nor a user turn after an assistant "
+                         "turn as a suffix of the conversation: rollout.env cannot append a turn without "
+                         "re-tokenising")
+
+    def turn(self, text: str) -> str:
+        full = self.tokenizer.apply_chat_template(_TWO_TURNS + [self.message | {"content": text}],
+                                                  add_generation_prompt=True, tokenize=False)
+        if not full.startswith(self.head):
+            raise ValueError("the chat template rendered an earlier turn differently once a turn was appended")
+        return full[len(self.head):]
 
 
 def stop_token_ids(tokenizer, model_dir: str | None = None) -> list[int]:
@@ -235,7 +278,7 @@ def _step_env(c: _Conversation, turn: list[int], encoder: PromptEncoder, limits,
               stop_ids: Sequence[int], prefix: str = "") -> None:
     """The environment's answer to the model's latest ``turn`` (the first one after ``prefix``, the prompt's
     end): end ``c``, or append the observation's tokens."""
-    obs, c.reward, done = c.env.step((prefix if c.turns == 1 else "") + encoder.decode(turn))
+    obs, c.reward, done = c.env.step((prefix if c.turns == 1 else "") + encoder.decode_turn(turn))
     if done or obs is None or c.finish != "stop" or c.turns >= limits.max_turns:
         c.done = True  # a turn cut by the token budget, or the last turn allowed, is graded as it is
         return
