@@ -399,7 +399,7 @@ class RolloutConfig(_Section):
     generation: Literal["continuous", "lockstep"] = "lockstep"
     """How the rollout service drives its engine. ``lockstep``: ``generate`` calls of ``cluster.rollout.
     prompts_per_call`` prompts, their groups shipped together when the call's longest response ends, new weights
-    loaded between two calls. ``continuous``: vLLM's async engine (``rollout.continuous``), a request per group, kept
+    loaded between two calls. ``continuous``: vLLM's async engine (``rollout.continuous``), a request per sample, kept
     at ``max_in_flight`` sequences, each group shipped the moment its samples end, new weights loaded in flight as
     ``weight_update`` says. The one-process trainer and evaluation generate lock-step either way. The long-response
     configs (``tiny_long_cpu.toml``, ``qwen2.5-32b_vapo.toml`` and the 7B config) set ``continuous``; on the embedded
@@ -431,7 +431,8 @@ class RolloutConfig(_Section):
     """Multi-turn rollouts (``async_vapo.rollout.env``): ``"python"`` (a fenced Python block in the model's turn runs
     in the tool sandbox, its output comes back as the next turn) or ``"module:Class"`` (an environment of your own,
     docs/guides/environments.md). None: one turn per response. ``max_response_tokens`` bounds the whole trajectory,
-    the environment's tokens included. Lock-step generation only (``generation = "lockstep"``)."""
+    the environment's tokens included. Both generations run it: ``continuous`` makes each sample's turns requests of
+    their own, the environment answering between them while the engine goes on."""
     env_max_turns: int = Field(4, ge=1)
     """``env``: model turns per sample at most; the last is graded as it is."""
     env_tool_output_tokens: int = Field(256, ge=8)
@@ -458,9 +459,6 @@ class RolloutConfig(_Section):
         if self.env_first_turn_prefix and not self.env:
             raise ValueError("rollout.env_first_turn_prefix opens the first turn of a multi-turn rollout: "
                              "set rollout.env")
-        if self.env and self.generation == "continuous":
-            raise ValueError("rollout.env (multi-turn rollouts) runs on lock-step generation only: set "
-                             "rollout.generation = 'lockstep' (the continuous engine does not run environments yet)")
         if self.top_p < 1.0:
             raise ValueError(
                 f"rollout.top_p = {self.top_p}: training samples must come from the full tempered distribution "

@@ -42,6 +42,13 @@ service publishes) pause as ``weight_update`` says, the moment the load starts, 
 no adapter. (Groups still running under an adapter across such a load would run it over the new weights: a run
 publishes adapters or whole weights, never both.)
 
+Multi-turn (``rollout.env``): :meth:`ContinuousEngine.submit` takes one conversation per sample
+(``rollout.generate.EnvConversation``). Each turn is a request of its own, on the prompt and every token so far exactly
+as they were; between two turns the environment answers in a worker thread while the engine goes on with the other
+requests, and a version loaded meanwhile is the next turn's (its tokens' spans say so). An ``abort`` update resubmits
+the turn it cut, not the conversation. A sample's tokens are its conversation's, environment tokens included
+(``Trajectory.env_spans``); under LoRA every turn runs the adapter the group started with.
+
 Departures and limits: the ``n`` samples of a group are ``n`` requests (seeds ``seed + j``, as vLLM seeds the
 children of one request with ``n``), so each sample's finish is known as it happens. With
 ``recompute_kv_after_update=False``, prompts already in vLLM's prefix cache keep their old-weight KV for requests
@@ -112,6 +119,8 @@ class _Group:
     done: bool = False
     lora: Any = None
     """The vLLM ``LoRARequest`` every sample of the group runs under (None: the base weights)."""
+    conversations: list | None = None
+    """One multi-turn conversation per sample (``submit``'s ``conversations``); None: one turn."""
 
 
 @dataclass
@@ -175,6 +184,9 @@ class ContinuousEngine(EngineWeights):
         self._update_lock = threading.Lock()
         self._ids = itertools.count()
         self._paused = False
+        self._env_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        """Where environments answer turns (``submit``'s conversations): a thread per sequence the engine may hold,
+        so that tool calls, which mostly wait on their sandboxes, never queue behind each other. Made on first use."""
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="continuous-engine", daemon=True)
@@ -243,18 +255,24 @@ class ContinuousEngine(EngineWeights):
     # ---------------------------------------------------------------- requests
     def submit(self, key: str, prompt_ids: Sequence[int], *, n: int, temperature: float, top_p: float,
                max_tokens: int, stop_token_ids: Sequence[int], seed: int | None = None,
-               ignore_eos: bool = False) -> None:
+               ignore_eos: bool = False, conversations: Sequence | None = None) -> None:
         """Start the ``n`` samples of one prompt (token ids), ``key`` naming the group until it is finished; returns at
         once. With a seed, sample ``j`` uses ``seed + j``. ``ignore_eos``: generate ``max_tokens`` whatever is sampled
-        (benchmarks and tests of long responses)."""
+        (benchmarks and tests of long responses). ``conversations``: one multi-turn conversation per sample
+        (``rollout.generate.EnvConversation``, ``rollout.env``): each turn is a request of its own, the environment
+        answers it in a worker thread (the event loop goes on), and the sample is the conversation's result once
+        it is done; the group ships when its last conversation ends."""
         from vllm.sampling_params import RequestOutputKind
 
+        if conversations is not None and len(conversations) != n:
+            raise ValueError(f"{len(conversations)} conversations for {n} samples")
         params = [sampling_params(n=1, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                                   stop_token_ids=stop_token_ids, seed=None if seed is None else seed + j,
                                   output_kind=RequestOutputKind.FINAL_ONLY, ignore_eos=ignore_eos)
                   for j in range(n)]
         group = _Group(key=key, prompt_ids=list(prompt_ids), params=params, submitted_version=self.version,
-                       submitted_at=time.perf_counter(), samples=[None] * n, running=n, lora=self._lora)
+                       submitted_at=time.perf_counter(), samples=[None] * n, running=n, lora=self._lora,
+                       conversations=list(conversations) if conversations is not None else None)
         with self._lock:
             self._in_flight += n
         try:
@@ -270,33 +288,54 @@ class ContinuousEngine(EngineWeights):
         self._groups[g.key] = g
         g.tasks = [asyncio.create_task(self._sample(g, j)) for j in range(len(g.samples))]
 
-    async def _sample(self, g: _Group, j: int) -> None:
+    async def _request(self, g: _Group, j: int, prompt_ids: list[int], params, turn: int):
+        """One request of sample ``j`` (its turn ``turn``), submitted again when the engine aborts it; the finished
+        sample."""
         from vllm.inputs import TokensPrompt
 
+        for attempt in range(MAX_RESUBMITS + 1):
+            version = self.version
+            final = None
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
+                                               f"{g.key}#{j}.{turn}.{attempt}", lora_request=g.lora):
+                final = out
+            o = final.outputs[0] if final is not None and final.outputs else None
+            if o is not None and o.finish_reason != "abort":
+                break
+            # aborted by the engine: an "abort" update (or vLLM itself); submitted again, queued while paused
+            g.resubmitted += 1
+            self.resubmitted_total += 1
+        else:
+            raise RuntimeError(f"sample {j} aborted {MAX_RESUBMITS + 1} times")
+        self.generated_tokens_total += len(o.token_ids)
+        # under an adapter every token is the adapter's version (vLLM's labels follow the engine's version instead)
+        spans = [(g.submitted_version, 0)] if g.lora is not None else self._spans(o, version, len(prompt_ids))
+        return to_sample(o, version_spans=spans), version
+
+    async def _sample(self, g: _Group, j: int) -> None:
         try:
-            for attempt in range(MAX_RESUBMITS + 1):
-                version = self.version
-                final = None
-                async for out in self.llm.generate(TokensPrompt(prompt_token_ids=g.prompt_ids), g.params[j],
-                                                   f"{g.key}#{j}.{attempt}", lora_request=g.lora):
-                    final = out
-                o = final.outputs[0] if final is not None and final.outputs else None
-                if o is not None and o.finish_reason != "abort":
+            sample, version = await self._request(g, j, g.prompt_ids, g.params[j], 0)
+            conv = g.conversations[j] if g.conversations is not None else None
+            turn = 0
+            while conv is not None:
+                # the environment's step, in a thread of its own: a tool call blocks
+                await asyncio.get_running_loop().run_in_executor(self._envs(), conv.add, sample, version)
+                nxt = conv.next()
+                if nxt is None:
+                    sample = conv.result()
                     break
-                # aborted by the engine: an "abort" update (or vLLM itself); submitted again, queued while paused
-                g.resubmitted += 1
-                self.resubmitted_total += 1
-            else:
-                raise RuntimeError(f"sample {j} aborted {MAX_RESUBMITS + 1} times")
+                turn += 1
+                params = g.params[j].clone()
+                params.max_tokens = nxt[1]
+                if params.seed is not None:
+                    params.seed += 7919 * turn
+                sample, version = await self._request(g, j, nxt[0], params, turn)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # an errored request ships nothing but the error
+        except Exception as exc:  # an errored request (or environment) ships nothing but the error
             self._fail(g, f"{type(exc).__name__}: {exc}")
             return
-        # under an adapter every token is the adapter's version (vLLM's labels follow the engine's version instead)
-        spans = [(g.submitted_version, 0)] if g.lora is not None else self._spans(o, version, len(g.prompt_ids))
-        g.samples[j] = to_sample(o, version_spans=spans)
-        self.generated_tokens_total += len(o.token_ids)
+        g.samples[j] = sample
         g.running -= 1
         with self._lock:
             self._in_flight -= 1
@@ -304,6 +343,12 @@ class ContinuousEngine(EngineWeights):
             self._ship(g, FinishedGroup(key=g.key, prompt_ids=g.prompt_ids, samples=list(g.samples),
                                         submitted_version=g.submitted_version,
                                         seconds=time.perf_counter() - g.submitted_at, resubmitted=g.resubmitted))
+
+    def _envs(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._env_pool is None:
+            self._env_pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, self.spec.max_num_seqs),
+                                                                   thread_name_prefix="env")
+        return self._env_pool
 
     def _spans(self, o, version: int, prompt_len: int) -> list[tuple[int, int]]:
         spans: list[tuple[int, int]] = []
@@ -519,6 +564,9 @@ class ContinuousEngine(EngineWeights):
         shared = getattr(self, "_shared", None)
         if shared is not None:
             shared.close()
+        pool = getattr(self, "_env_pool", None)
+        if pool is not None:  # an environment still answering finishes its step; nothing waits for it
+            pool.shutdown(wait=False, cancel_futures=True)
         llm = getattr(self, "llm", None)
         if llm is not None:
             self.llm = None

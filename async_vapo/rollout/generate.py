@@ -232,12 +232,18 @@ def generate_groups(engine, encode: Callable[[Problem], list[int]], problems: Se
 
 @dataclass
 class _Turns:
-    """A finished conversation as ``make_group`` reads an engine's sample."""
+    """A finished conversation as ``make_group`` reads an engine's sample, with what the environment added."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
     version_spans: list[tuple[int, int]]
+    env_spans: list[tuple[int, int]]
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_seconds: float = 0.0
+    reward: float | None = None
+    """The environment's reward (None: the verifier grades the final model turn)."""
 
 
 @dataclass
@@ -273,6 +279,12 @@ class _Conversation:
         self.ids += ids
         self.logprobs += [0.0] * len(ids)  # not the policy's: never read (Trajectory.env_spans)
 
+    def result(self) -> _Turns:
+        env = self.env
+        return _Turns(self.ids, self.logprobs, self.finish, self.spans, self.env_spans,
+                      int(getattr(env, "tool_calls", 0)), int(getattr(env, "tool_errors", 0)),
+                      float(getattr(env, "tool_seconds", 0.0)), self.reward)
+
 
 def _step_env(c: _Conversation, turn: list[int], encoder: PromptEncoder, limits, max_tokens: int,
               stop_ids: Sequence[int], prefix: str = "") -> None:
@@ -301,15 +313,11 @@ def generate_env_groups(engine, encoder: PromptEncoder, problems: Sequence[Probl
     they were: token in, token out), the environment answers each, until every sample is done. ``max_tokens``
     bounds a sample's tokens after the prompt, the environment's included. Each sample keeps the version of every
     model token (a version loaded between two turns starts a new span)."""
-    convs = [[_Conversation(env.make()) for _ in range(n)] for _ in problems]
-    prefix = encoder.tokenizer(env.first_turn_prefix, add_special_tokens=False).input_ids  # ends every prompt
-    prompts = []
-    for p, row in zip(problems, convs, strict=True):
-        first = [c.env.reset(p) for c in row]
-        if any(m != first[0] for m in first):
-            raise ValueError(f"the environments of problem {p.uid!r} started with different messages: a group's "
-                             "samples share one prompt")
-        prompts.append((encoder(p) if first[0] is None else encoder.encode_messages(first[0])) + prefix)
+    prompts, convs = [], []
+    for p in problems:
+        ids, row = _env_prompt(encoder, env, p, n)
+        prompts.append(ids)
+        convs.append(row)
     todo = [(i, c) for i, row in enumerate(convs) for c in row]
     outs = engine.generate(prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                            stop_token_ids=list(stop_token_ids), seed=seed)
@@ -330,18 +338,56 @@ def generate_env_groups(engine, encoder: PromptEncoder, problems: Sequence[Probl
                                top_p=top_p, max_tokens=budget, stop_token_ids=list(stop_token_ids),
                                seed=None if seed is None else seed + 7919 * turn)
         samples = [out[0] for out in outs]
-    groups = []
-    for p, ids, row in zip(problems, prompts, convs, strict=True):
-        g = make_group(p, ids, [_Turns(c.ids, c.logprobs, c.finish, c.spans) for c in row], version)
-        for s, c in zip(g.samples, row, strict=True):
-            s.env_spans = c.env_spans
-            s.tool_calls = int(getattr(c.env, "tool_calls", 0))
-            s.tool_errors = int(getattr(c.env, "tool_errors", 0))
-            s.tool_seconds = float(getattr(c.env, "tool_seconds", 0.0))
-            if c.reward is not None:  # the environment's reward stands; the verifier grades the others
-                s.reward, s.correct, s.verdict = float(c.reward), c.reward > 0, ENV_VERDICT
-        groups.append(g)
-    return groups
+    return [make_group(p, ids, [c.result() for c in row], version)
+            for p, ids, row in zip(problems, prompts, convs, strict=True)]
+
+
+def _env_prompt(encoder: PromptEncoder, env: EnvRunner, problem: Problem, n: int
+                ) -> tuple[list[int], list[_Conversation]]:
+    """The prompt ids of ``problem``'s group (its environments' first messages, or the problem's own prompt, then
+    ``rollout.env_first_turn_prefix``) and its ``n`` conversations, each with its environment reset."""
+    row = [_Conversation(env.make()) for _ in range(n)]
+    first = [c.env.reset(problem) for c in row]
+    if any(m != first[0] for m in first):
+        raise ValueError(f"the environments of problem {problem.uid!r} started with different messages: a group's "
+                         "samples share one prompt")
+    prefix = encoder.tokenizer(env.first_turn_prefix, add_special_tokens=False).input_ids  # ends every prompt
+    return (encoder(problem) if first[0] is None else encoder.encode_messages(first[0])) + prefix, row
+
+
+class EnvConversation:
+    """One sample of a multi-turn rollout on the continuous engine (``ContinuousEngine.submit``'s
+    ``conversations``): the engine generates a turn, :meth:`add` appends it and runs the environment's step (in the
+    caller's thread: a tool call blocks), :meth:`next` says what the next request is (the prompt plus every token so
+    far, exactly as they were: token in, token out) or that the sample is done, and :meth:`result` is the finished
+    sample as ``make_group`` reads it. The same conversation and limits as :func:`generate_env_groups`'s, one
+    sample at a time instead of one engine call per turn for all."""
+
+    def __init__(self, conversation: _Conversation, prompt_ids: Sequence[int], encoder: PromptEncoder,
+                 env: EnvRunner, max_tokens: int, stop_ids: Sequence[int]):
+        self.c, self.prompt_ids, self.encoder, self.env = conversation, list(prompt_ids), encoder, env
+        self.max_tokens, self.stop_ids = max_tokens, list(stop_ids)
+
+    @classmethod
+    def group(cls, encoder: PromptEncoder, env: EnvRunner, problem: Problem, n: int, max_tokens: int,
+              stop_ids: Sequence[int]) -> tuple[list[int], list[EnvConversation]]:
+        """The prompt ids of ``problem``'s group and its ``n`` conversations."""
+        ids, row = _env_prompt(encoder, env, problem, n)
+        return ids, [cls(c, ids, encoder, env, max_tokens, stop_ids) for c in row]
+
+    def add(self, sample, version: int) -> None:
+        """Append the engine's ``sample`` of the next turn (generated from :meth:`next`'s request) and answer it."""
+        ids = self.c.add_model_turn(sample, version, self.max_tokens - len(self.c.ids))
+        if not self.c.done:
+            _step_env(self.c, ids, self.encoder, self.env.limits, self.max_tokens, self.stop_ids,
+                      self.env.first_turn_prefix)
+
+    def next(self) -> tuple[list[int], int] | None:
+        """The next turn's request, ``(prompt ids, max tokens)``; None once the sample is done."""
+        return None if self.c.done else (self.prompt_ids + self.c.ids, self.max_tokens - len(self.c.ids))
+
+    def result(self) -> _Turns:
+        return self.c.result()
 
 
 def final_turn(sample: Trajectory) -> Sequence[int]:
@@ -351,18 +397,26 @@ def final_turn(sample: Trajectory) -> Sequence[int]:
 
 
 def make_group(problem: Problem, prompt_ids: Sequence[int], samples: Sequence, version: int) -> Group:
-    """The unscored group of ``problem`` from the engine's samples (``rollout.engine.Sample``). A sample that
-    records the versions of its tokens (``version_spans``, an engine that updates weights in flight) keeps them when
-    they are more than ``version`` alone; the group's version is its oldest token's (``async_vapo.types``)."""
+    """The unscored group of ``problem`` from the engine's samples (``rollout.engine.Sample``, or a multi-turn
+    conversation's result with its environment's spans, tool counts and reward). A sample that records the versions
+    of its tokens (``version_spans``, an engine that updates weights in flight) keeps them when they are more than
+    ``version`` alone; the group's version is its oldest token's (``async_vapo.types``)."""
     spans = [[tuple(x) for x in getattr(s, "version_spans", None) or ()] or [(version, 0)] for s in samples]
     oldest = min(sp[0][0] for sp in spans) if spans else version
     extra = json.dumps(problem.extra, separators=(",", ":"), ensure_ascii=False) if problem.extra else ""
-    return Group(uid=problem.uid, prompt=problem.prompt, answer=problem.answer, prompt_ids=prompt_ids, version=oldest,
-                 extra=extra,
-                 samples=[Trajectory(response_ids=s.token_ids, behavior_logprobs=s.logprobs,
-                                     finish_reason=s.finish_reason,
-                                     version_spans=[] if sp == [(oldest, 0)] else sp)
-                          for s, sp in zip(samples, spans, strict=True)])
+    group = Group(uid=problem.uid, prompt=problem.prompt, answer=problem.answer, prompt_ids=prompt_ids, version=oldest,
+                  extra=extra,
+                  samples=[Trajectory(response_ids=s.token_ids, behavior_logprobs=s.logprobs,
+                                      finish_reason=s.finish_reason,
+                                      version_spans=[] if sp == [(oldest, 0)] else sp)
+                           for s, sp in zip(samples, spans, strict=True)])
+    for t, s in zip(group.samples, samples, strict=True):
+        if isinstance(s, _Turns):  # a multi-turn sample: what its environment added
+            t.env_spans, t.tool_calls, t.tool_errors, t.tool_seconds = (s.env_spans, s.tool_calls, s.tool_errors,
+                                                                        s.tool_seconds)
+            if s.reward is not None:  # the environment's reward stands; the verifier grades the others
+                t.reward, t.correct, t.verdict = float(s.reward), s.reward > 0, ENV_VERDICT
+    return group
 
 
 def score_groups(groups: Sequence[Group], verifier, decode: Callable[[Sequence[int]], str], *,

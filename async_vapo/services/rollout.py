@@ -12,8 +12,9 @@ Sockets (engine ``rollout-i``)
 
 Generation (``rollout.generation``): ``lockstep`` calls ``generate`` on ``cluster.rollout.prompts_per_call`` prompts
 and ships their groups together, loading new weights between two calls; ``continuous``
-(:class:`ContinuousDriver`) keeps vLLM's async engine at ``rollout.max_in_flight`` sequences, a request per group,
-ships each group the moment its samples end, and loads new weights in flight (``rollout.weight_update``: keep, wait
+(:class:`ContinuousDriver`) keeps vLLM's async engine at ``rollout.max_in_flight`` sequences, a request per group
+(with ``rollout.env``, a request per sample and turn: ``rollout.generate.EnvConversation``), ships each group the
+moment its samples end, and loads new weights in flight (``rollout.weight_update``: keep, wait
 or abort the requests running), each token keeping the version that sampled it (``Trajectory.version_spans``).
 
 Admission (:class:`~async_vapo.staleness.Admission`, the one staleness rule of ``async_vapo.staleness``): before each
@@ -42,7 +43,15 @@ import time
 
 from async_vapo.metrics.rows import open_row_writer
 from async_vapo.rollout.env import EnvRunner
-from async_vapo.rollout.generate import PromptEncoder, Rollout, evaluate, generate_groups, make_group, warn_if_truncated
+from async_vapo.rollout.generate import (
+    EnvConversation,
+    PromptEncoder,
+    Rollout,
+    evaluate,
+    generate_groups,
+    make_group,
+    warn_if_truncated,
+)
 from async_vapo.services.context import ServiceContext, make_transport
 from async_vapo.staleness import Admission
 from async_vapo.tasks import PromptSampler
@@ -279,8 +288,13 @@ class ContinuousDriver:
             self._n += 1
             key = f"{problem.uid}#{self._n}"
             version = self.engine.version
-            self.engine.submit(key, svc.encoder(problem), n=self.group_size, temperature=r.temperature,
-                               top_p=r.top_p, max_tokens=r.max_response_tokens, stop_token_ids=svc.encoder.stop_ids)
+            prompt_ids, conversations = svc.encoder(problem), None
+            if svc.env is not None:  # rollout.env: each sample a conversation, each turn a request of its own
+                prompt_ids, conversations = EnvConversation.group(svc.encoder, svc.env, problem, self.group_size,
+                                                                  r.max_response_tokens, svc.encoder.stop_ids)
+            self.engine.submit(key, prompt_ids, n=self.group_size, temperature=r.temperature, top_p=r.top_p,
+                               max_tokens=r.max_response_tokens, stop_token_ids=svc.encoder.stop_ids,
+                               conversations=conversations)
             self.pending[key] = (problem, version)
             svc.admission.record(version, 1)
             n += 1

@@ -1,10 +1,13 @@
-"""Multi-turn rollouts (``rollout.env``, issue 51 items 1-2) on the session's real engine and the real tool sandbox:
-token in / token out across three turns, a tool that hangs or crashes is an observation and the run goes on, the
-chat template's turn delta, and the one-process trainer's two updates on a tool task."""
+"""Multi-turn rollouts (``rollout.env``, issue 51 items 1-2) on the session's real engines and the real tool sandbox:
+token in / token out across three turns, on the lock-step engine and on the continuous one (a version loaded while
+the conversations wait for their environment), a tool that hangs or crashes is an observation and the run goes on,
+the chat template's turn delta, and the one-process trainer's two updates on a tool task."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from array import array
 from pathlib import Path
 
@@ -13,7 +16,7 @@ import pytest
 from conftest import TINY_TEST_OVERRIDES
 
 from async_vapo.rollout.env import EnvLimits, EnvRunner, PythonToolEnv, code_block
-from async_vapo.rollout.generate import RAW_OBSERVATION, PromptEncoder, generate_groups
+from async_vapo.rollout.generate import RAW_OBSERVATION, EnvConversation, PromptEncoder, generate_groups, make_group
 from async_vapo.types import Group, enc_hook
 from async_vapo.verify.tool_sandbox import unavailable_reason
 
@@ -165,6 +168,72 @@ def test_a_weight_update_between_turns_is_in_the_version_spans(vllm_engine, setu
     assert seen >= 2
 
 
+def test_the_continuous_engine_runs_conversations_and_a_version_lands_between_turns(continuous_engine, setup,
+                                                                                     tiny_base):
+    """``rollout.generation = "continuous"`` with an environment: each sample's turns are requests of their own and
+    its environment steps in a worker thread. While every conversation waits in its first step, a version is loaded
+    (``keep``): the second and third turns carry it. Token in, token out: each model token's log-prob is the learner's
+    on the whole sequence as the trainer sees it (observations included), and each observation is its delta alone."""
+    import torch
+
+    from async_vapo.algo.utils import logprobs_from_logits
+    from async_vapo.models.rl import load_policy, make_token_batch, response_logits
+    from async_vapo.types import env_spans_error, spans_error
+
+    tok, encoder, problems = setup
+    engine, policy = continuous_engine, load_policy(tiny_base)
+    state = policy.state_dict()
+    engine.weight_update = "keep"
+    engine.load_weights(state, 100)
+    gate, lock, waiting = threading.Event(), threading.Lock(), []
+
+    class Gated(ThreeTurns):
+        def step(self, text: str):
+            if self.turn == 0:
+                with lock:
+                    waiting.append(self)
+                assert gate.wait(120), "the test never opened the gate"
+            return super().step(text)
+
+    runner = EnvRunner(Gated, EnvLimits(max_turns=3, tool_output_tokens=64))
+    prompt_ids, convs = EnvConversation.group(encoder, runner, problems[0], 3, 100, encoder.stop_ids)
+    engine.submit("conversations", prompt_ids, n=3, temperature=1.0, top_p=1.0, max_tokens=100,
+                  stop_token_ids=encoder.stop_ids, seed=5, conversations=convs)
+    deadline = time.monotonic() + 120
+    while len(waiting) < 3 and time.monotonic() < deadline:
+        assert not engine.finished(0.05), "the group shipped before its environments answered"
+    assert len(waiting) == 3, "the conversations never reached their environment"
+    assert engine.in_flight() == 3  # a sample waiting for its environment is in flight
+    engine.apply_weights(101, lambda: engine.load_weights(state, 101))
+    gate.set()
+    (fg,) = engine.finished(120.0)
+    assert fg.error is None and engine.in_flight() == 0
+    g = make_group(problems[0], fg.prompt_ids, fg.samples, fg.submitted_version)
+    assert g.version == 100 and list(g.prompt_ids) == prompt_ids
+    three = 0
+    for i, s in enumerate(g.samples):
+        assert spans_error(s, g.version) is None and env_spans_error(s) is None
+        ids = list(s.response_ids)
+        if not s.env_spans:  # its first turn ran out of the budget: graded as it is, one version
+            assert s.finish_reason == "length" and g.token_versions(i) == [100] * len(ids)
+            continue
+        for j, (start, count) in enumerate(s.env_spans):
+            assert ids[start: start + count] == tok(RAW_OBSERVATION.format(observation=f"seen {j + 1}"),
+                                                    add_special_tokens=False).input_ids
+        second = s.env_spans[0][0] + s.env_spans[0][1]
+        assert [tuple(x) for x in s.version_spans] == [(100, 0), (101, second)]
+        assert g.token_versions(i) == [100] * second + [101] * (len(ids) - second)
+        batch = make_token_batch([list(prompt_ids)], [ids], tok.pad_token_id)
+        with torch.no_grad():
+            ref = logprobs_from_logits(response_logits(policy, batch, 1.0), batch.response_ids)[0]
+        model = torch.ones(len(ids), dtype=torch.bool)
+        for start, count in s.env_spans:
+            model[start: start + count] = False
+        torch.testing.assert_close(torch.tensor(s.behavior_logprobs)[model], ref[model], atol=1e-3, rtol=0)
+        three += len(s.env_spans) == 2
+    assert three >= 1, "no sample reached its third turn"
+
+
 def test_the_python_tool_runs_a_code_block(tiny_cfg):
     if unavailable_reason() is not None:
         pytest.skip(f"tool sandbox: {unavailable_reason()}")
@@ -243,9 +312,12 @@ def test_the_trainer_runs_two_updates_on_a_tool_task(tiny_cfg, vllm_engine, tmp_
 
 
 @needs_sandbox
-def test_the_services_pipeline_trains_on_a_tool_task(tiny_cfg, tiny_base, vllm_engine, tmp_path):
-    """Rollout (lock-step, rollout.env) -> verifier -> replay -> learner in one process over the in-process
-    transport: two updates on multi-turn tool samples, their environment tokens and tool counters through the wire."""
+@pytest.mark.engines  # its engine is a fixture taken by name: on the engines' worker with the others
+@pytest.mark.parametrize("generation", ["lockstep", "continuous"])
+def test_the_services_pipeline_trains_on_a_tool_task(tiny_cfg, tiny_base, tmp_path, request, generation):
+    """Rollout (rollout.env, lock-step or on the continuous engine) -> verifier -> replay -> learner in one process
+    over the in-process transport: two updates on multi-turn tool samples, their environment tokens and tool counters
+    through the wire."""
     import threading
     import time
 
@@ -266,7 +338,11 @@ def test_the_services_pipeline_trains_on_a_tool_task(tiny_cfg, tiny_base, vllm_e
                            f"train.total_steps={total}", f"train.eval_every={total}", "train.checkpoint_every=0",
                            f"rollout.env={__name__}:ToolOnce", "rollout.env_tool_seconds=3",
                            "rollout.max_response_tokens=60", "async.max_staleness=1", "cluster.replay.fsync=never",
-                           "cluster.wire.batch_poll_s=0.05", "cluster.wire.heartbeat_s=0.2"])
+                           "cluster.wire.batch_poll_s=0.05", "cluster.wire.heartbeat_s=0.2",
+                           f"rollout.generation={generation}"])
+    vllm_engine = request.getfixturevalue("continuous_engine" if generation == "continuous" else "vllm_engine")
+    if generation == "continuous":
+        vllm_engine.weight_update = "keep"
     run_dir = tmp_path / "run"
     tok = AutoTokenizer.from_pretrained(str(tiny_base))
     base_state = load_policy(tiny_base).state_dict()
