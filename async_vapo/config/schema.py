@@ -1032,7 +1032,9 @@ class DeployConfig(_Section):
     waits for a version (its budget spent): the learner may run on every core, and its torch threads rise from its
     own share of the cores (``train.threads``, set by the script) to every core until an engine generates again. False:
     the learner and the engines keep disjoint cores (``taskset``), as on GPU hosts always. Off by default: on a shared
-    2-core host under load, two learner threads made updates slower (benchmarks/results/cpu_lending)."""
+    2-core host under load, two learner threads made updates slower (benchmarks/results/cpu_lending); on an idle host
+    it kept both cores ≥ 94 % busy at the same speed (the embedded default) or faster (SmolLM2: the SmolLM2 configs
+    set it; docs/results/smollm2.md)."""
 
     @model_validator(mode="after")
     def _backoff_bounds(self):
