@@ -93,10 +93,12 @@ def _generate(engine, encoder, problems, env_cls, *, n=3, max_tokens=100, max_tu
                            env=EnvRunner(env_cls, EnvLimits(max_turns=max_turns, tool_output_tokens=64)))
 
 
-def test_the_trainers_tokens_are_the_engines_across_three_turns(vllm_engine, setup):
+def test_the_trainers_tokens_are_the_engines_across_three_turns(vllm_engine, setup, tiny_base):
     from async_vapo.learner.vapo import make_rollout_batch
+    from async_vapo.models.rl import load_policy
 
     tok, encoder, problems = setup
+    vllm_engine.load_weights(load_policy(tiny_base).state_dict(), 0)  # the base model, whatever a test left loaded
     engine = Recording(vllm_engine)
     groups = _generate(engine, encoder, problems[:4], ThreeTurns)
     assert len(engine.calls) == 3  # one engine call per turn, every open conversation in it
@@ -195,6 +197,10 @@ def test_the_continuous_engine_runs_conversations_and_a_version_lands_between_tu
                 assert gate.wait(120), "the test never opened the gate"
             return super().step(text)
 
+    for key in engine.in_flight_keys():  # what another test of the session left running, or finished and unread
+        engine.abort(key)
+    while engine.finished(0.0):
+        pass
     runner = EnvRunner(Gated, EnvLimits(max_turns=3, tool_output_tokens=64))
     prompt_ids, convs = EnvConversation.group(encoder, runner, problems[0], 3, 100, encoder.stop_ids)
     engine.submit("conversations", prompt_ids, n=3, temperature=1.0, top_p=1.0, max_tokens=100,
