@@ -165,6 +165,9 @@ def main() -> None:
             adapter = learner.publish_state() if learner.lora is not None else None
             torch.save((state, metrics) + ((adapter,) if adapter is not None else ()), out / f"{name}.{rank}")
         if only:
+            # no rank leaves while another still needs the group: under torchrun agents on two "nodes", the first
+            # agent to exit closes the rendezvous store, and a worker still talking to it aborts (SIGABRT)
+            dist.barrier()
             return
         # DCP: save after one update on 2 ranks, then the next update from it on 2 ranks
         cfg = cfg_for(cache, [])
@@ -173,6 +176,7 @@ def main() -> None:
         state, metrics, learner = updates(cfg, n=1, resume=str(out / "ckpt"))
         torch.save((state, metrics, learner.version), out / f"resumed2.{rank}")
         torch.save(run_loop(cfg_for(cache, LOOP), out / "run", 2), out / f"loop.{rank}")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
