@@ -51,6 +51,7 @@ class PromptEncoder:
         self.cache: dict[str, list[int]] = {}
         self._delta: _ChatDelta | None = None
         self._markers: dict[int, str] | None = None  # decode_turn's kept special tokens, id -> text
+        self._stop_texts: list[str] | None = None  # observation_ids' end-of-turn tokens, as text
 
     @classmethod
     def from_config(cls, cfg: Config, tokenizer) -> PromptEncoder:
@@ -132,7 +133,9 @@ class PromptEncoder:
             self._delta = _ChatDelta.of(self.tokenizer)
         closing = self._delta.closing
         if ended_with is not None:
-            stops = [self.tokenizer.decode([ended_with])] + [self.tokenizer.decode([i]) for i in self.stop_ids]
+            if self._stop_texts is None:  # once: stop_ids reads the generation config from disk
+                self._stop_texts = [t for t in (self.tokenizer.decode([i]) for i in self.stop_ids) if t]
+            stops = [self.tokenizer.decode([ended_with]), *self._stop_texts]
             closing = next((closing[len(s):] for s in stops if s and closing.startswith(s)), closing)
         return self.tokenizer(closing + self._delta.turn(text), add_special_tokens=False).input_ids
 
