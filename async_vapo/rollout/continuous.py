@@ -429,35 +429,50 @@ class ContinuousEngine(EngineWeights):
         await asyncio.gather(*g.tasks, return_exceptions=True)
         with self._lock:
             self._in_flight -= g.running
-            self._waiters.pop(key, None)
+            waiter = self._waiters.pop(key, None)
         g.running = 0
         self.aborted_total += 1
+        if waiter is not None and not waiter.done():  # a generate call waiting on it ends now, with the error
+            waiter.set_result(FinishedGroup(key=key, prompt_ids=g.prompt_ids, samples=[],
+                                            submitted_version=g.submitted_version,
+                                            seconds=time.perf_counter() - g.submitted_at,
+                                            resubmitted=g.resubmitted, error="aborted"))
         return True
 
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float, top_p: float,
-                 max_tokens: int, stop_token_ids: Sequence[int], seed: int | None = None) -> list[list[Sample]]:
+                 max_tokens: int, stop_token_ids: Sequence[int], seed: int | None = None,
+                 max_in_flight: int | None = None, ignore_eos: bool = False) -> list[list[Sample]]:
         """``VLLMEngine.generate`` over :meth:`submit`: ``n`` samples for each prompt, in prompt order (prompt i
-        seeded with ``seed + i``); raises if a group errored or the whole takes over ``request_timeout_s``."""
+        seeded with ``seed + i``); raises if a group errored or the whole takes over ``request_timeout_s``.
+        ``max_in_flight``: at most that many of its sequences in the engine at once (at least one prompt's ``n``),
+        the next prompt submitted as one finishes, so that requests submitted by others meanwhile (the rollout
+        service's training groups beside a held-out evaluation) get the rest of the engine; None: all at once.
+        ``ignore_eos``: as :meth:`submit`'s."""
         call = next(self._ids)
         keys = [f"generate-{call}-{i}" for i in range(len(prompts))]
         futs = {k: concurrent.futures.Future() for k in keys}
+        window = len(keys) if max_in_flight is None else max(1, max_in_flight // max(n, 1))
         with self._lock:
             self._waiters.update(futs)
         deadline = time.monotonic() + self.request_timeout_s
         try:
-            for i, (k, p) in enumerate(zip(keys, prompts, strict=True)):
-                self.submit(k, p, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                            stop_token_ids=stop_token_ids, seed=None if seed is None else seed + i)
-            result = []
-            for k in keys:
-                try:
-                    fg = futs[k].result(max(0.0, deadline - time.monotonic()))
-                except concurrent.futures.TimeoutError:
-                    raise TimeoutError(f"generate did not finish within {self.request_timeout_s:.0f} s") from None
-                if fg.error is not None:
-                    raise RuntimeError(f"generation failed: {fg.error}")
-                result.append(fg.samples)
-            return result
+            started, running = 0, set()
+            while started < len(keys) or running:
+                while started < len(keys) and len(running) < window:
+                    k = keys[started]
+                    self.submit(k, prompts[started], n=n, temperature=temperature, top_p=top_p,
+                                max_tokens=max_tokens, stop_token_ids=stop_token_ids,
+                                seed=None if seed is None else seed + started, ignore_eos=ignore_eos)
+                    running.add(futs[k])
+                    started += 1
+                done, running = concurrent.futures.wait(running, max(0.0, deadline - time.monotonic()),
+                                                        return_when=concurrent.futures.FIRST_COMPLETED)
+                if not done:
+                    raise TimeoutError(f"generate did not finish within {self.request_timeout_s:.0f} s")
+                for f in done:
+                    if f.result().error is not None:
+                        raise RuntimeError(f"generation failed: {f.result().error}")
+            return [futs[k].result().samples for k in keys]
         except BaseException:
             for k in keys:
                 if not futs[k].done():

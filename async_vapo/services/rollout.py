@@ -31,14 +31,20 @@ Evaluation: rollout 0 evaluates the held-out split (``rollout.generate.evaluate`
 a run stopped by ``train.max_minutes`` ends with an evaluation of its last version, as the one-process trainer's
 does), and appends ``kind="eval"`` rows, in the one-process trainer's format, to ``RUN_DIR/metrics.jsonl`` (shared
 with the learner, see :class:`~async_vapo.metrics.jsonl.JsonlWriter`). An evaluation stalls nothing on the learner's
-side, however long: the engine's heartbeats go on from a thread meanwhile ("busy": the learner keeps it alive and
-in rotation, ``EngineWeightClient.beating``), and the loop takes the learner's latest version as soon as it ends,
-before it starts groups again.
+side, however long. A continuous engine evaluates in a thread, beside its training groups: the evaluation's requests
+take at most ``cluster.rollout.eval_share`` of the engine's sequences (0: alone, as a lock-step engine's, below) and
+the loop goes on filling the rest with training groups and shipping them as they end, while loads of new versions
+wait until the evaluation ends (every evaluated token is the evaluated version's; ``EngineWeightClient.held``) and the
+heartbeats say "busy". A lock-step
+engine evaluates between two generate calls, its heartbeats sent from a thread meanwhile ("busy",
+``EngineWeightClient.beating``). Either way the learner keeps the engine alive and in rotation, and the loop takes the
+learner's latest version as soon as the evaluation ends.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
 
 from async_vapo.metrics.rows import open_row_writer
@@ -90,6 +96,7 @@ class RolloutService:
         self.metrics_log = (open_row_writer(cfg, ctx.run_dir / "metrics.jsonl", ctx.metrics)
                             if ctx.instance == 0 else None)
         self.eval_pool = None
+        self._eval_thread: threading.Thread | None = None
         self.samples_generated = 0
 
     def _on_announce(self, a: WeightsAnnounce, previous: int) -> None:
@@ -148,8 +155,17 @@ class RolloutService:
 
     # -- evaluation ---------------------------------------------------------------------------------------------
     def maybe_evaluate(self) -> bool:
-        """Evaluate the served version when it is due; whether it did (the learner went on meanwhile)."""
+        """Evaluate the served version when it is due; whether an evaluation ended now (the learner went on
+        meanwhile). A lock-step engine evaluates here, between two generate calls; a continuous one in a thread
+        (:meth:`_evaluate_beside`), beside the training groups, and this returns True once it has ended."""
         cfg = self.ctx.cfg
+        if self._eval_thread is not None:
+            if self._eval_thread.is_alive():
+                return False
+            self._eval_thread = None
+            self.weights.held = False  # the next poll loads the learner's latest
+            self.weights.heartbeat(force=True)
+            return True
         v = self.engine.version
         if self.metrics_log is None or not cfg.cluster.rollout.eval or v in self.evaluated:
             return False
@@ -159,9 +175,28 @@ class RolloutService:
         if v % cfg.train.eval_every and v != cfg.train.total_steps and not self.weights.learner_done:
             return False
         self.evaluated.add(v)
+        if self.continuous is not None and cfg.cluster.rollout.eval_share > 0:
+            self._evaluate_beside(v)
+            return False
         with self.weights.beating():  # the learner keeps this engine alive and in rotation, however long it takes
             self._evaluate(v)
         return True
+
+    @property
+    def evaluating(self) -> bool:
+        """A held-out evaluation runs beside generation (continuous engines) now."""
+        return self._eval_thread is not None and self._eval_thread.is_alive()
+
+    def _evaluate_beside(self, v: int) -> None:
+        """Continuous engines: evaluate version ``v`` in a thread, its requests at most ``cluster.rollout.eval_share``
+        of the engine's sequences, while the loop goes on filling the rest with training groups and shipping them.
+        Loads wait until it ends (``EngineWeightClient.held``: every evaluated token is ``v``'s), and the heartbeats
+        say "busy" meanwhile (the learner excuses the engine from the ack deadline of the versions it publishes)."""
+        self.weights.held = True
+        self.weights.heartbeat(force=True)
+        self._eval_thread = threading.Thread(target=self._evaluate, args=(v,), daemon=True,
+                                             name=f"{self.engine_id}-evaluate")
+        self._eval_thread.start()
 
     def _evaluate(self, v: int) -> None:
         from async_vapo.verify.sandbox import VerifierPool
@@ -174,12 +209,16 @@ class RolloutService:
                 (pids / f"{self.engine_id}.children").write_text(
                     "\n".join(map(str, self.eval_pool.worker_pids)) + "\n")
         try:
+            share = cfg.cluster.rollout.eval_share
+            engine = self.engine if self.continuous is None or not share else _Share(
+                self.engine, max(1, int(self.continuous.max_in_flight * share)))
             with self.ctx.busy("evaluate"):
-                m, _ = evaluate(Rollout(cfg, self.engine, self.eval_pool, self.encoder), self.eval_set, cfg)
+                m, _ = evaluate(Rollout(cfg, engine, self.eval_pool, self.encoder), self.eval_set, cfg)
             if len(self.evaluated) == 1:  # the first evaluation: most responses cut at the cap is worth a warning
                 warn_if_truncated(m, cfg, self.ctx.log)
         except Exception:
-            self.ctx.processing_error("evaluate", f"evaluation of version {v}")
+            if not self.ctx.stop.is_set():  # stopping aborts it: not an error
+                self.ctx.processing_error("evaluate", f"evaluation of version {v}")
             return
         self.metrics_log.write({"kind": "eval", "step": v, "version": v, "wall_s": self.ctx.elapsed(),
                                 "samples_seen": self.samples_generated, **m})
@@ -236,6 +275,14 @@ class RolloutService:
     def close(self) -> None:
         if self.continuous is not None:
             self.continuous.abort_all()
+            if self._eval_thread is not None:  # an evaluation beside generation: its requests end, aborted
+                try:
+                    for key in self.engine.in_flight_keys():
+                        if key.startswith("generate-"):
+                            self.engine.abort(key)
+                except Exception:  # noqa: S110 - closing: the engine may be gone already
+                    pass
+                self._eval_thread.join(30)
         self.ctx.write_stats()  # while the engine core and the eval worker are still up
         self.groups_out.close()
         self.weights.close()
@@ -243,6 +290,20 @@ class RolloutService:
             self.eval_pool.close()
         if self.metrics_log is not None:
             self.metrics_log.close()
+
+
+class _Share:
+    """A continuous engine whose ``generate`` keeps at most ``max_in_flight`` of its sequences in the engine (the
+    held-out evaluation's share beside the training groups); everything else is the engine's."""
+
+    def __init__(self, engine, max_in_flight: int):
+        self._engine, self._max = engine, max_in_flight
+
+    def generate(self, prompts, **kwargs):
+        return self._engine.generate(prompts, max_in_flight=self._max, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
 
 
 class ContinuousDriver:
@@ -276,7 +337,7 @@ class ContinuousDriver:
             self._ship(fg)
         self._observe()
         idle = not submitted and not finished and not self.pending
-        self.svc.weights.waiting(idle)
+        self.svc.weights.waiting(idle and not self.svc.evaluating)  # an evaluation beside: its cores are busy
         if idle:
             self.svc.weights.poll(0.2)  # nothing to do until a new version or budget
 

@@ -120,6 +120,9 @@ class EngineWeightClient:
         self._streamed_version: int | None = None
         """"dist": the version of the last WeightsAnnounce (not a heartbeat's copy) naming this engine: the learner
         streams that one right after announcing it."""
+        self.held = False
+        """Loads wait (:meth:`poll` takes the learner's messages but loads nothing) and heartbeats say "busy": the
+        service's held-out evaluation of the served version runs beside its generation (``RolloutService``)."""
 
     # -- the protocol -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -135,7 +138,8 @@ class EngineWeightClient:
 
     def poll(self, timeout_s: float) -> int | None:
         """Take what the learner sent (waiting up to ``timeout_s`` for the first message), then load the latest
-        version if the engine does not serve it; returns the version loaded now, or None."""
+        version if the engine does not serve it (unless loads are :attr:`held`); returns the version loaded now, or
+        None."""
         env = self.sub.recv(timeout_s)
         while env is not None:
             self._receive(env)
@@ -143,7 +147,7 @@ class EngineWeightClient:
         if self.wants_group() and not self.in_group \
                 and time.monotonic() - self._group_asked > self.ctx.cfg.cluster.weights.dist_join_timeout_s:
             self.ask_group()  # no offer came (or the join failed): ask again
-        if self.latest is not None and self.latest.version != self.engine.version:
+        if self.latest is not None and self.latest.version != self.engine.version and not self.held:
             if self.latest.version not in self.failed_versions or time.monotonic() >= self._next_retry:
                 return self.load(self.latest)
         return None
@@ -293,9 +297,11 @@ class EngineWeightClient:
                                                           load_seconds=seconds, error=error, via=via),
                                                sender=self.engine_id, policy_version=self.engine.version), "ack")
 
-    def heartbeat(self, force: bool = False, status: str = "ready") -> None:
+    def heartbeat(self, force: bool = False, status: str | None = None) -> None:
         """Tell the learner this engine is alive and the version it serves (every ``cluster.wire.heartbeat_s``);
-        ``status`` "busy": it serves that version on purpose while it does other work (:meth:`beating`)."""
+        ``status`` "busy": it serves that version on purpose while it does other work (:meth:`beating`, or loads
+        :attr:`held`), the default while loads are held; else "ready"."""
+        status = status or ("busy" if self.held else "ready")
         now = time.monotonic()
         if force or now - self._last_beat >= self.ctx.cfg.cluster.wire.heartbeat_s:
             self._last_beat = now

@@ -243,3 +243,57 @@ def test_keep_over_a_weight_group_mid_generation(setup):
         _assert_close(got[:k], lp_old[:k], "before the switch")
         _assert_close(got[k:], lp_new[k:], "after the switch: the version received over the group")
         assert (lp_old[k:] - lp_new[k:]).abs().max() > 0.05
+
+
+def test_generate_keeps_within_its_share_of_the_engine_and_an_abort_ends_it(setup, monkeypatch):
+    """``generate(max_in_flight=k)`` (the held-out evaluation beside training groups): at most ``k`` of its
+    sequences in the engine at any submission, every prompt answered in order, each with its seed's samples; and
+    aborting one of its groups from another thread (a service closing) ends the call at once with the error."""
+    import threading
+    import time
+
+    engine, tok, versions, base = setup
+    engine.load_weights(base.state_dict(), 0)
+    prompts = [tok(f"{a}+{a}-1=").input_ids for a in range(1, 9)]
+    seen: list[int] = []
+    real_submit = engine.submit
+
+    def submit(key, *args, **kwargs):
+        real_submit(key, *args, **kwargs)
+        if key.startswith("generate-"):
+            seen.append(engine.in_flight())
+
+    monkeypatch.setattr(engine, "submit", submit)
+    kw = dict(n=2, temperature=1.0, top_p=1.0, max_tokens=12, stop_token_ids=[], seed=3, ignore_eos=True)
+    out = engine.generate(prompts, max_in_flight=4, **kw)
+    assert len(seen) == len(prompts) and max(seen) <= 4, seen
+    assert [len(g) for g in out] == [2] * len(prompts) and all(len(s.token_ids) == 12 for g in out for s in g)
+    monkeypatch.setattr(engine, "submit", real_submit)
+    assert engine.in_flight() == 0
+    # prompt i keeps seed + i whatever the window: its samples are those of the call without one (a batch of
+    # another size may round a logit differently: most, not all, must match)
+    whole = engine.generate(prompts, **kw)
+    same = sum(a.token_ids == b.token_ids
+               for ga, gb in zip(out, whole, strict=True) for a, b in zip(ga, gb, strict=True))
+    assert same >= 0.75 * 2 * len(prompts), same
+
+    err: dict = {}
+
+    def call():
+        t0 = time.monotonic()
+        try:
+            engine.generate(prompts[:2], **(kw | {"max_tokens": LONG}), max_in_flight=2)
+        except RuntimeError as exc:
+            err["e"], err["s"] = str(exc), time.monotonic() - t0
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not [k for k in engine.in_flight_keys() if k.startswith("generate-")]:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    for k in engine.in_flight_keys():
+        engine.abort(k)
+    thread.join(30)
+    assert not thread.is_alive() and "aborted" in err.get("e", ""), err
+    assert engine.in_flight() == 0

@@ -87,36 +87,28 @@ def test_keep_trains_within_the_bound_of_every_token(continuous_engine, tiny_cfg
     """max_staleness 1, weights updated in flight ("keep"): every step trains, and no token of a trained group is
     more than one version behind the learner (the bound is the oldest token's); groups are shipped one by one.
 
-    With the held-out evaluation of version 2 on: the learner moves on while the engine evaluates, and the engine
-    takes the new version before it starts groups again. Groups started at the evaluated version would be more of it
-    than the learner can still use (they went stale waiting, 8 per evaluation on the embedded default, and the
-    engine's lead was lost for the rest of the run). The case is set up by construction, whatever the machine's
-    load: until that evaluation has run, the engine leaves one group of version 2's budget unmade (so that it could
-    still start a group of version 2 after it); the learner's update from version 2 waits until the evaluation has
-    begun (so that the engine cannot skip it as a version the learner has already left); and the evaluation is held
-    while the engine goes on generating and shipping (its own fill and ship, no new weights taken) until the learner
-    has trained and published version 3. Five updates, so that the learner cannot finish on what the engine made
-    before it took version 3 (the bound lets groups of version 2 train up to update 4): the engine starts groups
-    after the evaluation."""
+    With the held-out evaluation of version 2 on: it runs beside the training groups, which the engine goes on
+    submitting and shipping meanwhile, while the learner moves on; the engine loads nothing until the evaluation
+    ends (every evaluated token is version 2's), then takes the learner's latest version at once, before it starts
+    groups again (groups started at the evaluated version then would be more of it than the learner can still use).
+    The case is set up by construction, whatever the machine's load: the learner's update from version 2 waits until
+    the evaluation has begun, and the evaluation is held (its requests not yet submitted) until the learner has
+    announced a later version and the engine has shipped a training group during it. Five updates, so that the
+    learner cannot finish on what the engine made before it took version 3."""
     import async_vapo.services.rollout as rollout_module
 
     continuous_engine.weight_update = "keep"
     cfg = _cfg(tiny_cfg, tmp_path, "async.max_staleness=1", "rollout.weight_update=keep", "train.total_steps=5",
                "train.eval_every=2", "cluster.rollout.eval=true")
-    events: list[tuple] = []  # ("submit", served version), ("evaluated", version, the learner's announced version)
+    # ("submit", served version), ("ship",), ("load", version), ("eval_start", version),
+    # ("evaluated", version, the learner's announced version, the served version at its end)
+    events: list[tuple] = []
     held: dict[str, float] = {}
 
     def setup(rollout, learner):
         real_evaluate, real_submit, driver = rollout_module.evaluate, continuous_engine.submit, rollout.continuous
-        real_update, real_admit = learner.learner.update, rollout.admit
-        evaluating, evaluated = threading.Event(), threading.Event()
-
-        def admit():
-            a = rollout.admission
-            v = continuous_engine.version
-            if v == 2 and not evaluated.is_set() and a.base is not None and a.made >= a.budget(v) - 1:
-                return "held"  # one group of version 2's budget left unmade until its evaluation has run
-            return real_admit()
+        real_update, real_ship, real_loaded = learner.learner.update, driver._ship, rollout.weights.on_loaded
+        evaluating = threading.Event()
 
         def update(*args, **kwargs):
             if learner.learner.version == 2:
@@ -126,21 +118,15 @@ def test_keep_trains_within_the_bound_of_every_token(continuous_engine, tiny_cfg
         def evaluate(*args, **kwargs):
             v = continuous_engine.version
             if v == 2:
+                events.append(("eval_start", v))
                 evaluating.set()
                 t0, deadline = time.monotonic(), time.monotonic() + 150
-                # until the learner has announced a later version (its update done is not enough: the announce comes
-                # after, and a loaded machine can finish the evaluation below before it)
-                while learner.sync.rotation.latest <= v and time.monotonic() < deadline:
-                    # the driver's step() without its poll for weights (it polls when idle): version 2 stays served
-                    driver._drop_unusable()
-                    driver._fill()
-                    for fg in continuous_engine.finished(0.05):
-                        driver._ship(fg)
+                while time.monotonic() < deadline and not (
+                        learner.sync.rotation.latest > v and ("ship",) in events[events.index(("eval_start", v)):]):
+                    time.sleep(0.05)
                 held["s"] = time.monotonic() - t0
             out = real_evaluate(*args, **kwargs)
-            events.append(("evaluated", v, learner.sync.rotation.latest))
-            if v == 2:
-                evaluated.set()
+            events.append(("evaluated", v, learner.sync.rotation.latest, continuous_engine.version))
             return out
 
         def submit(key, *args, **kwargs):
@@ -148,10 +134,19 @@ def test_keep_trains_within_the_bound_of_every_token(continuous_engine, tiny_cfg
                 events.append(("submit", continuous_engine.version))
             return real_submit(key, *args, **kwargs)
 
+        def ship(fg):
+            events.append(("ship",))
+            return real_ship(fg)
+
+        def loaded(version, way):
+            events.append(("load", version))
+            return real_loaded(version, way)
+
         monkeypatch.setattr(learner.learner, "update", update)
-        monkeypatch.setattr(rollout, "admit", admit)
         monkeypatch.setattr(rollout_module, "evaluate", evaluate)
         monkeypatch.setattr(continuous_engine, "submit", submit)
+        monkeypatch.setattr(driver, "_ship", ship)
+        monkeypatch.setattr(rollout.weights, "on_loaded", loaded)
 
     rows, figures = _run(cfg, continuous_engine, tiny_base, tmp_path / "run", 5, setup)
     train = [r for r in rows if r["kind"] == "train"]
@@ -167,16 +162,24 @@ def test_keep_trains_within_the_bound_of_every_token(continuous_engine, tiny_cfg
     # recorded, and no longer than the run (its last row, plus 10 s for the engine's tail while the run stops); how
     # long depends on the machine's speed (0.75 s on a fast one), so no lower bound above zero
     assert 0 < sum(b - a for a, b in generate) <= max(r["wall_s"] for r in rows) + 10
-    # the evaluation of version 2, with the learner past it, and the first group the engine started after it
+    # the evaluation of version 2: the learner moved on during it, the engine still served version 2 at its end, and
+    # training groups were shipped and none of its loads happened while it ran
     assert 2 in [r["step"] for r in rows if r["kind"] == "eval"], rows
-    i = next(i for i, e in enumerate(events) if e[0] == "evaluated" and e[1] == 2)
-    learner_then = events[i][2]
+    i = events.index(("eval_start", 2))
+    j = next(k for k, e in enumerate(events) if e[0] == "evaluated" and e[1] == 2)
+    _, _, learner_then, served_then = events[j]
     assert learner_then > 2, f"the learner did not move on in {held.get('s', 0):.0f} s of generation at version 2"
-    after = [e[1] for e in events[i + 1:] if e[0] == "submit"]
-    assert after, events
-    assert after[0] >= learner_then, f"groups started at version {after[0]} after the learner reached {learner_then}"
+    assert served_then == 2, f"the engine served version {served_then} at the end of version 2's evaluation"
+    assert ("ship",) in events[i:j], "no training group was shipped during the evaluation"
+    assert not [e for e in events[i:j] if e[0] == "load"], events[i:j]
+    # after it: the first load is the learner's latest (or later), and every group started after that load is of it
+    k = next(k for k in range(j, len(events)) if events[k][0] == "load")
+    assert events[k][1] >= learner_then, events[j:k + 1]
+    after = [e[1] for e in events[k:] if e[0] == "submit"]
+    assert after and min(after) >= learner_then, events[j:]
     print("continuous keep:", figures, [(r["replay/token_lag_mean"], r["replay/multi_version_samples"])
-                                        for r in train], f"evaluation of version 2 held {held.get('s', 0):.1f} s")
+                                        for r in train], f"evaluation of version 2 held {held.get('s', 0):.1f} s",
+          f"groups shipped during it: {events[i:j].count(('ship',))}")
 
 
 @pytest.mark.slow
