@@ -939,12 +939,15 @@ class ClusterRolloutConfig(_Section):
     """Prompts per engine `generate` call; 0: ceil(algo.prompts_per_step / engines)."""
     eval: bool = True
     """Rollout 0 evaluates the held-out split at versions 0, k*train.eval_every and train.total_steps."""
-    eval_share: float = Field(0.5, ge=0, le=1)
-    """``rollout.generation = "continuous"``: the held-out evaluation runs beside training generation in the same
-    engine, with at most this share of its ``rollout.max_in_flight`` sequences (the rest stay the training groups');
-    loads of new weights wait until it ends, so that it evaluates one version. 0: it runs alone, as a lock-step
-    engine's does between two generate calls (training generation waits for it; new weights are loaded the moment
-    it ends)."""
+    eval_share: float = Field(0.0, ge=0, le=1)
+    """``rollout.generation = "continuous"``, above 0: the held-out evaluation runs beside training generation in the
+    same engine, with at most this share of its ``rollout.max_in_flight`` sequences (the rest stay the training
+    groups'); loads of new weights wait until it ends, so that it evaluates one version. 0: it runs alone, as a
+    lock-step engine's does between two generate calls (training generation waits for it; new weights are loaded the
+    moment it ends). Measured on SmolLM2 through the services (``benchmarks/results/eval_beside/``), 0.5 was no faster
+    than 0: the evaluation took longer beside, and the held version stops feeding the learner after
+    ``async.max_staleness`` + 1 updates. It can pay where evaluations are short against an update or the bound is
+    loose."""
 
 
 class ClusterReplayConfig(_Section):

@@ -1,7 +1,7 @@
 """The rollout service in continuous mode (``rollout.generation = "continuous"``): the whole pipeline in one pytest
 process over the in-process transport with vLLM's async engine, a request per group, new weights loaded in flight.
 
-Budget: two short runs of about a minute each (5 and 3 updates), on the session's continuous engine
+Budget: three short runs of under a minute each (5, 5 and 3 updates), on the session's continuous engine
 (tests/conftest.py)."""
 
 from __future__ import annotations
@@ -87,19 +87,19 @@ def test_keep_trains_within_the_bound_of_every_token(continuous_engine, tiny_cfg
     """max_staleness 1, weights updated in flight ("keep"): every step trains, and no token of a trained group is
     more than one version behind the learner (the bound is the oldest token's); groups are shipped one by one.
 
-    With the held-out evaluation of version 2 on: it runs beside the training groups, which the engine goes on
-    submitting and shipping meanwhile, while the learner moves on; the engine loads nothing until the evaluation
-    ends (every evaluated token is version 2's), then takes the learner's latest version at once, before it starts
-    groups again (groups started at the evaluated version then would be more of it than the learner can still use).
-    The case is set up by construction, whatever the machine's load: the learner's update from version 2 waits until
-    the evaluation has begun, and the evaluation is held (its requests not yet submitted) until the learner has
-    announced a later version and the engine has shipped a training group during it. Five updates, so that the
-    learner cannot finish on what the engine made before it took version 3."""
+    With the held-out evaluation of version 2 on, beside training (``cluster.rollout.eval_share`` 0.5): the engine
+    goes on submitting and shipping training groups meanwhile, while the learner moves on; it loads nothing until the
+    evaluation ends (every evaluated token is version 2's), then takes the learner's latest version at once, before
+    it starts groups again (groups started at the evaluated version then would be more of it than the learner can
+    still use). The case is set up by construction, whatever the machine's load: the learner's update from version 2
+    waits until the evaluation has begun, and the evaluation is held (its requests not yet submitted) until the
+    learner has announced a later version and the engine has shipped a training group during it. Five updates, so
+    that the learner cannot finish on what the engine made before it took version 3."""
     import async_vapo.services.rollout as rollout_module
 
     continuous_engine.weight_update = "keep"
     cfg = _cfg(tiny_cfg, tmp_path, "async.max_staleness=1", "rollout.weight_update=keep", "train.total_steps=5",
-               "train.eval_every=2", "cluster.rollout.eval=true")
+               "train.eval_every=2", "cluster.rollout.eval=true", "cluster.rollout.eval_share=0.5")
     # ("submit", served version), ("ship",), ("load", version), ("eval_start", version),
     # ("evaluated", version, the learner's announced version, the served version at its end)
     events: list[tuple] = []
@@ -180,6 +180,102 @@ def test_keep_trains_within_the_bound_of_every_token(continuous_engine, tiny_cfg
     print("continuous keep:", figures, [(r["replay/token_lag_mean"], r["replay/multi_version_samples"])
                                         for r in train], f"evaluation of version 2 held {held.get('s', 0):.1f} s",
           f"groups shipped during it: {events[i:j].count(('ship',))}")
+
+
+@pytest.mark.slow
+def test_keep_with_the_evaluation_alone_takes_the_new_version_before_new_groups(continuous_engine, tiny_cfg, tiny_base,
+                                                                                 tmp_path, monkeypatch):
+    """As above, with the held-out evaluation alone (``cluster.rollout.eval_share`` 0, the default): the learner
+    moves on while the engine evaluates, and the engine
+    takes the new version before it starts groups again. Groups started at the evaluated version would be more of it
+    than the learner can still use (they went stale waiting, 8 per evaluation on the embedded default, and the
+    engine's lead was lost for the rest of the run). The case is set up by construction, whatever the machine's
+    load: until that evaluation has run, the engine leaves one group of version 2's budget unmade (so that it could
+    still start a group of version 2 after it); the learner's update from version 2 waits until the evaluation has
+    begun (so that the engine cannot skip it as a version the learner has already left); and the evaluation is held
+    while the engine goes on generating and shipping (its own fill and ship, no new weights taken) until the learner
+    has trained and published version 3. Five updates, so that the learner cannot finish on what the engine made
+    before it took version 3 (the bound lets groups of version 2 train up to update 4): the engine starts groups
+    after the evaluation."""
+    import async_vapo.services.rollout as rollout_module
+
+    continuous_engine.weight_update = "keep"
+    cfg = _cfg(tiny_cfg, tmp_path, "async.max_staleness=1", "rollout.weight_update=keep", "train.total_steps=5",
+               "train.eval_every=2", "cluster.rollout.eval=true", "cluster.rollout.eval_share=0")
+    events: list[tuple] = []  # ("submit", served version), ("evaluated", version, the learner's announced version)
+    held: dict[str, float] = {}
+
+    def setup(rollout, learner):
+        real_evaluate, real_submit, driver = rollout_module.evaluate, continuous_engine.submit, rollout.continuous
+        real_update, real_admit = learner.learner.update, rollout.admit
+        evaluating, evaluated = threading.Event(), threading.Event()
+
+        def admit():
+            a = rollout.admission
+            v = continuous_engine.version
+            if v == 2 and not evaluated.is_set() and a.base is not None and a.made >= a.budget(v) - 1:
+                return "held"  # one group of version 2's budget left unmade until its evaluation has run
+            return real_admit()
+
+        def update(*args, **kwargs):
+            if learner.learner.version == 2:
+                evaluating.wait(150)
+            return real_update(*args, **kwargs)
+
+        def evaluate(*args, **kwargs):
+            v = continuous_engine.version
+            if v == 2:
+                evaluating.set()
+                t0, deadline = time.monotonic(), time.monotonic() + 150
+                # until the learner has announced a later version (its update done is not enough: the announce comes
+                # after, and a loaded machine can finish the evaluation below before it)
+                while learner.sync.rotation.latest <= v and time.monotonic() < deadline:
+                    # the driver's step() without its poll for weights (it polls when idle): version 2 stays served
+                    driver._drop_unusable()
+                    driver._fill()
+                    for fg in continuous_engine.finished(0.05):
+                        driver._ship(fg)
+                held["s"] = time.monotonic() - t0
+            out = real_evaluate(*args, **kwargs)
+            events.append(("evaluated", v, learner.sync.rotation.latest))
+            if v == 2:
+                evaluated.set()
+            return out
+
+        def submit(key, *args, **kwargs):
+            if not key.startswith("generate-"):  # not the evaluation's own requests
+                events.append(("submit", continuous_engine.version))
+            return real_submit(key, *args, **kwargs)
+
+        monkeypatch.setattr(learner.learner, "update", update)
+        monkeypatch.setattr(rollout, "admit", admit)
+        monkeypatch.setattr(rollout_module, "evaluate", evaluate)
+        monkeypatch.setattr(continuous_engine, "submit", submit)
+
+    rows, figures = _run(cfg, continuous_engine, tiny_base, tmp_path / "run", 5, setup)
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5]
+    assert all(0 <= r["replay/max_age"] <= 1 and 0 <= r["replay/token_lag_max"] <= 1 for r in train), train
+    assert figures["groups_shipped_total"] >= 5 * cfg.algo.prompts_per_step
+    assert figures["aborted"]["error"] == 0
+    assert figures["pauses"] > 0  # each version paused the engine
+    # the engine's time with requests in flight is the generate stage's busy time, as a lock-step call's is
+    busy = [json.loads(x) for x in (tmp_path / "run" / "stats" / "rollout-0.busy.jsonl").read_text().splitlines()]
+    generate = [(a, b) for stage, a, b in busy if stage == "generate"]
+    assert generate and all(b >= a for a, b in generate)
+    # recorded, and no longer than the run (its last row, plus 10 s for the engine's tail while the run stops); how
+    # long depends on the machine's speed (0.75 s on a fast one), so no lower bound above zero
+    assert 0 < sum(b - a for a, b in generate) <= max(r["wall_s"] for r in rows) + 10
+    # the evaluation of version 2, with the learner past it, and the first group the engine started after it
+    assert 2 in [r["step"] for r in rows if r["kind"] == "eval"], rows
+    i = next(i for i, e in enumerate(events) if e[0] == "evaluated" and e[1] == 2)
+    learner_then = events[i][2]
+    assert learner_then > 2, f"the learner did not move on in {held.get('s', 0):.0f} s of generation at version 2"
+    after = [e[1] for e in events[i + 1:] if e[0] == "submit"]
+    assert after, events
+    assert after[0] >= learner_then, f"groups started at version {after[0]} after the learner reached {learner_then}"
+    print("continuous keep:", figures, [(r["replay/token_lag_mean"], r["replay/multi_version_samples"])
+                                        for r in train], f"evaluation of version 2 held {held.get('s', 0):.1f} s")
 
 
 @pytest.mark.slow

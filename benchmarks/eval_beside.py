@@ -1,0 +1,94 @@
+"""The held-out evaluation alone against beside training generation (``cluster.rollout.eval_share``), side by side:
+two services runs of ``benchmarks/smollm2_learning.sh`` (``NAME_services``) that differ only in that setting.
+
+    .venv/bin/python benchmarks/eval_beside.py benchmarks/results/eval_beside/alone/grpo_services_seed0 \
+        benchmarks/results/eval_beside/beside/grpo_services_seed0 --out benchmarks/results/eval_beside
+
+For each run, over its training window (first to last update): updates, seconds per update, the learner's own
+seconds per update (its median ``time/learn_s`` + ``time/weight_push_s``, waits for a batch excluded: the bound), how
+far over the bound the run came, the learner's wait for a batch per update (and the seconds of the waits that overlapped
+an evaluation), the evaluations' seconds, and rollout restarts (supervisor starts after the first).
+Writes ``summary.json`` and ``updates_vs_time.png`` (updates against wall-clock, evaluations marked) in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def figures(run: Path) -> dict:
+    rows = _rows(run)
+    train = sorted((r for r in rows if r["kind"] == "train"), key=lambda r: r["step"])
+    evals = [r for r in rows if r["kind"] == "eval" and r["step"] > 0]
+    lo, hi = train[0]["wall_s"], train[-1]["wall_s"]
+    updates = len(train) - 1
+    per_update = (hi - lo) / updates
+    own = statistics.median(r["time/learn_s"] + r.get("time/weight_push_s", 0.0) for r in train[1:])
+    waits = [r["time/wait_batch_s"] for r in train[1:]]
+    # the waits for a batch that overlapped an evaluation (its span: its row's wall_s minus its seconds); an update's
+    # wait is the start of its step (wall_s - time/step_s) for time/wait_batch_s
+    spans = [(e["wall_s"] - e["time/eval_s"], e["wall_s"]) for e in evals]
+    during_eval = []
+    for r in train[1:]:
+        start = r["wall_s"] - r["time/step_s"]
+        if any(start < b and start + r["time/wait_batch_s"] > a for a, b in spans):
+            during_eval.append(r["time/wait_batch_s"])
+    log = (run / "logs" / "rollout-0.log").read_text(errors="replace") if (run / "logs").is_dir() else ""
+    return {"run": str(run), "updates": updates, "window_s": hi - lo, "s_per_update": per_update,
+            "learner_own_s": own, "over_bound": per_update / own - 1,
+            "wait_s_per_update": sum(waits) / updates, "wait_s_during_eval": sum(during_eval),
+            "evaluations": len(evals), "eval_s": [round(e["time/eval_s"], 1) for e in evals],
+            "eval_accuracy": [(e["step"], e["eval/accuracy"]) for e in evals],
+            "rollout_restarts": max(0, log.count("[supervise] rollout-0: start") - 1),
+            "curve": [(r["wall_s"], r["step"]) for r in train], "eval_at": [e["wall_s"] for e in evals]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("alone", type=Path)
+    ap.add_argument("beside", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    runs = {"alone": figures(args.alone), "beside": figures(args.beside)}
+    print(f"{'':8} {'updates':>7} {'s/update':>8} {'bound':>6} {'over':>6} {'wait/upd':>8} {'waits in evals':>14} "
+          f"{'evals':>5}  restarts")
+    for name, f in runs.items():
+        print(f"{name:8} {f['updates']:7d} {f['s_per_update']:8.1f} {f['learner_own_s']:6.1f} "
+              f"{f['over_bound']:+6.1%} {f['wait_s_per_update']:8.1f} {f['wait_s_during_eval']:13.0f}s "
+              f"{f['evaluations']:5d}  {f['rollout_restarts']}")
+        print(f"         evaluation seconds {f['eval_s']}")
+    a, b = runs["alone"], runs["beside"]
+    print(f"beside / alone, seconds per update: {b['s_per_update'] / a['s_per_update']:.3f}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "summary.json").write_text(json.dumps(
+        {k: {x: y for x, y in f.items() if x not in ("curve", "eval_at")} for k, f in runs.items()}, indent=1) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for (name, f), color in zip(runs.items(), ("tab:gray", "tab:blue"), strict=True):
+        t0 = f["curve"][0][0]
+        ax.step([(t - t0) / 60 for t, _ in f["curve"]], [s for _, s in f["curve"]], where="post", color=color,
+                label=f"{name}: {f['s_per_update']:.1f} s/update ({f['over_bound']:+.0%} over the learner's own)")
+        for t in f["eval_at"]:
+            ax.axvline((t - t0) / 60, color=color, alpha=0.25, lw=1)
+    ax.set_xlabel("minutes since the first update")
+    ax.set_ylabel("updates")
+    ax.set_title("SmolLM2 GRPO, services: evaluation alone or beside training", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.out / "updates_vs_time.png", dpi=120)
+    print(f"wrote {args.out / 'summary.json'} and {args.out / 'updates_vs_time.png'}")
+
+
+if __name__ == "__main__":
+    main()
