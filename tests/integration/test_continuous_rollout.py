@@ -82,6 +82,26 @@ def _cfg(tiny_cfg, tmp_path, *extra):
                             f"cluster.weights.dir={tmp_path / 'w'}", *extra])
 
 
+def _check_keep_run(cfg, rows: list[dict], figures: dict, run_dir) -> list[dict]:
+    """A five-update ``keep`` run at max_staleness 1: every step trained, no token more than one version behind,
+    groups shipped one by one, no engine error, each version a pause; the engine's time with requests in flight
+    recorded as the generate stage's busy time. Returns the train rows."""
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5]
+    assert all(0 <= r["replay/max_age"] <= 1 and 0 <= r["replay/token_lag_max"] <= 1 for r in train), train
+    assert figures["groups_shipped_total"] >= 5 * cfg.algo.prompts_per_step
+    assert figures["aborted"]["error"] == 0
+    assert figures["pauses"] > 0  # each version paused the engine
+    # the engine's time with requests in flight is the generate stage's busy time, as a lock-step call's is
+    busy = [json.loads(x) for x in (run_dir / "stats" / "rollout-0.busy.jsonl").read_text().splitlines()]
+    generate = [(a, b) for stage, a, b in busy if stage == "generate"]
+    assert generate and all(b >= a for a, b in generate)
+    # recorded, and no longer than the run (its last row, plus 10 s for the engine's tail while the run stops); how
+    # long depends on the machine's speed (0.75 s on a fast one), so no lower bound above zero
+    assert 0 < sum(b - a for a, b in generate) <= max(r["wall_s"] for r in rows) + 10
+    return train
+
+
 @pytest.mark.slow
 def test_keep_trains_within_the_bound_of_every_token(continuous_engine, tiny_cfg, tiny_base, tmp_path, monkeypatch):
     """max_staleness 1, weights updated in flight ("keep"): every step trains, and no token of a trained group is
@@ -149,19 +169,7 @@ def test_keep_trains_within_the_bound_of_every_token(continuous_engine, tiny_cfg
         monkeypatch.setattr(rollout.weights, "on_loaded", loaded)
 
     rows, figures = _run(cfg, continuous_engine, tiny_base, tmp_path / "run", 5, setup)
-    train = [r for r in rows if r["kind"] == "train"]
-    assert [r["step"] for r in train] == [1, 2, 3, 4, 5]
-    assert all(0 <= r["replay/max_age"] <= 1 and 0 <= r["replay/token_lag_max"] <= 1 for r in train), train
-    assert figures["groups_shipped_total"] >= 5 * cfg.algo.prompts_per_step
-    assert figures["aborted"]["error"] == 0
-    assert figures["pauses"] > 0  # each version paused the engine
-    # the engine's time with requests in flight is the generate stage's busy time, as a lock-step call's is
-    busy = [json.loads(x) for x in (tmp_path / "run" / "stats" / "rollout-0.busy.jsonl").read_text().splitlines()]
-    generate = [(a, b) for stage, a, b in busy if stage == "generate"]
-    assert generate and all(b >= a for a, b in generate)
-    # recorded, and no longer than the run (its last row, plus 10 s for the engine's tail while the run stops); how
-    # long depends on the machine's speed (0.75 s on a fast one), so no lower bound above zero
-    assert 0 < sum(b - a for a, b in generate) <= max(r["wall_s"] for r in rows) + 10
+    train = _check_keep_run(cfg, rows, figures, tmp_path / "run")
     # the evaluation of version 2: the learner moved on during it, the engine still served version 2 at its end, and
     # training groups were shipped and none of its loads happened while it ran
     assert 2 in [r["step"] for r in rows if r["kind"] == "eval"], rows
@@ -253,19 +261,7 @@ def test_keep_with_the_evaluation_alone_takes_the_new_version_before_new_groups(
         monkeypatch.setattr(continuous_engine, "submit", submit)
 
     rows, figures = _run(cfg, continuous_engine, tiny_base, tmp_path / "run", 5, setup)
-    train = [r for r in rows if r["kind"] == "train"]
-    assert [r["step"] for r in train] == [1, 2, 3, 4, 5]
-    assert all(0 <= r["replay/max_age"] <= 1 and 0 <= r["replay/token_lag_max"] <= 1 for r in train), train
-    assert figures["groups_shipped_total"] >= 5 * cfg.algo.prompts_per_step
-    assert figures["aborted"]["error"] == 0
-    assert figures["pauses"] > 0  # each version paused the engine
-    # the engine's time with requests in flight is the generate stage's busy time, as a lock-step call's is
-    busy = [json.loads(x) for x in (tmp_path / "run" / "stats" / "rollout-0.busy.jsonl").read_text().splitlines()]
-    generate = [(a, b) for stage, a, b in busy if stage == "generate"]
-    assert generate and all(b >= a for a, b in generate)
-    # recorded, and no longer than the run (its last row, plus 10 s for the engine's tail while the run stops); how
-    # long depends on the machine's speed (0.75 s on a fast one), so no lower bound above zero
-    assert 0 < sum(b - a for a, b in generate) <= max(r["wall_s"] for r in rows) + 10
+    train = _check_keep_run(cfg, rows, figures, tmp_path / "run")
     # the evaluation of version 2, with the learner past it, and the first group the engine started after it
     assert 2 in [r["step"] for r in rows if r["kind"] == "eval"], rows
     i = next(i for i, e in enumerate(events) if e[0] == "evaluated" and e[1] == 2)
