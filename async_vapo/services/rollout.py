@@ -156,8 +156,9 @@ class RolloutService:
     # -- evaluation ---------------------------------------------------------------------------------------------
     def maybe_evaluate(self) -> bool:
         """Evaluate the served version when it is due; whether an evaluation ended now (the learner went on
-        meanwhile). A lock-step engine evaluates here, between two generate calls; a continuous one in a thread
-        (:meth:`_evaluate_beside`), beside the training groups, and this returns True once it has ended."""
+        meanwhile). The evaluation runs here, alone; with ``cluster.rollout.eval_share`` above 0 a continuous engine
+        runs it in a thread instead (:meth:`_evaluate_beside`), beside the training groups, and this returns True
+        once it has ended."""
         cfg = self.ctx.cfg
         if self._eval_thread is not None:
             if self._eval_thread.is_alive():
