@@ -18,20 +18,18 @@ import json
 import statistics
 from pathlib import Path
 
-
-def _rows(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+from async_vapo.experiments.report import analyse_cluster_run
 
 
 def figures(run: Path) -> dict:
-    rows = _rows(run)
+    """The pair's figures of one run: ``analyse_cluster_run``'s window, updates, seconds and waits per update and
+    busy shares, with the bound, the waits that overlapped an evaluation, and the restarts."""
+    base = analyse_cluster_run(run)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     train = sorted((r for r in rows if r["kind"] == "train"), key=lambda r: r["step"])
     evals = [r for r in rows if r["kind"] == "eval" and r["step"] > 0]
-    lo, hi = train[0]["wall_s"], train[-1]["wall_s"]
-    updates = len(train) - 1
-    per_update = (hi - lo) / updates
+    per_update = base["seconds_per_update"]
     own = statistics.median(r["time/learn_s"] + r.get("time/weight_push_s", 0.0) for r in train[1:])
-    waits = [r["time/wait_batch_s"] for r in train[1:]]
     # the waits for a batch that overlapped an evaluation (its span: its row's wall_s minus its seconds); an update's
     # wait is the start of its step (wall_s - time/step_s) for time/wait_batch_s
     spans = [(e["wall_s"] - e["time/eval_s"], e["wall_s"]) for e in evals]
@@ -41,9 +39,9 @@ def figures(run: Path) -> dict:
         if any(start < b and start + r["time/wait_batch_s"] > a for a, b in spans):
             during_eval.append(r["time/wait_batch_s"])
     log = (run / "logs" / "rollout-0.log").read_text(errors="replace") if (run / "logs").is_dir() else ""
-    return {"run": str(run), "updates": updates, "window_s": hi - lo, "s_per_update": per_update,
-            "learner_own_s": own, "over_bound": per_update / own - 1,
-            "wait_s_per_update": sum(waits) / updates, "wait_s_during_eval": sum(during_eval),
+    return {"run": str(run), "updates": base["updates"], "window_s": base["window_s"], "s_per_update": per_update,
+            "learner_own_s": own, "over_bound": per_update / own - 1, "busy_fraction": base["busy_fraction"],
+            "wait_s_per_update": base["wait_s_per_update"], "wait_s_during_eval": sum(during_eval),
             "evaluations": len(evals), "eval_s": [round(e["time/eval_s"], 1) for e in evals],
             "eval_accuracy": [(e["step"], e["eval/accuracy"]) for e in evals],
             "rollout_restarts": max(0, log.count("[supervise] rollout-0: start") - 1),

@@ -232,14 +232,10 @@ class WeightBroadcast:
         return time.perf_counter() - t0
 
     def _streamable(self) -> list[str]:
-        """The engines the next version goes to over their groups: formed, chosen ("auto"), and not busy (an engine
-        evaluating takes no weights until it ends, then loads the slot; a send to it would only time out and cost it
-        its group)."""
+        """The engines the next version goes to over their groups: formed, and chosen ("auto")."""
         if not self.dist:
             return []
-        busy = {e for e, t in self.rotation.excused.items() if t == math.inf}
-        return sorted(e for e, g in self.groups.items()
-                      if g.group is not None and e not in busy and self.chooser.stream(e))
+        return sorted(e for e, g in self.groups.items() if g.group is not None and self.chooser.stream(e))
 
     def _announce(self, announce: WeightsAnnounce, min_version: int, streamed: list[str], *, new: bool = True) -> None:
         self.latest = msgspec.structs.replace(
