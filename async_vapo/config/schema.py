@@ -569,6 +569,17 @@ class AlgoConfig(_Section):
     """Critic passes over each update's batch, on its returns computed once before the update (Open-Reasoner-Zero
     trains its critic 12 times per batch); None = ppo_epochs. A schedule other than the actor's draws the critic's
     own shuffled mini-batches and runs them after the actor's steps."""
+    critic_replay_batches: int = Field(1, ge=1, le=64)
+    """The critic's own steps of each update train on the responses of this many latest batches: the update's own and
+    the ones before it, which the learner keeps. Their returns are recomputed at each update with the critic's current
+    values (the same λ_critic); each step's responses come from one batch, and the steps are shuffled over the window.
+    ``critic_epochs`` is then the passes over the window. A critic fitted to one batch at a time fits that batch and
+    does not carry to the next (SmolLM2's frozen-trunk head: explained variance 0.48 on its batch after its steps,
+    -0.10 on the next batch before them; ``benchmarks/results/value_model/plan.md``); the window spreads each step
+    over the recent policies' responses. Cheap with ``model.critic_trunk = "frozen"`` (the kept batches' trunk
+    states are read from its cache); a trainable critic runs a forward per kept batch and update for their values.
+    Needs the critic's own schedule (``critic_mini_batch_size`` or ``critic_epochs`` set) and no KL penalty in the
+    rewards. The window is not checkpointed: after a resume it fills again. 1 = the update's batch alone."""
     # things the paper does not state (documented choices)
     value_clip: float | None = Field(None, gt=0)
     """Clip range of the value loss around the old values; None = unclipped."""
@@ -656,6 +667,15 @@ class AlgoConfig(_Section):
         if self.critic_mini_batch_size is not None and self.critic_mini_batch_size > self.batch_size:
             raise ValueError(f"critic_mini_batch_size ({self.critic_mini_batch_size}) exceeds responses per step "
                              f"prompts_per_step*group_size = {self.batch_size}")
+        if self.critic_replay_batches > 1 and not self.uses_critic:
+            raise ValueError(f"critic_replay_batches ({self.critic_replay_batches}) trains a critic; {self.name!r}"
+                             f"{' with zero_values' if self.zero_values else ''} has none")
+        if self.critic_replay_batches > 1 and self.critic_follows_actor:
+            raise ValueError(f"critic_replay_batches ({self.critic_replay_batches}) needs the critic's own schedule: "
+                             "set critic_mini_batch_size or critic_epochs")
+        if self.critic_replay_batches > 1 and self.effective_kl_coef > 0:
+            raise ValueError(f"critic_replay_batches ({self.critic_replay_batches}) with a KL penalty in the rewards "
+                             f"(kl_coef {self.effective_kl_coef}): the kept batches' returns would lack it")
         if self.value_pretrain_pool > self.value_pretrain_steps:
             raise ValueError(f"value_pretrain_pool ({self.value_pretrain_pool}) exceeds value_pretrain_steps "
                              f"({self.value_pretrain_steps}): the pool's batches would outnumber the steps")

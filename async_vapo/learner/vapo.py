@@ -71,7 +71,7 @@ from __future__ import annotations
 import math
 import random
 import types
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -239,6 +239,8 @@ class Learner:
         self.rng = random.Random(cfg.train.seed)
         # a decoupled critic schedule's mini-batches: drawn apart, so that the actor's are the same whatever it is
         self.critic_rng = random.Random(f"critic-{cfg.train.seed}")
+        # algo.critic_replay_batches: the batches before the current one that the critic's steps also train on
+        self._critic_window: deque = deque(maxlen=self.algo.critic_replay_batches - 1)
         self.temperature = cfg.rollout.temperature  # of the engines' training samples
         self.device = local_device()
         self.rank, self.world = data_parallel_world()
@@ -658,9 +660,6 @@ class Learner:
         plan = [self._minibatches(len(mask)) for _ in range(self.algo.ppo_epochs)]
         # the critic steps on the actor's mini-batches, or on its own schedule after the actor's steps
         follows, critic_before = self.algo.critic_follows_actor, self.critic_steps
-        critic_plan = [] if self.critic is None or follows else [
-            self._minibatches(len(mask), self.algo.effective_critic_mini_batch_size, self.critic_rng)
-            for _ in range(self.algo.effective_critic_epochs)]
         # The first mini-batch's old log-probs are its first gradient step's own log-probs (same weights, same
         # tokens): they are taken, detached, from that forward instead of a separate pass (ratio exactly 1 there).
         # One unsharded process only: sharded ranks split micro-batches differently in the two passes.
@@ -733,7 +732,8 @@ class Learner:
                 self.optimizer_steps += 1
                 rows.append(out)
                 fresh = set()
-        rows += [self._critic_minibatch(batch, idx, seq_tokens, returns, values) for ep in critic_plan for idx in ep]
+        if self.critic is not None and not follows:
+            rows += self._critic_own_steps(batch, returns, values)
         self.version += 1
         metrics = _mean_metrics(rows)
         metrics.update(stats)
@@ -745,6 +745,30 @@ class Learner:
         metrics["behavior_logprob_gap"] = float(masked_mean((old_lp - behavior).abs(), mask))
         metrics.update(self._mismatch_metrics(batch, old_lp, token_lags, correction))
         return metrics
+
+    def _critic_own_steps(self, batch: RolloutBatch, returns: torch.Tensor, values: torch.Tensor
+                          ) -> list[dict[str, float]]:
+        """The critic's own schedule after the actor's steps: ``critic_epochs`` passes of shuffled mini-batches of
+        ``critic_mini_batch_size`` over ``batch`` and, with ``algo.critic_replay_batches``, over the kept batches
+        before it too (their values and λ_critic returns recomputed now; each step on one batch's rows, the steps
+        shuffled over the window). ``batch`` is then kept for the next updates."""
+        window = [(batch, returns, values)]
+        for old in self._critic_window:  # newest first
+            old = old.to(self.device)
+            _, old_values = self._forward_old(old, skip=range(len(old.rewards)))  # the critic's values only
+            window.append((old, self.advantages(old, old_values)[1], old_values))
+        if self._critic_window.maxlen:
+            self._critic_window.appendleft(batch)
+        size, epochs = self.algo.effective_critic_mini_batch_size, self.algo.effective_critic_epochs
+        steps = [(w, idx) for _ in range(epochs) for w, (b, _, _) in enumerate(window)
+                 for idx in self._minibatches(len(b.rewards), size, self.critic_rng)]
+        if len(window) > 1:
+            self.critic_rng.shuffle(steps)
+        rows = [self._critic_minibatch(window[w][0], idx, self._seq_tokens(window[w][0]), window[w][1],
+                                       window[w][2]) for w, idx in steps]
+        if rows:
+            rows[0]["critic/replay_batches"] = float(len(window))
+        return rows
 
     def _max_tokens(self) -> int | None:
         """L of Dr. GRPO's constant loss normaliser (``rollout.max_response_tokens``); None for the other objectives."""

@@ -4,6 +4,8 @@ wide) on 2 groups x 4 responses."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from conftest import _groups
@@ -106,3 +108,14 @@ def test_a_full_cache_drops_the_oldest_and_values_stay_exact(cache):
 def test_frozen_trunk_refuses_what_it_cannot_serve(extra, match):
     with pytest.raises(ValueError, match=match):
         load_config([], ["model.critic_trunk=frozen", *extra])
+
+
+def test_kept_batches_of_the_critic_window_are_read_from_the_cache(cache):
+    learner, a = make(cache, "algo.critic_mini_batch_size=4", "algo.critic_epochs=1", "algo.critic_replay_batches=2")
+    tok = AutoTokenizer.from_pretrained(str(ensure_base_model(learner.cfg, progress=False)))
+    b = make_rollout_batch(_groups(tok, random.Random(1)), tok.pad_token_id)
+    learner.update(a)
+    m = learner.update(b)
+    assert m["critic/replay_batches"] == 2.0 and m["critic/steps"] == 4.0  # 2 mini-batches of b, 2 of a
+    # each response ran through the trunk once: a's second use (kept in the window) read the cache
+    assert learner._trunk_cache.misses == len(a.rewards) + len(b.rewards) == 16

@@ -115,6 +115,49 @@ def test_default_critic_steps_on_the_actors_mini_batches(cache):
     assert actor2 == actor and len(critic2) == 6 and critic2[:4] != actor
 
 
+def test_critic_replay_steps_over_the_kept_batches_with_their_returns_recomputed(cache):
+    """algo.critic_replay_batches = 3: each update's critic steps cover its batch and the two before it (2, 1 and 2
+    mini-batches of 4 for batches of 8, 4 and 8 responses), a fourth batch drops the first; a kept batch is stepped on
+    with the critic's values of it at that update and its λ_critic = 1 returns (the outcome at every token here)."""
+    learner, a = make(cache, "algo.critic_mini_batch_size=4", "algo.critic_epochs=1", "algo.critic_replay_batches=3")
+    tok = AutoTokenizer.from_pretrained(str(ensure_base_model(learner.cfg, progress=False)))
+    b = make_rollout_batch(_groups(tok, random.Random(1))[:1], tok.pad_token_id)
+    c = make_rollout_batch(_groups(tok, random.Random(2)), tok.pad_token_id)
+    d = make_rollout_batch(_groups(tok, random.Random(3)), tok.pad_token_id)
+    named = {"a": a, "b": b, "c": c, "d": d}
+    steps, step = [], learner._critic_minibatch
+
+    def recorded_step(batch, idx, seq_tokens, returns, values):
+        name = next(k for k, x in named.items() if torch.equal(x.tokens.input_ids, batch.tokens.input_ids))
+        steps.append((name, list(idx)))
+        if name != current:  # a kept batch: today's values of it, and its Monte-Carlo returns
+            torch.testing.assert_close(values, before[name], rtol=0, atol=0)
+            outcome = batch.rewards[:, None].expand_as(returns) * batch.tokens.response_mask
+            torch.testing.assert_close(returns, outcome)
+        return step(batch, idx, seq_tokens, returns, values)
+
+    learner._critic_minibatch = recorded_step
+    seen = []
+    for current in "abcd":
+        before = {k: learner.critic_values(named[k]) for k in seen}
+        steps.clear()
+        m = learner.update(named[current])
+        kept = ([current] + seen[::-1])[:3]
+        assert sorted({n for n, _ in steps}) == sorted(kept), current
+        for n in kept:  # one pass over each kept batch: every row once
+            assert sorted(i for x, idx in steps if x == n for i in idx) == list(range(len(named[n].rewards)))
+        assert m["critic/steps"] == len(steps) and m["critic/replay_batches"] == len(kept)
+        seen.append(current)
+    assert [len(x.rewards) for x in (a, b)] == [8, 4]
+    # the window with one batch is the schedule without one (steps and mini-batches drawn alike)
+    one, batch = make(cache, "algo.critic_mini_batch_size=4", "algo.critic_epochs=2", "algo.critic_replay_batches=1")
+    two, _ = make(cache, "algo.critic_mini_batch_size=4", "algo.critic_epochs=2")
+    for learner in (one, two):
+        learner.update(batch)
+    for (k, v), w in zip(one.critic.state_dict().items(), two.critic.state_dict().values(), strict=True):
+        torch.testing.assert_close(v, w, rtol=0, atol=0, msg=k)
+
+
 def test_head_lr_applies_to_the_value_head_only(cache):
     """Adam's first step moves each weight by ±lr (m/√v = sign(g)): the head (zero-initialised, its gradient
     nonzero) moves by 1e-2, the trunk by at most 1e-6."""
@@ -152,6 +195,10 @@ def test_cosine_critic_lr_follows_the_updates(cache):
     (["algo.critic_mini_batch_size=6"], "critic_mini_batch_size (6) must be a multiple of micro_batch_size (4)"),
     (["algo.critic_mini_batch_size=16"], "critic_mini_batch_size (16) exceeds responses per step"),
     (["algo.value_pretrain_steps=2", "algo.value_pretrain_pool=3"], "value_pretrain_pool (3) exceeds"),
+    (["algo.critic_replay_batches=2"], "critic_replay_batches (2) needs the critic's own schedule"),
+    (["algo.critic_replay_batches=2", "algo.critic_epochs=2", "algo.name=grpo"], "'grpo' has none"),
+    (["algo.critic_replay_batches=2", "algo.critic_epochs=2", "algo.zero_values=true"], "with zero_values has none"),
+    (["algo.critic_replay_batches=2", "algo.critic_epochs=2", "algo.kl_coef=0.01"], "would lack it"),
 ])
 def test_critic_schedule_validation(overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
