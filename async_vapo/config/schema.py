@@ -401,9 +401,10 @@ class RolloutConfig(_Section):
     prompts_per_call`` prompts, their groups shipped together when the call's longest response ends, new weights
     loaded between two calls. ``continuous``: vLLM's async engine (``rollout.continuous``), a request per sample, kept
     at ``max_in_flight`` sequences, each group shipped the moment its samples end, new weights loaded in flight as
-    ``weight_update`` says. The one-process trainer and evaluation generate lock-step either way. The long-response
-    configs (``tiny_long_cpu.toml``, ``qwen2.5-32b_vapo.toml`` and the 7B config) set ``continuous``; on the embedded
-    default's 20-90-token responses the two measured level."""
+    ``weight_update`` says. The one-process trainer and evaluation generate lock-step either way. The embedded
+    default (``tiny_cpu.toml``: the two measured level on its 20-90-token responses,
+    ``benchmarks/results/continuous_seeds_default/``) and the long-response configs (``tiny_long_cpu.toml``,
+    ``qwen2.5-32b_vapo.toml`` and the 7B config) set ``continuous``."""
     max_in_flight: int = Field(0, ge=0)
     """``generation = "continuous"``: sequences the rollout service keeps in the engine (admitted a group of
     ``algo.group_size`` at a time as sequences finish); 0: ``max_num_seqs``."""
