@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/continuous_seeds.py benchmarks/results/continuous_seeds
 
-Reads ``<kind>_seed<N>/metrics.jsonl`` in the folder (kinds: one_process, keep, wait, abort, lockstep). Time is
-counted from each run's first evaluation (of the untrained model), so that start-up (the services' processes and
+Reads ``<kind>_seed<N>/metrics.jsonl`` in the folder (kinds: one_process, keep, keep_idle, wait, abort, lockstep).
+Time is counted from each run's first evaluation (of the untrained model), so that start-up (the services' processes and
 engines, the trainer's one engine) is left out of the comparison; value pretraining, every update and every later
 evaluation are in it. Between two evaluations a run's accuracy is interpolated linearly. For every seed and every pair
 of kinds it reports the mean and the largest accuracy difference over the time both runs cover, every 10 s;
@@ -29,7 +29,7 @@ from bench_io import write_result
 
 from async_vapo.experiments.report import busy_intervals
 
-KINDS = ("one_process", "keep", "wait", "abort", "lockstep")
+KINDS = ("one_process", "keep", "keep_idle", "wait", "abort", "lockstep")
 STEP_S = 10.0
 
 

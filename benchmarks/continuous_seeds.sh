@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Held-out accuracy against wall-clock with paired seeds: the services with continuous generation and in-flight
-# weight updates (rollout.weight_update = keep), the same with updates between requests (wait), the services with
-# lock-step calls (the default), and the one-process trainer on every core; then
+# weight updates (rollout.weight_update = keep; keep_idle: with cluster.rollout.eval_when = idle), the same with
+# updates between requests (wait), the services with lock-step calls, and the one-process trainer on every core; then
 # benchmarks/continuous_seeds.py compares them at equal wall-clock and writes the table and the plot.
 #   bash benchmarks/continuous_seeds.sh [key.sub=value ...]
 #   (CONFIG=configs/tiny_cpu.toml SEEDS="1 2 3" STEPS=40 EVAL_EVERY=10 RUNS="one_process keep wait lockstep"
@@ -38,8 +38,9 @@ for seed in $SEEDS; do
     else
       case $what in
         keep|wait|abort) gen=(rollout.generation=continuous rollout.weight_update="$what") ;;
+        keep_idle) gen=(rollout.generation=continuous rollout.weight_update=keep cluster.rollout.eval_when=idle) ;;
         lockstep) gen=(rollout.generation=lockstep) ;;
-        *) echo "unknown run $what (one_process, keep, wait, abort, lockstep)" >&2; exit 2 ;;
+        *) echo "unknown run $what (one_process, keep, keep_idle, wait, abort, lockstep)" >&2; exit 2 ;;
       esac
       bash deploy/start_cluster.sh --config "$CONFIG" --run-dir "$run" --wait -- \
         train.seed="$seed" "${common[@]}" "${gen[@]}" "$@"

@@ -969,6 +969,13 @@ class ClusterRolloutConfig(_Section):
     than 0: the evaluation took longer beside, and the held version stops feeding the learner after
     ``async.max_staleness`` + 1 updates. It can pay where evaluations are short against an update or the bound is
     loose."""
+    eval_when: Literal["due", "idle"] = "due"
+    """When rollout 0's evaluation alone (``eval_share`` 0) starts. ``due``: as soon as the engine serves a version that
+    is due. ``idle``: the engine keeps that version (new ones held, heartbeats "busy") and goes on generating training
+    groups with it until it has nothing left to make (its version budget spent, every group in flight shipped), then
+    evaluates it: the evaluation fills the time the engine would otherwise wait for the learner's next version,
+    instead of the learner waiting for the batch the evaluation delayed. The version evaluated is the due one either
+    way."""
 
 
 class ClusterReplayConfig(_Section):

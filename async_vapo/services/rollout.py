@@ -37,7 +37,9 @@ at most that share of the engine's sequences and the loop goes on filling the re
 them as they end, while loads of new versions wait until the evaluation ends (every evaluated token is the evaluated
 version's; ``EngineWeightClient.held``) and the heartbeats say "busy". Otherwise, and always on a lock-step
 engine, rollout 0 evaluates alone between two generate calls (or two steps of the continuous driver), its heartbeats
-sent from a thread meanwhile ("busy", ``EngineWeightClient.beating``). Either way the learner keeps the engine
+sent from a thread meanwhile ("busy", ``EngineWeightClient.beating``): at once (``cluster.rollout.eval_when`` "due"),
+or, with "idle", once the engine has made what the due version's budget allows and shipped it (new versions held
+until then), so that the evaluation fills the engine's wait for the learner's next version. Either way the learner keeps the engine
 alive and in rotation, and the loop takes the learner's latest version as soon as the evaluation ends.
 """
 
@@ -93,6 +95,7 @@ class RolloutService:
         self.encoder = PromptEncoder.from_config(cfg, tokenizer)
         self.env = EnvRunner.from_config(cfg)  # rollout.env: multi-turn groups (None: one turn)
         self.evaluated: set[int] = set()
+        self._eval_due: int | None = None  # cluster.rollout.eval_when = "idle": the version kept for its evaluation
         self.metrics_log = (open_row_writer(cfg, ctx.run_dir / "metrics.jsonl", ctx.metrics)
                             if ctx.instance == 0 else None)
         self.eval_pool = None
@@ -167,6 +170,15 @@ class RolloutService:
             self.weights.held = False  # the next poll loads the learner's latest
             self.weights.heartbeat(force=True)
             return True
+        if self._eval_due is not None:  # eval_when = "idle": kept until the engine has nothing to make
+            if not self._nothing_to_make():
+                return False
+            v, self._eval_due = self._eval_due, None
+            with self.weights.beating():
+                self._evaluate(v)
+            self.weights.held = False
+            self.weights.heartbeat(force=True)
+            return True
         v = self.engine.version
         if self.metrics_log is None or not cfg.cluster.rollout.eval or v in self.evaluated:
             return False
@@ -179,9 +191,23 @@ class RolloutService:
         if self.continuous is not None and cfg.cluster.rollout.eval_share > 0:
             self._evaluate_beside(v)
             return False
+        if cfg.cluster.rollout.eval_when == "idle" and not self.weights.learner_done:
+            self._eval_due = v  # generation goes on with v, new versions held, until it has nothing to make
+            self.weights.held = True
+            self.weights.heartbeat(force=True)
+            return False
         with self.weights.beating():  # the learner keeps this engine alive and in rotation, however long it takes
             self._evaluate(v)
         return True
+
+    def _nothing_to_make(self) -> bool:
+        """The engine has no group in flight (continuous) and admission refuses the next one (the served version's
+        budget spent, or the version stale), or the learner has finished."""
+        if self.weights.learner_done:
+            return True
+        if self.continuous is not None and self.continuous.pending:
+            return False
+        return self.admit() is not None
 
     @property
     def evaluating(self) -> bool:

@@ -1,7 +1,7 @@
 """The rollout service in continuous mode (``rollout.generation = "continuous"``): the whole pipeline in one pytest
 process over the in-process transport with vLLM's async engine, a request per group, new weights loaded in flight.
 
-Budget: three short runs of under a minute each (5, 5 and 3 updates), on the session's continuous engine
+Budget: four short runs of under a minute each (5, 5, 5 and 3 updates), on the session's continuous engine
 (tests/conftest.py)."""
 
 from __future__ import annotations
@@ -272,6 +272,53 @@ def test_keep_with_the_evaluation_alone_takes_the_new_version_before_new_groups(
     assert after[0] >= learner_then, f"groups started at version {after[0]} after the learner reached {learner_then}"
     print("continuous keep:", figures, [(r["replay/token_lag_mean"], r["replay/multi_version_samples"])
                                         for r in train], f"evaluation of version 2 held {held.get('s', 0):.1f} s")
+
+
+@pytest.mark.slow
+def test_keep_with_the_evaluation_when_idle_generates_with_the_due_version_first(continuous_engine, tiny_cfg, tiny_base,
+                                                                                  tmp_path, monkeypatch):
+    """``cluster.rollout.eval_when = "idle"``: when version 2 is due, the engine goes on starting training groups with
+    it (the evaluation alone at once would start none), takes no newer version meanwhile, and evaluates version 2
+    when it has nothing left to make: no group in flight and admission refusing the next. Then it takes the
+    learner's latest before it starts groups again."""
+    import async_vapo.services.rollout as rollout_module
+
+    continuous_engine.weight_update = "keep"
+    cfg = _cfg(tiny_cfg, tmp_path, "async.max_staleness=1", "rollout.weight_update=keep", "train.total_steps=5",
+               "train.eval_every=2", "cluster.rollout.eval=true", "cluster.rollout.eval_when=idle")
+    events: list[tuple] = []  # ("submit", served version), ("evaluated", version, in flight, refusal, learner's)
+
+    def setup(rollout, learner):
+        real_evaluate, real_submit, driver = rollout_module.evaluate, continuous_engine.submit, rollout.continuous
+
+        def evaluate(*args, **kwargs):
+            v = continuous_engine.version
+            state = (len(driver.pending), rollout.admission.check(v, rollout.weights.learner_version))
+            out = real_evaluate(*args, **kwargs)
+            events.append(("evaluated", v, *state, learner.sync.rotation.latest))
+            return out
+
+        def submit(key, *args, **kwargs):
+            if not key.startswith("generate-"):  # not the evaluation's own requests
+                events.append(("submit", continuous_engine.version))
+            return real_submit(key, *args, **kwargs)
+
+        monkeypatch.setattr(rollout_module, "evaluate", evaluate)
+        monkeypatch.setattr(continuous_engine, "submit", submit)
+
+    rows, figures = _run(cfg, continuous_engine, tiny_base, tmp_path / "run", 5, setup)
+    _check_keep_run(cfg, rows, figures, tmp_path / "run")
+    assert {2, 4} <= {r["step"] for r in rows if r["kind"] == "eval"}, rows
+    i = next(i for i, e in enumerate(events) if e[0] == "evaluated" and e[1] == 2)
+    _, _, in_flight, refusal, learner_then = events[i]
+    before = [e[1] for e in events[:i] if e[0] == "submit"]
+    first = before.index(2)  # the first group of version 2: it was due from then on
+    assert before[first:] == [2] * (len(before) - first), f"a newer version was taken before its evaluation: {before}"
+    assert in_flight == 0 and refusal is not None, events[i]
+    after = [e[1] for e in events[i + 1:] if e[0] == "submit"]
+    assert after and after[0] >= learner_then, (after, learner_then)
+    print("evaluation when idle:", f"{len(before) - first} groups of version 2 started before its evaluation,",
+          f"admission then: {refusal}, the learner at {learner_then}")
 
 
 @pytest.mark.slow
