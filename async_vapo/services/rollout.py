@@ -39,8 +39,9 @@ version's; ``EngineWeightClient.held``) and the heartbeats say "busy". Otherwise
 engine, rollout 0 evaluates alone between two generate calls (or two steps of the continuous driver), its heartbeats
 sent from a thread meanwhile ("busy", ``EngineWeightClient.beating``): at once (``cluster.rollout.eval_when`` "due"),
 or, with "idle", once the engine has made what the due version's budget allows and shipped it (new versions held
-until then), so that the evaluation fills the engine's wait for the learner's next version. Either way the learner keeps the engine
-alive and in rotation, and the loop takes the learner's latest version as soon as the evaluation ends.
+until then), so that the evaluation fills the engine's wait for the learner's next version. Either way the learner
+keeps the engine alive and in rotation, and the loop takes the learner's latest version as soon as the evaluation
+ends.
 """
 
 from __future__ import annotations
