@@ -3,6 +3,7 @@ two services runs of ``benchmarks/smollm2_learning.sh`` (``NAME_services``) that
 
     .venv/bin/python benchmarks/eval_beside.py benchmarks/results/eval_beside/alone/grpo_services_seed0 \
         benchmarks/results/eval_beside/beside/grpo_services_seed0 --out benchmarks/results/eval_beside
+    .venv/bin/python benchmarks/eval_beside.py alone=DIR beside=DIR idle=DIR --out DIR    # NAME=DIR, any number
 
 For each run, over its training window (first to last update): updates, seconds per update, the learner's own
 seconds per update (its median ``time/learn_s`` + ``time/weight_push_s``, waits for a batch excluded: the bound), how
@@ -50,20 +51,27 @@ def figures(run: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("alone", type=Path)
-    ap.add_argument("beside", type=Path)
+    ap.add_argument("runs", nargs="+", help="NAME=DIR for each run (the first is the reference); two bare DIRs are "
+                                           "alone and beside")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    runs = {"alone": figures(args.alone), "beside": figures(args.beside)}
+    pairs = [r.split("=", 1) if "=" in r else [None, r] for r in args.runs]
+    if all(name is None for name, _ in pairs) and len(pairs) == 2:
+        pairs = [["alone", pairs[0][1]], ["beside", pairs[1][1]]]
+    if any(name is None for name, _ in pairs):
+        ap.error("name every run (NAME=DIR), or give exactly two directories (alone, beside)")
+    runs = {name: figures(Path(path)) for name, path in pairs}
     print(f"{'':8} {'updates':>7} {'s/update':>8} {'bound':>6} {'over':>6} {'wait/upd':>8} {'waits in evals':>14} "
-          f"{'evals':>5}  restarts")
+          f"{'evals':>5} {'per eval':>8}  restarts")
     for name, f in runs.items():
+        per_eval = f["wait_s_during_eval"] / max(1, f["evaluations"])
         print(f"{name:8} {f['updates']:7d} {f['s_per_update']:8.1f} {f['learner_own_s']:6.1f} "
               f"{f['over_bound']:+6.1%} {f['wait_s_per_update']:8.1f} {f['wait_s_during_eval']:13.0f}s "
-              f"{f['evaluations']:5d}  {f['rollout_restarts']}")
+              f"{f['evaluations']:5d} {per_eval:7.0f}s  {f['rollout_restarts']}")
         print(f"         evaluation seconds {f['eval_s']}")
-    a, b = runs["alone"], runs["beside"]
-    print(f"beside / alone, seconds per update: {b['s_per_update'] / a['s_per_update']:.3f}")
+    (first, a), *rest = runs.items()
+    for name, b in rest:
+        print(f"{name} / {first}, seconds per update: {b['s_per_update'] / a['s_per_update']:.3f}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(
         {k: {x: y for x, y in f.items() if x not in ("curve", "eval_at")} for k, f in runs.items()}, indent=1) + "\n")
@@ -73,7 +81,7 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for (name, f), color in zip(runs.items(), ("tab:gray", "tab:blue"), strict=True):
+    for (name, f), color in zip(runs.items(), ("tab:gray", "tab:blue", "tab:green", "tab:red"), strict=False):
         t0 = f["curve"][0][0]
         ax.step([(t - t0) / 60 for t, _ in f["curve"]], [s for _, s in f["curve"]], where="post", color=color,
                 label=f"{name}: {f['s_per_update']:.1f} s/update ({f['over_bound']:+.0%} over the learner's own)")
@@ -81,7 +89,7 @@ def main() -> None:
             ax.axvline((t - t0) / 60, color=color, alpha=0.25, lw=1)
     ax.set_xlabel("minutes since the first update")
     ax.set_ylabel("updates")
-    ax.set_title("SmolLM2 GRPO, services: evaluation alone or beside training", fontsize=10)
+    ax.set_title("SmolLM2 GRPO, services: " + ", ".join(runs) + " (when and how rollout 0 evaluates)", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(args.out / "updates_vs_time.png", dpi=120)

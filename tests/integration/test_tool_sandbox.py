@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from async_vapo.verify.sandbox import DEFAULT_UID_BASE
 from async_vapo.verify.tool_sandbox import BACKENDS, ToolLimits, _uid_pids, run_python, unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +47,14 @@ def backend(request):
     return _require(request.param)
 
 
+# The tests here lease their uids above the ones services take: another pytest worker's cluster (its verifier and its
+# evaluation pool) leases the lowest free uids from DEFAULT_UID_BASE, so a uid a call here has just released could be
+# a restarted verifier's worker's a moment later, a process of that uid that no call here left behind (seen in CI).
+TEST_UID_BASE = DEFAULT_UID_BASE + 2048
+
+
 def _run(code: str, backend: str, limits: ToolLimits = FAST, **kw):
+    kw.setdefault("uid_base", TEST_UID_BASE)
     result = run_python(code, backend=backend, limits=limits, **kw)
     assert result.status != "sandbox_error", result
     return result
@@ -283,7 +291,7 @@ def test_crashes_are_results(backend):
     assert crash.status == "killed" and crash.signal == "SIGSEGV", crash
     exits = _run("import os\nprint('before', flush=True)\nos._exit(3)", backend)
     assert exits.status == "error" and exits.exit_code == 3 and exits.stdout == "before\n", exits
-    too_long = run_python("#" * (FAST.code_bytes + 1), backend=backend, limits=FAST)
+    too_long = run_python("#" * (FAST.code_bytes + 1), backend=backend, limits=FAST, uid_base=TEST_UID_BASE)
     assert too_long.status == "too_long"
     syntax = _run("def (", backend)
     assert syntax.status == "error" and "SyntaxError" in syntax.stderr, syntax
