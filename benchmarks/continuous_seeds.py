@@ -182,7 +182,8 @@ def plot(runs: dict, kinds: list[str], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {"one_process": "tab:gray", "keep": "tab:blue", "wait": "tab:orange", "abort": "tab:red",
+    colours = {"one_process": "tab:gray", "keep": "tab:blue", "keep_idle": "tab:cyan", "wait": "tab:orange",
+               "abort": "tab:red",
                "lockstep": "tab:green"}
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for k in kinds:
