@@ -82,6 +82,19 @@ def _cfg(tiny_cfg, tmp_path, *extra):
                             f"cluster.weights.dir={tmp_path / 'w'}", *extra])
 
 
+def _record_submits(engine, events: list, monkeypatch) -> None:
+    """Append ("submit", the served version) to ``events`` at each training group the engine is given (not the
+    evaluation's own requests)."""
+    real_submit = engine.submit
+
+    def submit(key, *args, **kwargs):
+        if not key.startswith("generate-"):
+            events.append(("submit", engine.version))
+        return real_submit(key, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "submit", submit)
+
+
 def _check_keep_run(cfg, rows: list[dict], figures: dict, run_dir) -> list[dict]:
     """A five-update ``keep`` run at max_staleness 1: every step trained, no token more than one version behind,
     groups shipped one by one, no engine error, each version a pause; the engine's time with requests in flight
@@ -126,7 +139,7 @@ def test_keep_trains_within_the_bound_of_every_token(continuous_engine, tiny_cfg
     held: dict[str, float] = {}
 
     def setup(rollout, learner):
-        real_evaluate, real_submit, driver = rollout_module.evaluate, continuous_engine.submit, rollout.continuous
+        real_evaluate, driver = rollout_module.evaluate, rollout.continuous
         real_update, real_ship, real_loaded = learner.learner.update, driver._ship, rollout.weights.on_loaded
         evaluating = threading.Event()
 
@@ -149,11 +162,6 @@ def test_keep_trains_within_the_bound_of_every_token(continuous_engine, tiny_cfg
             events.append(("evaluated", v, learner.sync.rotation.latest, continuous_engine.version))
             return out
 
-        def submit(key, *args, **kwargs):
-            if not key.startswith("generate-"):  # not the evaluation's own requests
-                events.append(("submit", continuous_engine.version))
-            return real_submit(key, *args, **kwargs)
-
         def ship(fg):
             events.append(("ship",))
             return real_ship(fg)
@@ -164,7 +172,7 @@ def test_keep_trains_within_the_bound_of_every_token(continuous_engine, tiny_cfg
 
         monkeypatch.setattr(learner.learner, "update", update)
         monkeypatch.setattr(rollout_module, "evaluate", evaluate)
-        monkeypatch.setattr(continuous_engine, "submit", submit)
+        _record_submits(continuous_engine, events, monkeypatch)
         monkeypatch.setattr(driver, "_ship", ship)
         monkeypatch.setattr(rollout.weights, "on_loaded", loaded)
 
@@ -214,7 +222,7 @@ def test_keep_with_the_evaluation_alone_takes_the_new_version_before_new_groups(
     held: dict[str, float] = {}
 
     def setup(rollout, learner):
-        real_evaluate, real_submit, driver = rollout_module.evaluate, continuous_engine.submit, rollout.continuous
+        real_evaluate, driver = rollout_module.evaluate, rollout.continuous
         real_update, real_admit = learner.learner.update, rollout.admit
         evaluating, evaluated = threading.Event(), threading.Event()
 
@@ -250,15 +258,10 @@ def test_keep_with_the_evaluation_alone_takes_the_new_version_before_new_groups(
                 evaluated.set()
             return out
 
-        def submit(key, *args, **kwargs):
-            if not key.startswith("generate-"):  # not the evaluation's own requests
-                events.append(("submit", continuous_engine.version))
-            return real_submit(key, *args, **kwargs)
-
         monkeypatch.setattr(learner.learner, "update", update)
         monkeypatch.setattr(rollout, "admit", admit)
         monkeypatch.setattr(rollout_module, "evaluate", evaluate)
-        monkeypatch.setattr(continuous_engine, "submit", submit)
+        _record_submits(continuous_engine, events, monkeypatch)
 
     rows, figures = _run(cfg, continuous_engine, tiny_base, tmp_path / "run", 5, setup)
     train = _check_keep_run(cfg, rows, figures, tmp_path / "run")
@@ -290,7 +293,7 @@ def test_keep_with_the_evaluation_when_idle_generates_with_the_due_version_first
     events: list[tuple] = []  # ("submit", served version), ("evaluated", version, in flight, refusal, learner's)
 
     def setup(rollout, learner):
-        real_evaluate, real_submit, driver = rollout_module.evaluate, continuous_engine.submit, rollout.continuous
+        real_evaluate, driver = rollout_module.evaluate, rollout.continuous
         real_update = learner.learner.update
 
         def update(*args, **kwargs):
@@ -309,14 +312,9 @@ def test_keep_with_the_evaluation_when_idle_generates_with_the_due_version_first
             events.append(("evaluated", v, *state, learner.sync.rotation.latest))
             return out
 
-        def submit(key, *args, **kwargs):
-            if not key.startswith("generate-"):  # not the evaluation's own requests
-                events.append(("submit", continuous_engine.version))
-            return real_submit(key, *args, **kwargs)
-
         monkeypatch.setattr(learner.learner, "update", update)
         monkeypatch.setattr(rollout_module, "evaluate", evaluate)
-        monkeypatch.setattr(continuous_engine, "submit", submit)
+        _record_submits(continuous_engine, events, monkeypatch)
 
     rows, figures = _run(cfg, continuous_engine, tiny_base, tmp_path / "run", 5, setup)
     _check_keep_run(cfg, rows, figures, tmp_path / "run")
