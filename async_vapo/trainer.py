@@ -28,7 +28,13 @@ from async_vapo.metrics.rows import open_row_writer
 from async_vapo.models.base_model import ensure_base_model
 from async_vapo.models.reward import resolve_critic_path
 from async_vapo.rollout.engine import EngineSpec, VLLMEngine, engine_cpu_env
-from async_vapo.rollout.generate import PromptEncoder, Rollout, run_evaluation, warn_if_truncated
+from async_vapo.rollout.generate import (
+    PromptEncoder,
+    Rollout,
+    critic_heldout_groups,
+    run_evaluation,
+    warn_if_truncated,
+)
 from async_vapo.tasks import PromptSampler, load_task
 from async_vapo.types import Group
 from async_vapo.verify.sandbox import VerifierPool
@@ -129,16 +135,9 @@ class _EnginePublisher:
             self.adapters.close()
 
 
-def _heldout_critic(cfg: Config, rollout: Rollout, groups, eval_set, pad_id: int) -> tuple[HeldoutCritic, dict]:
-    """The held-out responses the critic is scored on: the evaluation's ``groups``, or with
-    ``rollout.critic_eval_problems`` fresh ones of the training distribution, several per prompt (their seconds in
-    ``time/critic_eval_s``)."""
-    r, timing = cfg.rollout, {}
-    if r.critic_eval_problems:
-        t0 = time.perf_counter()
-        groups, _ = rollout.groups(eval_set[:r.critic_eval_problems], n=r.critic_eval_samples,
-                                   temperature=r.temperature, top_p=r.top_p, seed=r.seed)
-        timing["time/critic_eval_s"] = time.perf_counter() - t0
+def _heldout_critic(cfg: Config, rollout: Rollout, ev, pad_id: int) -> tuple[HeldoutCritic, dict]:
+    """The critic's held-out responses after the evaluation ``ev`` (``rollout.generate.critic_heldout_groups``)."""
+    groups, timing = critic_heldout_groups(rollout, ev, cfg)
     return HeldoutCritic.from_config(cfg, groups, pad_id, rollout.encoder.decode), timing
 
 
@@ -200,7 +199,7 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
             publish(learner.version, learner.policy_state())
         m, examples = ev.metrics, ev.examples(rollout.encoder.decode)
         if learner.critic is not None:
-            critic, timing = _heldout_critic(cfg, rollout, ev.groups, eval_set, tokenizer.pad_token_id)
+            critic, timing = _heldout_critic(cfg, rollout, ev, tokenizer.pad_token_id)
             heldout[:] = [critic]
             m = {**m, **timing, **critic(learner)}
         row = {"kind": "eval", "step": step, "version": learner.version, "wall_s": elapsed(),

@@ -9,7 +9,8 @@ beside its prompt-mean level.
 Criteria, as the plan states them: (1) after value pretraining, the last pretraining row's held-out EV against half
 its answer-aware level and above its prompt-mean level; (2) the median held-out EV over the evaluations after the
 first against the median prompt-mean level; (3) the mean |value_mean − return_mean| over updates 5 to the end, at
-most 0.1; (4) the run's minutes to its last evaluation, within the hour.
+most 0.1; (4) the run's minutes to its last evaluation, within the hour. The held-out scores are the eval rows' (the
+one-process trainer) or the learner's ``kind="critic_eval"`` rows (the services: rollout 0's held-out responses).
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ def _rows(run: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+CRITIC_ROWS = ("eval", "critic_eval")
+"""Rows with the critic's held-out scores: the one-process trainer's evaluations, the services' learner's."""
+
+
 def _num(row: dict, key: str) -> float | None:
     v = row.get(key)
     return None if v is None or v != v else float(v)  # None and NaN are both missing
@@ -35,11 +40,11 @@ def criteria(run: Path) -> dict:
     rows = _rows(run)
     pre = [r for r in rows if r.get("kind") == "pretrain" and _num(r, "critic/heldout_ev") is not None]
     train = [r for r in rows if r.get("kind") == "train"]
-    evals = [r for r in rows if r.get("kind") == "eval" and r.get("step", 0) > 0
+    evals = [r for r in rows if r.get("kind") in CRITIC_ROWS and r.get("step", 0) > 0
              and _num(r, "critic/heldout_ev") is not None and _num(r, "critic/heldout_ev_prompt_mean") is not None]
     out: dict = {"run": run.name, "updates": len(train)}
     # the reference levels of the last pretraining row, else of the untrained model's evaluation
-    levels = [r for r in pre[-1:] + [r for r in rows if r.get("kind") == "eval" and r.get("step") == 0]
+    levels = [r for r in pre[-1:] + [r for r in rows if r.get("kind") in CRITIC_ROWS and r.get("step") == 0]
               if _num(r, "critic/heldout_ev_answer_aware") is not None]
     if pre and levels:
         last = pre[-1]
@@ -113,7 +118,7 @@ def plot(runs: list[Path], path: Path) -> None:
         smooth = [statistics.median(ys[max(0, j - 4): j + 5]) for j in range(len(ys))]
         a.plot(xs, ys, ".", color=colour, alpha=0.25)
         a.plot(xs, smooth, "-", color=colour, label=run.name)
-        evals = [r for r in rows if r.get("kind") == "eval" and _num(r, "critic/heldout_ev") is not None]
+        evals = [r for r in rows if r.get("kind") in CRITIC_ROWS and _num(r, "critic/heldout_ev") is not None]
         b.plot([r["step"] for r in evals], [_num(r, "critic/heldout_ev") for r in evals], "o-", color=colour,
                label=f"{run.name}: critic")
         b.plot([r["step"] for r in evals], [_num(r, "critic/heldout_ev_prompt_mean") for r in evals], "x:",

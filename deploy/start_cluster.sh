@@ -606,6 +606,13 @@ if [ "$WAIT" = 1 ]; then
       sleep 2
     done
   fi
+  # and the learner scores its critic on that evaluation's responses (a run with a critic): up to 20 s more
+  if [ -n "${last:-}" ] && on_host_of learner "grep -q '\"kind\": \"critic_eval\"' $metrics" 2>/dev/null; then
+    for _ in $(seq 10); do
+      on_host_of learner "grep -q '\"kind\": \"critic_eval\", \"step\": $last,' $metrics" && break
+      sleep 2
+    done
+  fi
   show_progress
   "$REPO/deploy/stop_cluster.sh" "$RUN_DIR"
   if ! on_host_of learner "test -e $done_file"; then

@@ -378,11 +378,12 @@ class RolloutConfig(_Section):
     eval_samples: int = Field(1, ge=1)
     """Samples per held-out problem (avg@k)."""
     critic_eval_problems: int = Field(0, ge=0)
-    """The one-process trainer scores its critic (``critic/heldout_*``: explained variance beside the reference
-    levels) on responses to the first this many held-out problems, ``critic_eval_samples`` each, sampled at every
-    evaluation at the training temperature and top-p (the policy the critic values); their minutes count in the run's.
-    0 = on the evaluation's own responses (``eval_samples`` per problem: with one, no prompt-mean level exists, as it
-    needs other samples of the same prompt)."""
+    """The critic is scored (``critic/heldout_*``: explained variance beside the reference levels) on responses to the
+    first this many held-out problems, ``critic_eval_samples`` each, sampled at every evaluation at the training
+    temperature and top-p (the policy the critic values); their minutes count in the run's. The one-process trainer
+    scores it in its eval rows; through the services rollout 0 samples them after its evaluation and the learner
+    scores them (``critic_eval`` rows). 0 = on the evaluation's own responses (``eval_samples`` per problem: with one,
+    no prompt-mean level exists, as it needs other samples of the same prompt)."""
     critic_eval_samples: int = Field(4, ge=2)
     """Samples per problem of the critic's held-out responses (``critic_eval_problems``); the prompt-mean level
     leaves one out, so at least 2."""
@@ -498,9 +499,10 @@ class AlgoConfig(_Section):
     """Value pretraining runs at least this many steps before its stopping rule may end it (≤ value_pretrain_steps)."""
     value_pretrain_patience: int = Field(0, ge=0, le=10_000)
     """Stop value pretraining once this many steps in a row have not raised the best held-out critic EV
-    (``critic/heldout_ev``: the trainer's held-out responses, else each batch before the critic trains on it) by more
-    than value_pretrain_min_delta; 0 = off, every one of value_pretrain_steps runs (the behaviour before the rule).
-    VAPO trains the value model "until value loss and explained variance are sufficiently low"."""
+    (``critic/heldout_ev``: the held-out responses, the one-process trainer's or those rollout 0 sends the services'
+    learner, once they are there; else each batch before the critic trains on it) by more than value_pretrain_min_delta;
+    0 = off, every one of value_pretrain_steps runs (the behaviour before the rule). VAPO trains the value model
+    "until value loss and explained variance are sufficiently low"."""
     value_pretrain_min_delta: float = Field(0.005, ge=0, le=1)
     """Smallest rise of the held-out EV that counts as progress for value_pretrain_patience."""
     value_pretrain_target_ev: float | None = Field(None, gt=-1, le=1)
@@ -512,8 +514,9 @@ class AlgoConfig(_Section):
     step trains on the pool (one batch's worth of its groups, reshuffled across the pool at each pass over it)
     without generating, until the stopping rule or value_pretrain_steps ends it: the critic gets many steps on
     responses it has seen, and pretraining costs mostly learner time. The stopping rule needs held-out evidence
-    (``critic/heldout_ev``: the one-process trainer's held-out responses); without it only the pool's first pass
-    reports a fresh EV. 0 = off: a new batch for every step (≤ value_pretrain_steps)."""
+    (``critic/heldout_ev``: the held-out responses, the one-process trainer's or rollout 0's through the services);
+    without it only the pool's first pass reports a fresh EV. 0 = off: a new batch for every step
+    (≤ value_pretrain_steps)."""
     # 2. decoupled GAE
     decoupled_gae: bool = True
     """(2) Critic targets use lam_critic, actor advantages lam_policy; off = both use the actor's lambda."""

@@ -103,15 +103,16 @@ def _run_labels(runs: Sequence[Path], labels: Sequence[str] | None) -> list[str]
 def plot_runs(runs: Sequence[PathLike], out: PathLike, labels: Sequence[str] | None = None) -> Path:
     """One PNG, 2×2: held-out accuracy vs step and vs wall-clock minutes (top), mean response length
     (held-out solid, rollout dashed) vs step and vs wall-clock (bottom); one colour per run. When a run's eval rows
-    hold the critic's held-out explained variance (``critic/heldout_ev``), a third row plots it, with its reference
-    levels on the same responses (length only dashed, slip-aware dotted)."""
+    hold the critic's held-out explained variance (``critic/heldout_ev``; the services' learner writes it in its
+    ``critic_eval`` rows), a third row plots it, with its reference levels on the same responses (length only dashed,
+    slip-aware dotted)."""
     if not runs:
         raise ValueError("plot_runs: give at least one run directory")
     run_paths = [Path(r) for r in runs]
     names = _run_labels(run_paths, labels)
     out = _out_path(out)
     all_rows = [read_metrics(run) for run in run_paths]
-    critic = any("critic/heldout_ev" in r for rows in all_rows for r in rows if r.get("kind") == "eval")
+    critic = any("critic/heldout_ev" in r for rows in all_rows for r in rows if r.get("kind") in _CRITIC_ROWS)
     fig, ax = new_figure(3 if critic else 2, 2, (12, 12 if critic else 8))
     for i, (run, name, rows) in enumerate(zip(run_paths, names, all_rows, strict=True)):
         src = run / "metrics.jsonl" if run.is_dir() else run
@@ -155,12 +156,17 @@ _CRITIC_LINES = (("critic/heldout_ev", "o-", "critic"), ("critic/heldout_ev_leng
                  ("critic/heldout_ev_slip_aware_by_step", "-.", "slip-aware by step"))
 
 
+_CRITIC_ROWS = ("eval", "critic_eval")
+"""Rows with the critic's held-out scores: the one-process trainer's evaluations, the services' learner's."""
+
+
 def _plot_critic_quality(axes, rows, name: str, color: str, src: PathLike) -> None:
     """The critic's held-out EV at each evaluation and its reference levels (``learner.critic_quality``)."""
+    kind = "critic_eval" if any(r.get("kind") == "critic_eval" for r in rows) else "eval"
     for col, x in enumerate(("step", "wall_s")):
         for key, style, what in _CRITIC_LINES:
             try:
-                xs, ys = series(rows, x, key, kind="eval", source=src)
+                xs, ys = series(rows, x, key, kind=kind, source=src)
             except ValueError:  # this run does not have this level (another task, no critic)
                 continue
             axes[col].plot(xs, ys, style, color=color, label=f"{name} ({what})", markersize=3)

@@ -302,6 +302,11 @@ class PlateauStop:
         self.best, self.since_best, self.steps = float("-inf"), 0, 0
         self.reason = ""
 
+    def restart(self) -> None:
+        """Judge the plateau afresh from the next step (the EV measured changed: the held-out responses arrived);
+        the step count and its bounds stay."""
+        self.best, self.since_best = float("-inf"), 0
+
     def update(self, ev: float) -> bool:
         """Record one step's held-out EV; True when pretraining is to stop now (``reason`` says why)."""
         self.steps += 1

@@ -321,6 +321,7 @@ class StepLoop:
                            patience=a.value_pretrain_patience, min_delta=a.value_pretrain_min_delta,
                            target=a.value_pretrain_target_ev)
         last: dict = {}
+        judged_by = "critic/fresh_ev"
         bar = tqdm(range(a.value_pretrain_steps), desc="value pretraining",
                    disable=not (self.progress and self.leader), dynamic_ncols=True)
         pool: PretrainPool | None = None
@@ -346,8 +347,13 @@ class StepLoop:
                     m["value_pretrain/pool_pass"] = pool.pass_of(k)
                 if self._heldout_critic is not None:
                     m |= self._heldout_critic()
-            # every rank sees the same metrics, so every rank takes the same decision
-            done = stop.update(m.get("critic/heldout_ev", m.get("critic/fresh_ev", float("nan"))))
+            # every rank sees the same metrics, so every rank takes the same decision; the held-out responses may
+            # arrive during pretraining (the services: rollout 0's), and from then on the plateau is theirs
+            measure = "critic/heldout_ev" if "critic/heldout_ev" in m else "critic/fresh_ev"
+            if measure != judged_by:
+                stop.restart()
+                judged_by = measure
+            done = stop.update(m.get(measure, float("nan")))
             last = m
             if self.leader:
                 row = {"kind": "pretrain", "step": k, "version": self.learner.version, "wall_s": self.wall(),

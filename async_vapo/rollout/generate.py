@@ -508,6 +508,19 @@ def run_evaluation(rollout: Rollout, problems: Sequence[Problem], cfg: Config, *
     return Evaluation(out, problems, groups)
 
 
+def critic_heldout_groups(rollout: Rollout, ev: Evaluation, cfg: Config) -> tuple[list[Group], dict[str, float]]:
+    """The held-out responses a critic is scored on after the evaluation ``ev``: its own groups, or with
+    ``rollout.critic_eval_problems`` fresh ones to the first that many of its problems, ``critic_eval_samples`` each,
+    at the training temperature and top-p (the policy the critic values; their seconds in ``time/critic_eval_s``)."""
+    r = cfg.rollout
+    if not r.critic_eval_problems:
+        return [g for g in ev.groups if g.samples], {}
+    t0 = time.perf_counter()
+    groups, _ = rollout.groups(ev.problems[:r.critic_eval_problems], n=r.critic_eval_samples,
+                               temperature=r.temperature, top_p=r.top_p, seed=r.seed)
+    return [g for g in groups if g.samples], {"time/critic_eval_s": time.perf_counter() - t0}
+
+
 def evaluate(rollout: Rollout, problems: Sequence[Problem], cfg: Config) -> tuple[dict[str, float], list[dict]]:
     """In-training held-out evaluation: :func:`run_evaluation`'s metrics and a few decoded examples."""
     ev = run_evaluation(rollout, problems, cfg)

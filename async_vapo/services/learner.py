@@ -36,7 +36,10 @@ when the cluster started) it is the run's newest checkpoint written since, when 
 supervisor or torchrun restarts (a learner spanning hosts re-forms its group that way) continue from there.
 
 Outputs in the run directory, as the one-process trainer: ``metrics.jsonl`` (``kind`` = pretrain / train;
-eval rows come from rollout 0), ``checkpoints/step_N/`` (policy, critic, optimisers, version, and in
+eval rows come from rollout 0; with a critic, ``critic_eval`` rows: the critic scored on the held-out responses
+rollout 0 sends after each evaluation, ``critic/heldout_*`` as the one-process trainer's eval rows hold them, which
+value pretraining is judged on once they are here; a learner of several ranks does not score the last evaluation's,
+sent after its step loop ended), ``checkpoints/step_N/`` (policy, critic, optimisers, version, and in
 ``extra`` the step, the replay cursor and samples seen) every ``train.checkpoint_every`` updates, at the end
 and when stopped mid-run (``--resume auto`` continues from the latest), ``summary.json`` and a ``DONE``
 marker. After the last update the service keeps serving /metrics and heartbeats until it is stopped, the heartbeats
@@ -78,6 +81,11 @@ from async_vapo.weights import WeightBroadcast
 REPUBLISH = Control("republish")
 """Every rank publishes the current version again, whole (a sharded learner whose version was streamed to the
 engines' weight groups only, and an engine could not load it; ``learner.sharding.publish_sharded``)."""
+SCORE_CRITIC = Control("score_critic")
+"""Every rank takes rank 0's latest held-out responses (rollout 0's, after an evaluation) and scores the critic on
+them (a collective where the critic is sharded); rank 0 writes the ``kind="critic_eval"`` row."""
+MAX_HELDOUT_RESPONSES = 4096
+"""Most held-out responses the learner scores its critic on (a larger set is cut to its first groups)."""
 
 
 def export_row(metrics: ServiceMetrics, row: dict, version: int) -> None:
@@ -305,6 +313,8 @@ class LearnerService:
             self.replay = ReplaySource(ctx, transport, self.learner, self.staleness, self.idle,
                                        row_extra=self._row_extra)
             self.log = open_row_writer(cfg, ctx.run_dir / "metrics.jsonl", ctx.metrics)
+        self.heldout = None
+        """The critic's held-out responses (``learner.critic_quality.HeldoutCritic``), the latest rollout 0 sent."""
         self.lend = self._lend_threads() if leader else None
         """(own, every): the torch threads of the learner's own cores and of every core it may run on, when the
         engines lend theirs (``cluster.deploy.lend_cpus``); None: no lending."""
@@ -318,13 +328,14 @@ class LearnerService:
         """Each version is published by every rank (``publish_all``): gathered one bucket at a time as it is streamed
         to the engines' weight groups, whole on rank 0 only for engines that need it so."""
         self.loop = StepLoop(cfg, self.learner,
-                             BroadcastSource(self.replay, self.world,
-                                             on_control=self.control if self.streams else None),
+                             BroadcastSource(self.replay, self.world, on_control=self.control),
                              pad_id=self.tokenizer.pad_token_id, run_dir=ctx.run_dir, log_writer=self.log,
                              leader=leader, publish=self.publish if leader and not self.streams else None,
                              publish_collective=self.publish_all if self.streams else None,
                              on_row=self._export if leader else None, busy=self.busy, should_stop=ctx.stop.is_set,
-                             wall=ctx.elapsed, logger=ctx.log)
+                             wall=ctx.elapsed, logger=ctx.log,
+                             # value pretraining is judged on rollout 0's held-out responses once they are here
+                             heldout_critic=self._heldout_metrics if self.learner.critic is not None else None)
         if ckpt is not None:
             self.loop.resume(self.learner.load_state(ckpt))
             ctx.log.info("learner: resumed from %s at version %d", ckpt, self.learner.version)
@@ -384,7 +395,9 @@ class LearnerService:
         self.sync.heartbeat(self.learner.version, waiting_s=waited_s, stale_dropped=self.replay.stale_dropped,
                             late_dropped=self.replay.late_dropped)
         self.sync.poll(wait_s)
-        return REPUBLISH if self.streams and self.sync.needs_whole() else None
+        if self.streams and self.sync.needs_whole():
+            return REPUBLISH
+        return SCORE_CRITIC if self.sync.heldout is not None else None
 
     @contextmanager
     def busy(self, stage: str) -> Iterator[None]:
@@ -419,9 +432,54 @@ class LearnerService:
 
     def control(self, what: Control) -> None:
         """A :class:`Control` of rank 0, on every rank (``BroadcastSource``)."""
-        if what != REPUBLISH:
+        if what == SCORE_CRITIC:
+            self.score_critic()
+        elif what == REPUBLISH:
+            self.publish_again()
+        else:
             raise ValueError(f"unknown control {what!r}")
-        self.publish_again()
+
+    def score_critic(self) -> None:
+        """On every rank: the critic scored on rank 0's latest held-out responses (``HeldoutResponses``), which
+        become the set value pretraining is judged on; rank 0 writes a ``kind="critic_eval"`` row (``step``: the
+        evaluated version, ``version``: the learner's). Responses that cannot be scored (a token outside the
+        vocabulary, no sample) are logged and counted, and change nothing."""
+        from async_vapo.learner.critic_quality import HeldoutCritic
+
+        body = self.sync.take_heldout() if self.rank == 0 else None
+        got = (body.engine_id, body.version, body.groups) if body is not None else None
+        if self.world > 1:
+            got = broadcast_object(got)
+        if got is None or self.learner.critic is None:
+            return
+        engine, version, groups = got
+        kept, n = [], 0
+        for g in groups:
+            n += len(g.samples)
+            if n > MAX_HELDOUT_RESPONSES:
+                break
+            kept.append(g)
+        t0 = time.perf_counter()
+        try:
+            heldout = HeldoutCritic.from_config(self.ctx.cfg, kept, self.tokenizer.pad_token_id, self._decode)
+            m = heldout(self.learner)
+        except Exception:
+            if self.rank == 0:
+                self.ctx.processing_error("critic_eval", f"held-out responses of {engine} for version {version}")
+            return
+        self.heldout = heldout
+        if self.rank == 0:
+            self.log.write({"kind": "critic_eval", "step": version, "version": self.learner.version,
+                            "wall_s": self.ctx.elapsed(), **m, "time/critic_score_s": time.perf_counter() - t0})
+            self.ctx.log.info("learner: critic on %d held-out responses of version %d: explained variance %.3f",
+                              int(m.get("critic/heldout_responses", 0)), version, m.get("critic/heldout_ev", math.nan))
+
+    def _heldout_metrics(self) -> dict[str, float]:
+        """The critic on the latest held-out responses (every rank), or nothing before rollout 0 sent any."""
+        return self.heldout(self.learner) if self.heldout is not None else {}
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def publish(self, version: int, state: dict | None = None) -> float:
         """Version ``version`` to the engines: the policy's weights (``state`` when a sharded learner gathered them
@@ -487,6 +545,8 @@ class LearnerService:
             # "draining" once finished: rollout 0 evaluates the last version (one out of time included)
             self.sync.heartbeat(self.learner.version, status="draining" if finished else "ready")
             self.sync.poll(0.5)
+            if self.world == 1 and self.sync.heldout is not None:  # the last evaluation's (the other ranks are gone)
+                self.score_critic()
         return None
 
     def close(self) -> None:

@@ -41,12 +41,16 @@ sent from a thread meanwhile ("busy", ``EngineWeightClient.beating``): at once (
 or, with "idle", once the engine has made what the due version's budget allows and shipped it (new versions held
 until then), so that the evaluation fills the engine's wait for the learner's next version. Either way the learner
 keeps the engine alive and in rotation, and the loop takes the learner's latest version as soon as the evaluation
-ends.
+ends. When the algorithm has a critic, rollout 0 then sends the learner the held-out responses to score it on
+(``rollout.generate.critic_heldout_groups``: the evaluation's own, or fresh ones with ``rollout.critic_eval_problems``,
+their seconds in the eval row's ``time/critic_eval_s``) as a HeldoutResponses message on the acks socket, from its
+loop's thread; the learner writes the scores as a ``kind="critic_eval"`` row.
 """
 
 from __future__ import annotations
 
 import math
+import queue
 import threading
 import time
 
@@ -56,15 +60,22 @@ from async_vapo.rollout.generate import (
     EnvConversation,
     PromptEncoder,
     Rollout,
-    evaluate,
+    critic_heldout_groups,
     generate_groups,
     make_group,
+    run_evaluation,
     warn_if_truncated,
 )
 from async_vapo.services.context import ServiceContext, make_transport
 from async_vapo.staleness import Admission
 from async_vapo.tasks import PromptSampler
-from async_vapo.transport import GroupsMsg, Transport, WeightsAnnounce, make_envelope, split_groups
+from async_vapo.transport import (
+    GroupsMsg,
+    Transport,
+    WeightsAnnounce,
+    make_envelope,
+    split_groups,
+)
 from async_vapo.types import Group
 from async_vapo.weights.client import EngineWeightClient
 
@@ -101,6 +112,9 @@ class RolloutService:
                             if ctx.instance == 0 else None)
         self.eval_pool = None
         self._eval_thread: threading.Thread | None = None
+        self._heldout: queue.SimpleQueue[tuple[int, list[Group]]] = queue.SimpleQueue()
+        """(version, groups): held-out responses for the learner's critic, sent from the loop's thread (the
+        evaluation may run in another: ``cluster.rollout.eval_share``)."""
         self.samples_generated = 0
 
     def _on_announce(self, a: WeightsAnnounce, previous: int) -> None:
@@ -164,6 +178,7 @@ class RolloutService:
         runs it in a thread instead (:meth:`_evaluate_beside`), beside the training groups, and this returns True
         once it has ended."""
         cfg = self.ctx.cfg
+        self._send_heldout()
         if self._eval_thread is not None:
             if self._eval_thread.is_alive():
                 return False
@@ -179,6 +194,7 @@ class RolloutService:
                 self._evaluate(v)
             self.weights.held = False
             self.weights.heartbeat(force=True)
+            self._send_heldout()
             return True
         v = self.engine.version
         if self.metrics_log is None or not cfg.cluster.rollout.eval or v in self.evaluated:
@@ -199,7 +215,24 @@ class RolloutService:
             return False
         with self.weights.beating():  # the learner keeps this engine alive and in rotation, however long it takes
             self._evaluate(v)
+        self._send_heldout()
         return True
+
+    def _send_heldout(self) -> None:
+        """Send the learner the held-out responses of the evaluations that ended, in parts of whole groups of at most
+        half a frame each (``cluster.wire.max_message_bytes``)."""
+        while True:
+            try:
+                v, groups = self._heldout.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                parts = split_groups(groups, self.ctx.cfg.cluster.wire.max_message_bytes // 2)
+            except ValueError as exc:  # a group alone above the frame limit
+                self.ctx.log.warning("%s: the held-out responses of version %d stay here: %s", self.engine_id, v, exc)
+                continue
+            for i, part in enumerate(parts):
+                self.weights.send_heldout(v, part, i, len(parts))
 
     def _nothing_to_make(self) -> bool:
         """The engine has no group in flight (continuous) and admission refuses the next one (the served version's
@@ -240,8 +273,14 @@ class RolloutService:
             share = cfg.cluster.rollout.eval_share
             engine = self.engine if self.continuous is None or not share else _Share(
                 self.engine, max(1, int(self.continuous.max_in_flight * share)))
+            rollout = Rollout(cfg, engine, self.eval_pool, self.encoder)
             with self.ctx.busy("evaluate"):
-                m, _ = evaluate(Rollout(cfg, engine, self.eval_pool, self.encoder), self.eval_set, cfg)
+                ev = run_evaluation(rollout, self.eval_set, cfg)
+                m = ev.metrics
+                if cfg.algo.uses_critic:  # the learner scores its critic on these (HeldoutResponses)
+                    groups, timing = critic_heldout_groups(rollout, ev, cfg)
+                    m = m | timing
+                    self._heldout.put((v, groups))
             if len(self.evaluated) == 1:  # the first evaluation: most responses cut at the cap is worth a warning
                 warn_if_truncated(m, cfg, self.ctx.log)
         except Exception:

@@ -70,7 +70,7 @@ class ProtocolError(TransportError):
         self.reason = reason
         self.detail = detail
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 """Version of the envelope and every body below; a peer speaking another version is rejected.
 
 2: token ids and log-probs in groups are packed bytes (int32 / float32 LE) instead of msgpack arrays.
@@ -94,7 +94,9 @@ PROTOCOL_VERSION = 11
    (``async_vapo.verify.reward_fn``). A replay log written before still opens (its groups carry none).
 11: ``Trajectory.env_spans`` (the environment's tokens of a multi-turn response: no loss on them) and
    ``tool_calls`` / ``tool_errors`` / ``tool_seconds``. A replay log written before still opens (its samples are
-   wholly the model's); a single-turn group encodes as before (every new field at its default is omitted)."""
+   wholly the model's); a single-turn group encodes as before (every new field at its default is omitted).
+12: ``HeldoutResponses`` (rollout 0 -> learner, on the acks socket): the held-out responses of an evaluation, on which
+   the learner scores its critic (``critic/heldout_*``)."""
 
 DEFAULT_MAX_BYTES = 256 * 2**20
 """Default size limit of one frame (a socket carrying batches of long responses may need more)."""
@@ -290,6 +292,17 @@ class Heartbeat(_Body, tag="heartbeat"):
     """The learner's: of those, the groups that reached the replay already stale."""
 
 
+# rollout 0 -> learner (acks socket): the graded held-out responses of its evaluation of ``version`` (or fresh ones at
+# the training temperature, ``rollout.critic_eval_problems``), for the learner to score its critic on; a set larger
+# than half a frame travels in ``parts`` messages of whole groups, ``part`` 0 first
+class HeldoutResponses(_Body, tag="heldout_responses"):
+    engine_id: str
+    version: int
+    groups: list[Group]
+    part: int = 0
+    parts: int = 1
+
+
 # requester <-> replier, subscriber handshake: "I am up and speak PROTOCOL_VERSION"
 class Ready(_Body, tag="ready"):
     service: str
@@ -303,7 +316,7 @@ class Shutdown(_Body, tag="shutdown"):
 
 Body = Union[  # noqa: UP007 - msgspec needs a runtime union object
     GroupsMsg, BatchRequest, BatchMsg, Ack, WeightsAnnounce, WeightsFetch, TensorHeader, WeightsAck,
-    WeightsGroupJoin, WeightsGroupOffer, Heartbeat, Ready, Shutdown,
+    WeightsGroupJoin, WeightsGroupOffer, Heartbeat, HeldoutResponses, Ready, Shutdown,
 ]
 ALL_MESSAGES: tuple[type, ...] = Body.__args__
 MESSAGE_TAGS: dict[str, type] = {msgspec.inspect.type_info(t).tag: t for t in ALL_MESSAGES}

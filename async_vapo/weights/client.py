@@ -7,8 +7,9 @@ Sockets (from the service's transport)
     subscriber).
   * ``acks``: PUSH, connects to the learner's PULL (``cluster.ports.acks_port``); one WeightsAck per load (ok or not,
     with load seconds and the way it came) — the first one, for the served version at start, registers the engine —
-    WeightsGroupJoin when the engine asks for a torch.distributed group, and a Heartbeat every
-    ``cluster.wire.heartbeat_s``.
+    WeightsGroupJoin when the engine asks for a torch.distributed group, a Heartbeat every
+    ``cluster.wire.heartbeat_s``, and from rollout 0 after an evaluation the held-out responses the learner scores
+    its critic on (HeldoutResponses).
   * ``weights_fetch``: a blob requester for the length of one fetch, connects to the learner's blob server
     (``cluster.ports.weights_fetch_port``; ``weights.fetch``).
 
@@ -54,6 +55,7 @@ from contextlib import contextmanager
 
 from async_vapo.transport import (
     Heartbeat,
+    HeldoutResponses,
     Shutdown,
     WeightsAck,
     WeightsAnnounce,
@@ -296,6 +298,15 @@ class EngineWeightClient:
         self.ctx.send(self.acks, make_envelope(WeightsAck(engine_id=self.engine_id, version=version, ok=ok,
                                                           load_seconds=seconds, error=error, via=via),
                                                sender=self.engine_id, policy_version=self.engine.version), "ack")
+
+    def send_heldout(self, version: int, groups: list, part: int = 0, parts: int = 1) -> None:
+        """Part ``part`` of ``parts`` of the graded held-out responses of an evaluation of ``version`` to the learner,
+        which scores its critic on them (``critic/heldout_*``); from the thread that owns the acks socket (the
+        service's loop)."""
+        self.ctx.send(self.acks, make_envelope(HeldoutResponses(engine_id=self.engine_id, version=version,
+                                                                groups=groups, part=part, parts=parts),
+                                               sender=self.engine_id, policy_version=self.engine.version),
+                      "held-out responses")
 
     def heartbeat(self, force: bool = False, status: str | None = None) -> None:
         """Tell the learner this engine is alive and the version it serves (every ``cluster.wire.heartbeat_s``);

@@ -4,7 +4,8 @@ Sockets (from the service's transport)
   * ``weights``: XPUB, binds ``cluster.ports.weights_port``; WeightsAnnounce after each version, and every
     ``cluster.wire.heartbeat_s`` a Heartbeat repeating the latest announce. Never blocks (PUB drops at HWM; the
     heartbeat recovers a dropped announce).
-  * ``acks``: PULL, binds ``cluster.ports.acks_port``; WeightsAck and Heartbeat from every engine.
+  * ``acks``: PULL, binds ``cluster.ports.acks_port``; WeightsAck and Heartbeat from every engine, and the held-out
+    responses of rollout 0's evaluations (HeldoutResponses, kept for the learner: :meth:`WeightBroadcast.take_heldout`).
   * ``weights_fetch``: a blob server, binds ``cluster.ports.weights_fetch_port`` (the slot ways but "shm";
     ``fetch.WeightServer``, served by its own thread).
 
@@ -64,6 +65,7 @@ import msgspec
 from async_vapo.transport import (
     Heartbeat,
     HeartbeatMonitor,
+    HeldoutResponses,
     WeightsAck,
     WeightsAnnounce,
     WeightsGroupJoin,
@@ -152,6 +154,10 @@ def default_weights_dir(ctx) -> Path:
     return ctx.run_dir / "weights"
 
 
+MAX_HELDOUT_PARTS = 1024
+"""Most messages one held-out set may arrive in (``HeldoutResponses.parts``)."""
+
+
 class WeightBroadcast:
     """Publishes versions by ``cluster.weights.transfer`` and keeps the engines' rotation (module docstring)."""
 
@@ -172,7 +178,8 @@ class WeightBroadcast:
         self.pub = transport.publisher(pub_endpoint or ctx.endpoint(c.hosts.bind_host, c.ports.weights_port),
                                        peer="rollout")
         self.acks = transport.receiver(acks_endpoint or ctx.endpoint(c.hosts.bind_host, c.ports.acks_port),
-                                       decoder=ctx.decoder((WeightsAck, WeightsGroupJoin, Heartbeat), "acks"),
+                                       decoder=ctx.decoder((WeightsAck, WeightsGroupJoin, Heartbeat, HeldoutResponses),
+                                                           "acks"),
                                        bind=True, peer="rollout")
         self.dir = weights_dir or default_weights_dir(ctx)
         self.rotation = Rotation(c.weights.ack_timeout_s)
@@ -198,6 +205,10 @@ class WeightBroadcast:
         for w in WAYS:
             self.by_way.labels(way=w).set(0)
         self.groups: dict = {}
+        self.heldout: HeldoutResponses | None = None
+        """The latest held-out responses an engine sent (rollout 0, after an evaluation), whole, that the learner has
+        not scored its critic on yet (:meth:`take_heldout`); a newer set replaces an unscored older one."""
+        self._heldout_parts: HeldoutResponses | None = None  # a set arriving in parts: those so far, in order
         """Engine id -> its EngineGroup (formed once its ``group`` is set)."""
         self.unserved: set[str] = set()
         """Engines that failed to load the latest version, which no slot holds (``needs_whole``)."""
@@ -414,6 +425,8 @@ class WeightBroadcast:
                 # serving a version is as good as having acked it: an engine that was silent rejoins here
                 counted, rejoined = self.rotation.on_ack(env.sender, body.served_version, True, now)
                 self._joined(env.sender, counted, rejoined, body.served_version)
+            elif isinstance(body, HeldoutResponses):
+                self._heldout_part(body)
             env = self.acks.recv(0)
         for e in self.rotation.expire(time.monotonic()):
             self.dropped.inc()
@@ -425,6 +438,38 @@ class WeightBroadcast:
                 self.ctx.log.warning("learner: %s silent for more than %.0f s: out of rotation", e,
                                      self.liveness.dead_after_s)
         self.in_rotation.set(len(self.rotation.members))
+
+    def _heldout_part(self, body: HeldoutResponses) -> None:
+        """Assemble a held-out set from its parts (one engine's, in order on its socket): part 0 starts one, each next
+        part of the same engine and version extends it, the last completes it; anything else (a part missing, parts
+        of a malformed count) drops the incomplete set, logged."""
+        if not 0 <= body.part < body.parts <= MAX_HELDOUT_PARTS:
+            self.ctx.log.warning("learner: held-out responses of %s: part %d of %d refused", body.engine_id,
+                                 body.part, body.parts)
+            self._heldout_parts = None
+            return
+        got = self._heldout_parts
+        if body.part == 0:
+            if got is not None:
+                self.ctx.log.warning("learner: held-out responses of %s for version %d incomplete (%d parts of %d); "
+                                     "a new set replaces them", got.engine_id, got.version, got.part + 1, got.parts)
+            got = self._heldout_parts = msgspec.structs.replace(body, groups=list(body.groups))
+        elif (got is None or (got.engine_id, got.version, got.parts) != (body.engine_id, body.version, body.parts)
+              or body.part != got.part + 1):
+            self.ctx.log.warning("learner: held-out responses of %s for version %d: part %d out of order, dropped",
+                                 body.engine_id, body.version, body.part)
+            self._heldout_parts = None
+            return
+        else:
+            got.groups.extend(body.groups)
+            got.part = body.part
+        if got.part == got.parts - 1:
+            self.heldout, self._heldout_parts = got, None
+
+    def take_heldout(self) -> HeldoutResponses | None:
+        """The held-out responses received since the last call (the latest set), or None."""
+        got, self.heldout = self.heldout, None
+        return got
 
     def _way(self, engine: str, via: str, version: int, seconds: float) -> None:
         """The way ``engine`` loaded ``version``: the chooser's bookkeeping, its log line and the gauge."""

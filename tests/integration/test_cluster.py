@@ -5,6 +5,7 @@ scraping every service, faults) is tests/integration/test_faults.py."""
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from pathlib import Path
@@ -191,6 +192,89 @@ def test_learner_service_checkpoints_and_resumes(tiny_cfg, tiny_base, tmp_path):
     assert [(r["step"], r["version"]) for r in rows[1:]] == [(1, 1), (2, 2), (3, 3)]
     assert rows[-1]["replay/cursor"] == cursor + pps
     assert json.loads((run_dir / "summary.json").read_text())["version"] == 3
+
+
+def _heldout_groups(tok, version: int, vocab: int | None = None) -> list[Group]:
+    """Four graded groups of four responses to one sum, half of them right; ``vocab``: a token id outside the model's
+    vocabulary in every response (a malformed set)."""
+    prompt = tok("1+2=").input_ids
+    right, wrong = tok("1+2=3\\boxed{3}").input_ids[len(prompt):], tok("1+2=4\\boxed{4}").input_ids[len(prompt):]
+    groups = []
+    for i in range(4):
+        samples = []
+        for j in range(4):
+            ok = (i + j) % 2 == 0
+            ids = list(right if ok else wrong) + ([vocab] if vocab is not None else [])
+            samples.append(Trajectory(response_ids=ids, behavior_logprobs=[-1.0] * len(ids), finish_reason="stop",
+                                      reward=1.0 if ok else -1.0, correct=ok, verdict="correct" if ok else "incorrect"))
+        groups.append(Group(uid=f"h{i}", prompt="1+2=", answer="3", prompt_ids=prompt, version=version,
+                            samples=samples))
+    return groups
+
+
+@pytest.mark.slow
+def test_learner_scores_its_critic_on_the_heldout_responses_rollout_0_sends(tiny_cfg, tiny_base, tmp_path):
+    """Budget: about 15 s (the tiny learner built, three sets scored). Over a real socket, as rollout 0 sends them
+    after an evaluation: the learner assembles a set sent in parts, scores its critic on it (a ``critic_eval`` row with
+    ``critic/heldout_*``), keeps it for value pretraining's stopping rule, counts a set it cannot score without losing
+    the one it has, and drops a set whose last part never came."""
+    from transformers import AutoTokenizer
+
+    from async_vapo.services.learner import SCORE_CRITIC, LearnerService
+    from async_vapo.transport import HeldoutResponses
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_base))
+    cfg = _learner_cfg(tiny_cfg, 2)
+    run_dir = tmp_path / "run"
+    lctx = make_context("learner", cfg=cfg, run_dir=run_dir, serve_metrics=False, install_signals=False)
+    transport = ZmqTransport()
+    learner = LearnerService(lctx, transport)
+    push = transport.sender(f"tcp://{cfg.cluster.hosts.learner_host}:{cfg.cluster.ports.acks_port}", peer="learner")
+
+    def send(groups: list[Group], version: int, part: int = 0, parts: int = 1) -> None:
+        push.send(make_envelope(HeldoutResponses(engine_id="rollout-0", version=version, groups=groups, part=part,
+                                                 parts=parts), sender="rollout-0", policy_version=version), 5.0)
+
+    def score() -> None:
+        deadline = time.monotonic() + 10
+        while (what := learner.idle(0.0, 0.1)) is None:
+            assert time.monotonic() < deadline, "the learner did not receive the held-out responses"
+        assert what == SCORE_CRITIC
+        learner.control(what)
+
+    def rows() -> list[dict]:
+        return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    def errors() -> float:
+        return lctx.metrics.registry.get_sample_value(lctx.metrics.full_name("processing_errors_total"),
+                                                      {"stage": "critic_eval"}) or 0.0
+
+    try:
+        assert learner._heldout_metrics() == {}  # nothing to judge pretraining on before the first set
+        groups = _heldout_groups(tok, 0)
+        send(groups[:3], 0, 0, 2)  # in two parts, as a set larger than half a frame travels
+        send(groups[3:], 0, 1, 2)
+        score()
+        (row,) = rows()
+        assert row["kind"] == "critic_eval" and row["step"] == 0 and row["version"] == learner.learner.version
+        assert row["critic/heldout_responses"] == 16
+        assert math.isfinite(row["critic/heldout_ev"]) and math.isfinite(row["critic/heldout_ev_prompt_mean"])
+        gauge = lctx.metrics.registry.get_sample_value(lctx.metrics.full_name("critic_heldout_explained_variance"),
+                                                       {"value_function": "critic"})
+        assert gauge == pytest.approx(row["critic/heldout_ev"])  # on /metrics too
+        kept = learner.heldout
+        assert learner._heldout_metrics()["critic/heldout_ev"] == pytest.approx(row["critic/heldout_ev"])
+        send(_heldout_groups(tok, 2, vocab=10**6), 2)  # no such token: the set cannot be scored
+        score()
+        assert errors() == 1 and len(rows()) == 1 and learner.heldout is kept
+        send(_heldout_groups(tok, 4)[:2], 4, 0, 2)  # its second part never comes: a whole set replaces it
+        send(_heldout_groups(tok, 6)[:1], 6)
+        score()
+        assert [(r["step"], r["critic/heldout_responses"]) for r in rows()[1:]] == [(6, 4)]
+        assert learner.idle(0.0, 0.2) is None  # nothing left to score
+    finally:
+        learner.close()
+        transport.close()
 
 
 def test_verifier_service_counts_bad_frames_and_keeps_verifying(tmp_path):

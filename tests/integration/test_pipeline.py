@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 @pytest.mark.parametrize("transfer", ["shm", "dist", "auto"])
 def test_pipeline_in_one_process_over_the_inproc_transport(tiny_cfg, tiny_base, vllm_engine, tmp_path, transfer):
-    """Budget: about a minute each (3 updates of 4 prompts x 4 samples, one held-out evaluation). Frames are limited
+    """Budget: about a minute each (3 updates of 4 prompts x 4 samples, held-out evaluations of versions 0 and 3, the
+    critic scored on each). Frames are limited
     to 8 KiB, about a step's groups in one message: they travel in chunks of at most 4 KiB, and the learner asks the
     replay for fewer groups than a step per request. With "dist" every version reaches the engine over its
     torch.distributed group (async_vapo.weights.collective); with "auto" the engine, on the learner's host, maps its
@@ -68,8 +69,9 @@ def test_pipeline_in_one_process_over_the_inproc_transport(tiny_cfg, tiny_base, 
         t.start()
     try:
         deadline = time.monotonic() + 240
-        while not (run_dir / "DONE").exists() or not any(r["kind"] == "eval" and r["version"] == total
-                                                         for r in rows()):
+        # done: the last version evaluated by rollout 0, and the learner's critic scored on that evaluation's responses
+        while not (run_dir / "DONE").exists() or not {("eval", total), ("critic_eval", total)} <= {
+                (r["kind"], r["step"]) for r in rows()}:
             assert time.monotonic() < deadline, "the pipeline did not train and evaluate in time"
             assert all(t.is_alive() for t in threads), "a service loop died"
             time.sleep(0.2)
@@ -87,7 +89,11 @@ def test_pipeline_in_one_process_over_the_inproc_transport(tiny_cfg, tiny_base, 
         transport.close()
     got = rows()
     train = [r for r in got if r["kind"] == "train"]
-    assert [r["kind"] for r in got if r["kind"] != "eval"] == ["pretrain"] + ["train"] * total
+    assert [r["kind"] for r in got if r["kind"] not in ("eval", "critic_eval")] == ["pretrain"] + ["train"] * total
+    # the critic scored on rollout 0's held-out responses at every evaluation, the untrained policy's included
+    critic = [r for r in got if r["kind"] == "critic_eval"]
+    assert {r["step"] for r in critic} == {r["step"] for r in got if r["kind"] == "eval"}
+    assert all(r["critic/heldout_responses"] == len(eval_set) * cfg.rollout.eval_samples for r in critic)
     assert [(r["step"], r["version"]) for r in train] == [(i, i) for i in range(1, total + 1)]
     assert all(0 <= r["replay/max_age"] <= 1 for r in train)  # the staleness bound held
     assert all("rollout/verdict_unverified" not in r for r in got)  # every sample went through the sandbox

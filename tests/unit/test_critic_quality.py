@@ -67,6 +67,11 @@ def test_the_stopping_rule():
     assert [stop.update(ev) for ev in (0.2, 0.16)] == [False, True] and "target" in stop.reason
     stop = PlateauStop(3)
     assert [stop.update(0.0) for _ in range(3)] == [False, False, True] and "max steps" in stop.reason
+    # a restart (the measure changed: held-out responses arrived) judges the plateau afresh, the steps counted on
+    stop = PlateauStop(100, patience=2)
+    assert [stop.update(ev) for ev in (0.5, 0.4)] == [False, False]
+    stop.restart()
+    assert [stop.update(ev) for ev in (0.1, 0.2, 0.1, 0.1)] == [False, False, False, True] and stop.steps == 6
 
 
 SMALL = ["algo.group_size=2", "algo.mini_batch_size=2", "algo.micro_batch_size=2"]

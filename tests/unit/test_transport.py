@@ -33,6 +33,7 @@ from async_vapo.transport import (
     GroupsMsg,
     Heartbeat,
     HeartbeatMonitor,
+    HeldoutResponses,
     InprocTransport,
     PeerDead,
     PeerTimeout,
@@ -97,6 +98,7 @@ BODIES = [
                       prefix="rollout-1/0f", timeout_s=60.0, backend="nccl", bucket_bytes=16 << 20),
     Heartbeat(service="learner", instance="0", served_version=5, status="busy", weights=ANNOUNCE,
               stale_dropped={"rollout-0": 6}, late_dropped={"rollout-0": 4}),
+    HeldoutResponses(engine_id="rollout-0", version=10, groups=[make_group(3, n_samples=4)], part=1, parts=3),
     Ready(service="replay", instance="0"),
     Shutdown(reason="total_steps reached"),
 ]
@@ -104,7 +106,7 @@ WIRE_TAGS = {
     GroupsMsg: "groups", BatchRequest: "batch_request", BatchMsg: "batch", Ack: "ack",
     WeightsAnnounce: "weights_announce", WeightsFetch: "weights_fetch", TensorHeader: "tensor_header",
     WeightsAck: "weights_ack", WeightsGroupJoin: "weights_group_join", WeightsGroupOffer: "weights_group_offer",
-    Heartbeat: "heartbeat", Ready: "ready", Shutdown: "shutdown",
+    Heartbeat: "heartbeat", HeldoutResponses: "heldout_responses", Ready: "ready", Shutdown: "shutdown",
 }  # fmt: skip
 
 
