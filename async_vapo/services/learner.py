@@ -74,6 +74,7 @@ from async_vapo.transport import (
     Transport,
     group_wire_bytes,
     groups_per_request,
+    heldout_prefix,
     make_envelope,
 )
 from async_vapo.weights import WeightBroadcast
@@ -84,8 +85,7 @@ engines' weight groups only, and an engine could not load it; ``learner.sharding
 SCORE_CRITIC = Control("score_critic")
 """Every rank takes rank 0's latest held-out responses (rollout 0's, after an evaluation) and scores the critic on
 them (a collective where the critic is sharded); rank 0 writes the ``kind="critic_eval"`` row."""
-MAX_HELDOUT_RESPONSES = 4096
-"""Most held-out responses the learner scores its critic on (a larger set is cut to its first groups)."""
+
 
 
 def export_row(metrics: ServiceMetrics, row: dict, version: int) -> None:
@@ -453,15 +453,10 @@ class LearnerService:
         if got is None or self.learner.critic is None:
             return
         engine, version, groups = got
-        kept, n = [], 0
-        for g in groups:
-            n += len(g.samples)
-            if n > MAX_HELDOUT_RESPONSES:
-                break
-            kept.append(g)
         t0 = time.perf_counter()
         try:
-            heldout = HeldoutCritic.from_config(self.ctx.cfg, kept, self.tokenizer.pad_token_id, self._decode)
+            heldout = HeldoutCritic.from_config(self.ctx.cfg, heldout_prefix(groups), self.tokenizer.pad_token_id,
+                                                self._decode)
             m = heldout(self.learner)
         except Exception:
             if self.rank == 0:

@@ -73,6 +73,7 @@ from async_vapo.transport import (
     GroupsMsg,
     Transport,
     WeightsAnnounce,
+    heldout_prefix,
     make_envelope,
     split_groups,
 )
@@ -227,7 +228,7 @@ class RolloutService:
             except queue.Empty:
                 return
             try:
-                parts = split_groups(groups, self.ctx.cfg.cluster.wire.max_message_bytes // 2)
+                parts = split_groups(heldout_prefix(groups), self.ctx.cfg.cluster.wire.max_message_bytes // 2)
             except ValueError as exc:  # a group alone above the frame limit
                 self.ctx.log.warning("%s: the held-out responses of version %d stay here: %s", self.engine_id, v, exc)
                 continue

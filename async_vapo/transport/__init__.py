@@ -50,6 +50,7 @@ from async_vapo.transport.messages import (
     encode,
     group_wire_bytes,
     groups_per_request,
+    heldout_prefix,
     make_envelope,
     new_message_id,
     split_groups,
@@ -65,7 +66,7 @@ from async_vapo.transport.zmq_transport import (
 )
 
 __all__ = [
-    "group_wire_bytes", "groups_per_request", "split_groups",
+    "group_wire_bytes", "groups_per_request", "heldout_prefix", "split_groups",
     "ALL_MESSAGES", "DEFAULT_HWM", "DEFAULT_MAX_BYTES", "PROTOCOL_VERSION", "REJECT_REASONS",
     "Ack", "BackpressureFull", "BatchMsg", "BlobReply", "BlobRequester", "BlobServer", "BatchRequest", "Body",
     "Decoder", "Envelope", "GroupsMsg",

@@ -295,6 +295,21 @@ class Heartbeat(_Body, tag="heartbeat"):
 # rollout 0 -> learner (acks socket): the graded held-out responses of its evaluation of ``version`` (or fresh ones at
 # the training temperature, ``rollout.critic_eval_problems``), for the learner to score its critic on; a set larger
 # than half a frame travels in ``parts`` messages of whole groups, ``part`` 0 first
+HELDOUT_MAX_RESPONSES = 4096
+"""Most responses of one held-out set: rollout 0 sends the first groups up to this many, the learner scores as many."""
+
+
+def heldout_prefix(groups: list[Group]) -> list[Group]:
+    """The first whole groups of ``groups`` with at most :data:`HELDOUT_MAX_RESPONSES` responses together."""
+    kept, n = [], 0
+    for g in groups:
+        n += len(g.samples)
+        if n > HELDOUT_MAX_RESPONSES:
+            break
+        kept.append(g)
+    return kept
+
+
 class HeldoutResponses(_Body, tag="heldout_responses"):
     engine_id: str
     version: int

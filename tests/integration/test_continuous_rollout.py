@@ -139,7 +139,7 @@ def test_keep_trains_within_the_bound_of_every_token(continuous_engine, tiny_cfg
     held: dict[str, float] = {}
 
     def setup(rollout, learner):
-        real_evaluate, driver = rollout_module.evaluate, rollout.continuous
+        real_evaluate, driver = rollout_module.run_evaluation, rollout.continuous
         real_update, real_ship, real_loaded = learner.learner.update, driver._ship, rollout.weights.on_loaded
         evaluating = threading.Event()
 
@@ -171,7 +171,7 @@ def test_keep_trains_within_the_bound_of_every_token(continuous_engine, tiny_cfg
             return real_loaded(version, way)
 
         monkeypatch.setattr(learner.learner, "update", update)
-        monkeypatch.setattr(rollout_module, "evaluate", evaluate)
+        monkeypatch.setattr(rollout_module, "run_evaluation", evaluate)
         _record_submits(continuous_engine, events, monkeypatch)
         monkeypatch.setattr(driver, "_ship", ship)
         monkeypatch.setattr(rollout.weights, "on_loaded", loaded)
@@ -222,7 +222,7 @@ def test_keep_with_the_evaluation_alone_takes_the_new_version_before_new_groups(
     held: dict[str, float] = {}
 
     def setup(rollout, learner):
-        real_evaluate, driver = rollout_module.evaluate, rollout.continuous
+        real_evaluate, driver = rollout_module.run_evaluation, rollout.continuous
         real_update, real_admit = learner.learner.update, rollout.admit
         evaluating, evaluated = threading.Event(), threading.Event()
 
@@ -260,7 +260,7 @@ def test_keep_with_the_evaluation_alone_takes_the_new_version_before_new_groups(
 
         monkeypatch.setattr(learner.learner, "update", update)
         monkeypatch.setattr(rollout, "admit", admit)
-        monkeypatch.setattr(rollout_module, "evaluate", evaluate)
+        monkeypatch.setattr(rollout_module, "run_evaluation", evaluate)
         _record_submits(continuous_engine, events, monkeypatch)
 
     rows, figures = _run(cfg, continuous_engine, tiny_base, tmp_path / "run", 5, setup)
@@ -293,7 +293,7 @@ def test_keep_with_the_evaluation_when_idle_generates_with_the_due_version_first
     events: list[tuple] = []  # ("submit", served version), ("evaluated", version, in flight, refusal, learner's)
 
     def setup(rollout, learner):
-        real_evaluate, driver = rollout_module.evaluate, rollout.continuous
+        real_evaluate, driver = rollout_module.run_evaluation, rollout.continuous
         real_update = learner.learner.update
 
         def update(*args, **kwargs):
@@ -313,7 +313,7 @@ def test_keep_with_the_evaluation_when_idle_generates_with_the_due_version_first
             return out
 
         monkeypatch.setattr(learner.learner, "update", update)
-        monkeypatch.setattr(rollout_module, "evaluate", evaluate)
+        monkeypatch.setattr(rollout_module, "run_evaluation", evaluate)
         _record_submits(continuous_engine, events, monkeypatch)
 
     rows, figures = _run(cfg, continuous_engine, tiny_base, tmp_path / "run", 5, setup)

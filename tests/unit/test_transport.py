@@ -57,7 +57,7 @@ from async_vapo.transport import (
     recv_tensor_blob,
     send_tensor_blob,
 )
-from async_vapo.transport.messages import MESSAGE_TAGS
+from async_vapo.transport.messages import HELDOUT_MAX_RESPONSES, MESSAGE_TAGS, heldout_prefix
 from async_vapo.transport.zmq_transport import make_socket
 from async_vapo.types import Group, Trajectory
 
@@ -153,6 +153,14 @@ def test_every_message_round_trips_through_the_codec(body, policy_version):
     # Tags are explicit wire names: renaming a class must not change them.
     assert msgspec.msgpack.decode(encode(sent))["body"]["type"] == WIRE_TAGS[type(body)]
     assert MESSAGE_TAGS[WIRE_TAGS[type(body)]] is type(body)
+
+
+def test_a_heldout_set_keeps_its_first_whole_groups_up_to_the_cap():
+    groups = [make_group(0, n_samples=3000, n_tokens=1), make_group(1, n_samples=1096, n_tokens=1),
+              make_group(2, n_samples=1, n_tokens=1), make_group(3, n_samples=1, n_tokens=1)]
+    assert HELDOUT_MAX_RESPONSES == 4096
+    assert [g.uid for g in heldout_prefix(groups)] == [groups[0].uid, groups[1].uid]  # 4096: the third is one too many
+    assert heldout_prefix(groups[2:]) == groups[2:]
 
 
 def test_groups_survive_the_wire_unchanged():
