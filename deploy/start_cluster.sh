@@ -569,7 +569,11 @@ on_host_of() {  # on_host_of NAME SCRIPT: run SCRIPT where NAME runs (its RUN_DI
   if [ -e "$RUN_DIR/pids/$1.host" ]; then remote "$(cat "$RUN_DIR/pids/$1.host")" "$2"; else bash -c "$2"; fi
 }
 PROGRESS_PY='import json, sys
-r = json.loads(sys.stdin.read().strip().splitlines()[-1])
+rows = [json.loads(x) for x in sys.stdin.read().strip().splitlines()[-3:]]
+r, critic = rows[-1], ""
+if r["kind"] == "critic_eval":  # the learner scored its critic on an evaluation: show that evaluation with it
+    critic = ", the critic'"'"'s held-out explained variance %.3f" % (r.get("critic/heldout_ev") or 0)
+    r = next((x for x in rows if x["kind"] == "eval" and x["step"] == r["step"]), r)
 t = " (%.0f s since start)" % r["wall_s"] if r.get("wall_s") is not None else ""
 if r["kind"] == "train":
     print("update %d of %s: training accuracy %.3f, %.1f s/update%s" % (r["step"], sys.argv[1],
@@ -577,14 +581,14 @@ if r["kind"] == "train":
 elif r["kind"] == "pretrain":
     print("value pretraining step %d: value loss %.3f%s" % (r["step"] + 1, r.get("critic/value_loss") or 0, t))
 elif r["kind"] == "eval":
-    print("held-out accuracy %.3f at update %d%s" % (r.get("eval/accuracy") or 0, r["step"], t))'
+    print("held-out accuracy %.3f at update %d%s%s" % (r.get("eval/accuracy") or 0, r["step"], critic, t))'
 if [ "$WAIT" = 1 ]; then
   done_file=$(q "$RUN_DIR/DONE") metrics=$(q "$RUN_DIR/metrics.jsonl")
   # the training's progress on the terminal: the newest row of metrics.jsonl, looked at every 10 s
   shown=""
   show_progress() {
     local line
-    line=$(on_host_of learner "tail -n 1 $metrics" 2>/dev/null | "$PY" -S -c "$PROGRESS_PY" "$TOTAL_STEPS" \
+    line=$(on_host_of learner "tail -n 3 $metrics" 2>/dev/null | "$PY" -S -c "$PROGRESS_PY" "$TOTAL_STEPS" \
            2>/dev/null) || line=""
     [ -n "$line" ] && [ "$line" != "$shown" ] && { echo "[start_cluster] $line" >&2; shown=$line; }
     return 0
