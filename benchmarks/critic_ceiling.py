@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import sys
@@ -364,8 +365,11 @@ def table_lines(rows: list[dict]) -> list[str]:
 
 def write_markdown(doc: dict, path: Path) -> None:
     """``doc``'s design table, with the command that made it and the levels' context, as a Markdown file."""
+    # the thread setting it ran with (a result written before it was recorded: the one its docstring gives)
+    threads = doc.get("omp_num_threads", "1")
+    env = f"OMP_NUM_THREADS={threads} " if threads else ""
     lines = [f"# Critic designs on `{doc['config']}`", "", "```bash",
-             f"OMP_NUM_THREADS=1 .venv/bin/python {doc.get('command', '')}", "```", ""]
+             f"{env}.venv/bin/python {doc.get('command', '')}", "```", ""]
     if "levels" in doc:
         h = doc["levels"]["held-out"]
         lines += [f"{doc['responses']} base-model responses ({doc['problems']} problems x {doc['samples']}, "
@@ -563,7 +567,8 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(str(base))
     doc = {"config": args.config, "base_model": str(base), "problems": args.problems, "samples": args.samples,
            "seed": args.seed, "heldout_fraction": HELDOUT_FRACTION, "temperature": cfg.rollout.temperature,
-           "responses": len(pool), "command": " ".join(sys.argv)}
+           "responses": len(pool), "command": " ".join(sys.argv),
+           "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "")}
     table: list[dict] = []
     if cfg.task.kind == "arith":
         samples, refs = arith_levels(pool, doc)
