@@ -87,7 +87,6 @@ SCORE_CRITIC = Control("score_critic")
 them (a collective where the critic is sharded); rank 0 writes the ``kind="critic_eval"`` row."""
 
 
-
 def export_row(metrics: ServiceMetrics, row: dict, version: int) -> None:
     """Set the learner's gauges from one metrics row (``version``: the learner's after it).
 
