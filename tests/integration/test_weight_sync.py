@@ -109,7 +109,7 @@ def test_slots_hold_the_newest_versions_round_robin_and_name_the_rest_unavailabl
     assert list((tmp_path / "w").iterdir()) == []
 
 
-def test_fetch_over_zeromq_returns_the_exact_bytes_and_names_every_failure(tmp_path):
+def test_fetch_over_zeromq_returns_the_exact_bytes_and_names_every_failure(tmp_path, caplog):
     import zmq
 
     from async_vapo.transport import make_envelope
@@ -143,14 +143,27 @@ def test_fetch_over_zeromq_returns_the_exact_bytes_and_names_every_failure(tmp_p
         with pytest.raises(WeightsUnavailable):
             fetch_weights(tp, server.endpoint, 5, w.nbytes, dst, chunk_bytes=4096, timeout_s=5, engine_id="e0",
                           max_bytes=2**20)
-        # a refusal to a requester that has gone (ROUTER_MANDATORY: host unreachable) leaves the server serving
+        # a refusal to a requester that has gone (ROUTER_MANDATORY: host unreachable) leaves the server serving.
+        # The request is handed to the server's own thread (a ZeroMQ socket is used by one thread only): its next
+        # receive returns it, from a route no peer has.
         from async_vapo.transport.messages import WeightsFetch, encode
 
         gone = encode(make_envelope(WeightsFetch(engine_id="e9", version=5, index=0), sender="e9"))
-        server.server._handle(b"\x00gone", gone)
-        r = fetch_weights(tp, server.endpoint, 7, w.nbytes, dst, chunk_bytes=4096, timeout_s=5, engine_id="e0",
-                          max_bytes=2**20)
-        assert r["chunks"] == 3 and server.server._thread.is_alive()
+        blob_server, recv, answered = server.server, server.server._recv_request, threading.Event()
+
+        def recv_once(timeout_s):
+            if answered.is_set():
+                return recv(timeout_s)
+            answered.set()
+            return b"\x00gone", gone
+
+        with caplog.at_level("WARNING", logger="async_vapo.transport.interface"):
+            blob_server._recv_request = recv_once
+            assert answered.wait(5)
+            r = fetch_weights(tp, server.endpoint, 7, w.nbytes, dst, chunk_bytes=4096, timeout_s=5, engine_id="e0",
+                              max_bytes=2**20)
+        assert r["chunks"] == 3 and blob_server._thread.is_alive()
+        assert any("could not answer e9" in m for m in caplog.messages)
         raw.close(linger=0)
     finally:
         server.close()
