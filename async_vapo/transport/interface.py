@@ -419,7 +419,7 @@ class BlobServer(_Endpoint):
             self._close_socket()
 
     def _handle(self, route: Any, frame: Frame) -> None:
-        """Answer one request (the thread's work; a test may call it to send to a route of its choosing)."""
+        """Answer one request: the thread's work, and only the thread's (it sends on the server's socket)."""
         try:
             request = self.decoder.decode(frame)
         except ProtocolError:  # counted and logged (rate-limited) by the decoder
