@@ -35,10 +35,13 @@ weights fetch          DEALER/      learner   ROUTER_MANDATORY; at most   [heade
     ``send_tensor_blob`` / ``recv_tensor_blob`` on a plain socket; the raw frame is sent zero-copy.
 
 Every socket: ``linger=0`` (close never waits, so it drops what is still queued: a sender that must
-deliver its last messages waits for the peer's Ack before closing), ZMTP heartbeats
-(``HEARTBEAT_IVL`` 1 s, ``HEARTBEAT_TIMEOUT`` 3 s) so a vanished TCP peer is disconnected instead of
-holding a pipe open, every receive behind a poll with a timeout, every send non-blocking plus a
-bounded poll. One shared :func:`shared_context` per process; sockets belong to one thread each.
+deliver its last messages waits for the peer's Ack before closing), TCP keepalive (an idle connection to a host that
+has gone is closed), every receive behind a poll with a timeout, every send non-blocking plus a bounded poll. The
+request/reply sockets (DEALER/ROUTER) also have ZMTP heartbeats (``HEARTBEAT_IVL`` 1 s, ``HEARTBEAT_TIMEOUT`` 3 s),
+so a vanished peer is disconnected instead of holding a pipe open. The streams (PUSH/PULL, XPUB/SUB) have none:
+their readers stall by design (a verifier checking, a rollout evaluating), and libzmq drops a connection whose
+reader has stalled with a full pipe for the heartbeat timeout, losing what was in flight (:func:`make_socket`).
+One shared :func:`shared_context` per process; sockets belong to one thread each.
 
 A hard cap at the ZMTP layer (``zmq.MAXMSGSIZE``) is deliberately not set: it disconnects the peer
 silently, whereas the decoder's size check rejects the frame, counts it and keeps the connection.
@@ -88,6 +91,9 @@ from async_vapo.transport.security import Security
 
 ZMTP_HEARTBEAT_IVL_MS = 1000
 ZMTP_HEARTBEAT_TIMEOUT_MS = 3000
+TCP_KEEPALIVE_IDLE_S, TCP_KEEPALIVE_INTVL_S, TCP_KEEPALIVE_CNT = 10, 5, 3
+"""Kernel keepalive on every TCP connection: an idle connection to a host that has gone is closed after about 25 s.
+The kernel answers the probes, so a reader that stalls is never taken for a dead peer."""
 
 
 def shared_context() -> zmq.Context:
@@ -110,11 +116,17 @@ def frame_cap(decoder: Decoder) -> int:
     return decoder.max_bytes + MAXMSGSIZE_SLACK
 
 
-def make_socket(ctx: zmq.Context, kind: int, *, hwm: int = DEFAULT_HWM, max_msg_bytes: int | None = None
-                ) -> zmq.Socket:
-    """A socket with this project's options: linger 0, HWMs, ZMTP heartbeats, and (``max_msg_bytes``) the
-    largest inbound frame libzmq accepts: a peer sending a larger one is disconnected before the frame is
-    allocated."""
+def make_socket(ctx: zmq.Context, kind: int, *, hwm: int = DEFAULT_HWM, max_msg_bytes: int | None = None,
+                zmtp_heartbeats: bool = True) -> zmq.Socket:
+    """A socket with this project's options: linger 0, HWMs, TCP keepalive, ZMTP heartbeats unless
+    ``zmtp_heartbeats`` is False, and (``max_msg_bytes``) the largest inbound frame libzmq accepts: a peer sending a
+    larger one is disconnected before the frame is allocated.
+
+    Streams whose reader may stall while its pipe is full (PUSH/PULL, XPUB/SUB) go without ZMTP heartbeats: at the
+    high-water mark libzmq stops reading the connection, PINGs go unanswered, and after ``HEARTBEAT_TIMEOUT`` both ends
+    drop it, losing what was in the kernel's buffers; on a SUB the reconnect can also abort libzmq at the reader's
+    next receive (``Assertion failed: _input_stopped``, libzmq 4.3.5, zeromq/libzmq#3937). The services' own
+    heartbeats tell a live peer from a dead one on those links."""
     if hwm < 1:
         raise ValueError(f"hwm must be >= 1, got {hwm}")
     sock = ctx.socket(kind)
@@ -123,9 +135,14 @@ def make_socket(ctx: zmq.Context, kind: int, *, hwm: int = DEFAULT_HWM, max_msg_
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, ZMTP_HEARTBEAT_IVL_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMTP_HEARTBEAT_TIMEOUT_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TTL, ZMTP_HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, TCP_KEEPALIVE_IDLE_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, TCP_KEEPALIVE_INTVL_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, TCP_KEEPALIVE_CNT)
+    if zmtp_heartbeats:
+        sock.setsockopt(zmq.HEARTBEAT_IVL, ZMTP_HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMTP_HEARTBEAT_TIMEOUT_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, ZMTP_HEARTBEAT_TIMEOUT_MS)
     return sock
 
 
@@ -208,7 +225,7 @@ def _recv_single(sock: zmq.Socket, decoder: Decoder, timeout_s: float, nparts: i
 class ZmqSender(Sender):
     def __init__(self, ctx: zmq.Context, endpoint: str, *, bind: bool = False, hwm: int = DEFAULT_HWM,
                  security: Security | None = None, peer: str | None = None) -> None:
-        self._sock = make_socket(ctx, zmq.PUSH, hwm=hwm)
+        self._sock = make_socket(ctx, zmq.PUSH, hwm=hwm, zmtp_heartbeats=False)
         self.endpoint = _attach(self._sock, endpoint, bind, security, peer)
 
     def send_frame(self, frame: bytes, timeout_s: float) -> None:
@@ -226,7 +243,7 @@ class ZmqReceiver(Receiver):
         security: Security | None = None, peer: str | None = None,
     ) -> None:
         self.decoder = decoder
-        self._sock = make_socket(ctx, zmq.PULL, hwm=hwm, max_msg_bytes=frame_cap(decoder))
+        self._sock = make_socket(ctx, zmq.PULL, hwm=hwm, max_msg_bytes=frame_cap(decoder), zmtp_heartbeats=False)
         self.endpoint = _attach(self._sock, endpoint, bind, security, peer)
 
     def recv_frame(self, timeout_s: float) -> Frame | None:
@@ -306,7 +323,8 @@ class ZmqPublisher(Publisher):
         # It receives only subscriptions, and ours are to everything (one byte). libzmq keeps subscriptions in a
         # trie that it frees recursively, one level per byte: a peer subscribing to a 64 KiB topic crashed the
         # process (stack overflow in libzmq's reaper thread) when it disconnected.
-        self._sock = make_socket(ctx, zmq.XPUB, hwm=hwm, max_msg_bytes=XPUB_MAX_SUBSCRIPTION_BYTES)
+        self._sock = make_socket(ctx, zmq.XPUB, hwm=hwm, max_msg_bytes=XPUB_MAX_SUBSCRIPTION_BYTES,
+                                 zmtp_heartbeats=False)
         self._sock.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.endpoint = _attach(self._sock, endpoint, True, security, peer)
 
@@ -352,7 +370,7 @@ class ZmqSubscriber(Subscriber):
     def __init__(self, ctx: zmq.Context, endpoint: str, *, decoder: Decoder, hwm: int = DEFAULT_HWM,
                  security: Security | None = None, peer: str | None = None) -> None:
         self.decoder = decoder
-        self._sock = make_socket(ctx, zmq.SUB, hwm=hwm, max_msg_bytes=frame_cap(decoder))
+        self._sock = make_socket(ctx, zmq.SUB, hwm=hwm, max_msg_bytes=frame_cap(decoder), zmtp_heartbeats=False)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.endpoint = _attach(self._sock, endpoint, False, security, peer)
 

@@ -58,7 +58,7 @@ from async_vapo.transport import (
     send_tensor_blob,
 )
 from async_vapo.transport.messages import HELDOUT_MAX_RESPONSES, MESSAGE_TAGS, heldout_prefix
-from async_vapo.transport.zmq_transport import make_socket
+from async_vapo.transport.zmq_transport import ZMTP_HEARTBEAT_TIMEOUT_MS, make_socket
 from async_vapo.types import Group, Trajectory
 
 EP = "tcp://127.0.0.1:*"
@@ -799,3 +799,76 @@ def test_blob_server_keeps_serving_after_a_requester_has_gone(transport):
         link.close()
         server.close()
     assert not server._thread.is_alive()
+
+
+# ---- a reader that stalls with a full pipe (ZeroMQ only) ------------------------------------------------------------
+# libzmq stops reading a connection whose pipe is at its high-water mark; with ZMTP heartbeats, after their timeout
+# both ends dropped it, losing what the kernel's buffers held, and a SUB's next receive could abort libzmq.
+
+STALL_S = ZMTP_HEARTBEAT_TIMEOUT_MS / 1000 + 1.5
+
+
+def test_a_stream_whose_reader_stalls_past_the_heartbeat_timeout_loses_nothing(zmq_ctx):
+    tp = ZmqTransport(zmq_ctx)
+    rx = tp.receiver(EP, decoder=Decoder((Ack,)), hwm=2)
+    tx = tp.sender(rx.endpoint, hwm=2)
+    accepted, stop = [], threading.Event()
+
+    def send():  # as a rollout ships: retry while the pipe is full
+        i = 0
+        while not stop.is_set():
+            try:
+                tx.send_frame(encode(env(Ack(acked_id=str(i), error="x" * 16384))), timeout_s=0.05)
+            except BackpressureFull:
+                continue
+            accepted.append(i)
+            i += 1
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    time.sleep(STALL_S)  # the reader stalls: the pipe and the kernel's buffers fill
+    stop.set()
+    sender.join(5)
+    got = []
+    while (m := rx.recv(timeout_s=2.0)) is not None:
+        got.append(int(m.body.acked_id))
+    tp.close()
+    assert len(accepted) > 50  # the kernel's buffers held many frames, the pipe two
+    assert got == accepted
+
+
+SUBSCRIBER_STALLS = """
+import threading, time
+from async_vapo.transport import Ack, Decoder, ZmqTransport, make_envelope
+tp = ZmqTransport()
+pub = tp.publisher("tcp://127.0.0.1:*", hwm=2)
+sub = tp.subscriber(pub.endpoint, decoder=Decoder((Ack,)), hwm=2)
+pub.wait_for_subscribers(1, timeout_s=5)
+stop = threading.Event()
+def publish():  # the learner's heartbeats and announces, every 10 ms here
+    while not stop.is_set():
+        pub.publish(make_envelope(Ack(acked_id="h", error="x" * 1024), sender="learner"))
+        time.sleep(0.01)
+publisher = threading.Thread(target=publish, daemon=True)
+publisher.start()
+for stall in (0, STALL_S):
+    time.sleep(stall)  # the rollout evaluating
+    t0, got = time.monotonic(), 0
+    while time.monotonic() - t0 < 1.0:
+        got += sub.recv(timeout_s=0.1) is not None
+    assert got > 10, got
+stop.set()
+publisher.join(5)
+tp.close()
+print("read on")
+"""
+
+
+def test_a_subscriber_that_stalls_past_the_heartbeat_timeout_reads_on():
+    """In a process of its own: the failure was libzmq's abort (rollout 0 died so after a 66-s evaluation)."""
+    import subprocess
+    import sys
+
+    code = f"STALL_S = {STALL_S}\n" + SUBSCRIBER_STALLS
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "read on" in r.stdout, (r.returncode, r.stderr[-2000:])
