@@ -175,7 +175,8 @@ def claim(plan: RunPlan, cfg: Config, app: App) -> Config:
     meta = _read_json(plan.run_dir / "run.json") or {"app": app, "starts": []}
     meta.setdefault("app", app)
     meta.setdefault("starts", []).append({"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "pid": os.getpid(),
-                                          "resume": None if plan.resume is None else str(plan.resume)})
+                                          "resume": None if plan.resume is None else str(plan.resume),
+                                          "host": host_record()})
     tmp = plan.run_dir / "run.json.tmp"
     tmp.write_text(json.dumps(meta, indent=2) + "\n")
     tmp.rename(plan.run_dir / "run.json")
@@ -183,3 +184,34 @@ def claim(plan: RunPlan, cfg: Config, app: App) -> Config:
         cfg = cfg.model_copy(deep=True)
         cfg.train.output_dir = str(plan.run_dir)
     return cfg
+
+
+CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
+"""The instruction sets that change which kernels torch and vLLM's CPU backend run."""
+
+
+def host_record() -> dict:
+    """What the machine was, for comparing timings across runs: the CPU's model, its logical CPUs and the instruction
+    sets of :data:`CPU_FEATURES` it has, memory, and when it booted (a new boot time can be a new host). Fields that
+    cannot be read are left out; this never raises."""
+    out: dict = {"cpus": os.cpu_count()}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        model = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
+        flags = re.search(r"^flags\s*:\s*(.+)$", text, re.M)
+        if model:
+            out["cpu"] = model.group(1).strip()
+        if flags:
+            have = set(flags.group(1).split())
+            out["cpu_features"] = [f for f in CPU_FEATURES if f in have]
+    except OSError:
+        pass
+    try:
+        mem = re.search(r"^MemTotal:\s*(\d+) kB", Path("/proc/meminfo").read_text(), re.M)
+        if mem:
+            out["mem_gib"] = round(int(mem.group(1)) / 2**20, 1)
+        uptime_s = float(Path("/proc/uptime").read_text().split()[0])
+        out["booted_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - uptime_s))
+    except (OSError, ValueError, IndexError):
+        pass
+    return out

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from async_vapo.config import load_config, save_resolved
-from async_vapo.learner.rundir import RunDirError, claim, config_differences, latest_checkpoint, plan_run
+from async_vapo.learner.rundir import CPU_FEATURES, RunDirError, claim, config_differences, latest_checkpoint, plan_run
 
 
 def _cfg(tmp_path, *overrides):
@@ -68,7 +68,11 @@ def test_a_run_that_cannot_continue_is_kept_and_the_new_run_goes_next_to_it(tmp_
     new_cfg = claim(plan, cfg, "train")
     assert new_cfg.run_dir() == plan.run_dir and cfg.run_dir() == d  # the caller's config is not changed
     assert {p: p.read_bytes() for p in d.rglob("*") if p.is_file()} == before  # the old run is untouched
-    assert json.loads((plan.run_dir / "run.json").read_text())["app"] == "train"
+    meta = json.loads((plan.run_dir / "run.json").read_text())
+    assert meta["app"] == "train"
+    host = meta["starts"][-1]["host"]  # what the machine was: timings of two runs compare only on the same one
+    assert host["cpus"] >= 1 and set(host["cpu_features"]) <= set(CPU_FEATURES)  # Linux: read from /proc
+    assert host["booted_utc"] < meta["starts"][-1]["utc"] and host["mem_gib"] > 0
 
 
 def test_the_rule_follows_the_newest_of_the_numbered_directories(tmp_path):
