@@ -45,8 +45,9 @@ learner version ≥ L, so it is usable only if ``s ≥ floor(L)``:
     share would only go stale, generated on the learner's time): the wait is at least twice the longest interval
     seen between two of the learner's versions (from version 1 on: version 0's includes value pretraining). Sooner
     when the learner says it starves: its heartbeats carry how long it has waited for its batch, and a wait of
-    ``starved_s``, reported that long after the engine last shipped groups (so not groups still on their way), tops
-    the budget up at once.
+    ``starved_s``, reported that long after the engine last shipped groups or came back from a held-out evaluation
+    (so not groups still on their way, nor a wait the evaluation caused), with none of its groups still in the
+    engine, tops the budget up at once.
   * groups made and never trained on give their share back, so that an engine's lead does not shrink by every lost
     group for the rest of the run: those the engine aborted (:meth:`Admission.unmade`), and those the replay dropped
     as stale, which it counts per engine and the learner repeats in its heartbeats (:meth:`Admission.dropped`).
@@ -214,7 +215,15 @@ class Admission:
         self.starving = self.learner_short = False
 
     def shipped(self, now: float | None = None) -> None:
+        """Groups left for the learner now: a wait it reported before says nothing about them."""
         self.last_shipped = time.monotonic() if now is None else now
+        self.starving = False
+
+    def resumed(self, now: float | None = None) -> None:
+        """The engine generates again after making nothing on purpose (a held-out evaluation): the learner's wait
+        meanwhile was the evaluation's, not lost groups', so it counts as starving only once it has gone on
+        ``starved_s`` after this, as after a shipment."""
+        self.shipped(now)
 
     def learner_waiting(self, waiting_s: float, now: float | None = None) -> None:
         """The learner's heartbeat: it has waited ``waiting_s`` for its next batch (0: it is not waiting)."""
@@ -224,8 +233,10 @@ class Admission:
         if waiting_s >= self.short_wait_s:
             self.learner_short = True
 
-    def check(self, served: int, learner: int, now: float | None = None) -> str | None:
-        """None when a group may start; else the reason it may not."""
+    def check(self, served: int, learner: int, now: float | None = None, in_flight: int = 0) -> str | None:
+        """None when a group may start; else the reason it may not. ``in_flight``: this engine's groups started and
+        not yet shipped; while there are any, a starving learner waits for them instead of a refill (they are on
+        their way, and a share made on top of them would only go stale)."""
         if self.max_staleness is None:
             return "no_learner"
         if self.base is None:
@@ -240,7 +251,7 @@ class Admission:
             self.learner_short = False
         if self.made >= self.budget(served):
             now = time.monotonic() if now is None else now
-            if now - self.last_change < self.refill_after_s and not self.starving:
+            if now - self.last_change < self.refill_after_s and not (self.starving and not in_flight):
                 return "version_budget"
             self.refills += 1
             self.last_change = now

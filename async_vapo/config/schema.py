@@ -956,9 +956,10 @@ class ClusterRolloutConfig(_Section):
     batches that would only go stale."""
     admission_starved_s: float = Field(10.0, gt=0)
     """Rollout admission: when the learner's heartbeat says it has waited this long for a batch, this long after
-    the engine last shipped groups, an engine whose budget is spent gets one more batch worth of budget at once
-    (groups lost in flight, with a verifier or replay that died holding them, are made up without waiting for
-    ``admission_refill_s``, which must also allow for a learner that is simply slow)."""
+    the engine last shipped groups or ended a held-out evaluation, an engine whose budget is spent and which has no
+    group in flight gets one more batch worth of budget at once (groups lost in flight, with a verifier or replay
+    that died holding them, are made up without waiting for ``admission_refill_s``, which must also allow for a
+    learner that is simply slow)."""
     prompts_per_call: int = Field(0, ge=0)
     """Prompts per engine `generate` call; 0: ceil(algo.prompts_per_step / engines)."""
     eval: bool = True

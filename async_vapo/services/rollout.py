@@ -138,7 +138,8 @@ class RolloutService:
         refills, starving = self.admission.refills, self.admission.starving
         waited = self.admission.given_back["waited"]
         reason = "no_learner" if self.weights.latest is None else self.admission.check(
-            self.engine.version, self.weights.learner_version)
+            self.engine.version, self.weights.learner_version,
+            in_flight=len(self.continuous.pending) if self.continuous is not None else 0)
         if self.admission.given_back["waited"] > waited:
             back = self.admission.given_back["waited"] - waited
             self.ctx.metrics.get("admission_given_back_total").labels(kind="waited").inc(back)
@@ -186,6 +187,7 @@ class RolloutService:
             self._eval_thread = None
             self.weights.held = False  # the next poll loads the learner's latest
             self.weights.heartbeat(force=True)
+            self.admission.resumed()
             return True
         if self._eval_due is not None:  # eval_when = "idle": kept until the engine has nothing to make
             if not self._nothing_to_make():
@@ -195,6 +197,7 @@ class RolloutService:
                 self._evaluate(v)
             self.weights.held = False
             self.weights.heartbeat(force=True)
+            self.admission.resumed()  # the learner's wait meanwhile was the evaluation's
             self._send_heldout()
             return True
         v = self.engine.version
@@ -216,6 +219,7 @@ class RolloutService:
             return False
         with self.weights.beating():  # the learner keeps this engine alive and in rotation, however long it takes
             self._evaluate(v)
+        self.admission.resumed()  # the learner's wait meanwhile was the evaluation's, not lost groups'
         self._send_heldout()
         return True
 

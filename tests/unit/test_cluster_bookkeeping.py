@@ -199,6 +199,38 @@ def test_admission_makes_up_lost_groups_as_soon_as_the_learner_reports_starving(
     assert not adm.starving
 
 
+def test_admission_does_not_take_a_wait_its_own_evaluation_caused_for_lost_groups():
+    # the hour-long SmolLM2 services runs: one refill per held-out evaluation, each share dropped stale later
+    adm = Admission(max_staleness=1, prompts_per_step=4, num_engines=1, refill_s=60.0, starved_s=10.0)
+    adm.versions_changed(now=90.0)
+    while adm.check(served=0, learner=0, now=95.0) is None:
+        adm.record(0, 4)
+    adm.shipped(now=100.0)
+    # the engine evaluates from 100 to 140; the learner took the groups, and has waited since 110
+    adm.resumed(now=140.0)
+    adm.learner_waiting(30.0, now=141.0)
+    assert adm.check(0, 0, now=141.0) == "version_budget" and adm.refills == 0
+    # the wait goes on starved_s after the evaluation with nothing shipped: now groups were lost
+    adm.learner_waiting(40.5, now=150.5)
+    assert adm.check(0, 0, now=150.5) is None and adm.refills == 1
+
+
+def test_admission_waits_for_its_groups_in_flight_before_a_refill():
+    # a continuous engine slower than the learner: its budget started, the groups still being generated
+    adm = Admission(max_staleness=1, prompts_per_step=4, num_engines=1, refill_s=60.0, starved_s=10.0)
+    adm.versions_changed(now=90.0)
+    while adm.check(served=0, learner=0, now=95.0) is None:
+        adm.record(0, 4)
+    adm.shipped(now=96.0)
+    adm.learner_waiting(15.0, now=110.0)  # starving by the report alone
+    assert adm.starving
+    assert adm.check(0, 0, now=110.0, in_flight=3) == "version_budget"  # they are on their way
+    adm.shipped(now=112.0)  # they left: the report before says nothing about them
+    assert not adm.starving and adm.check(0, 0, now=112.0) == "version_budget"
+    adm.learner_waiting(26.0, now=123.0)  # still waiting 10 s after: those were lost too
+    assert adm.check(0, 0, now=123.0) is None and adm.refills == 1
+
+
 # -- rotation ------------------------------------------------------------------------------------------------------
 
 def test_rotation_after_a_learner_restarted_from_an_older_checkpoint():
