@@ -222,7 +222,8 @@ class Admission:
     def resumed(self, now: float | None = None) -> None:
         """The engine generates again after making nothing on purpose (a held-out evaluation): the learner's wait
         meanwhile was the evaluation's, not lost groups', so it counts as starving only once it has gone on
-        ``starved_s`` after this, as after a shipment."""
+        ``starved_s`` after this, as after a shipment. Only the evaluating engine knows: with several engines the
+        others, their budgets spent, still take that wait for lost groups and each make one share more."""
         self.shipped(now)
 
     def learner_waiting(self, waiting_s: float, now: float | None = None) -> None:

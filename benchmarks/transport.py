@@ -117,7 +117,7 @@ def receiver_main(conn, n_groups: int, keys_dir: str = "") -> None:
 
             close = transport.close
         else:
-            sock = make_socket(ctx, zmq.PULL, hwm=DEFAULT_HWM)
+            sock = make_socket(ctx, zmq.PULL, hwm=DEFAULT_HWM, zmtp_heartbeats=False)  # as the services' streams
             sock.setsockopt(zmq.RCVTIMEO, int(RECV_TIMEOUT_S * 1000))
             conn.send(bind_to_random_port(sock))
 
@@ -171,7 +171,7 @@ def run_trial(conn, kind: str, warmup: int, n: int, groups, frame_size: int, key
         transport.close()
     else:
         frame = os.urandom(frame_size)
-        sock = make_socket(ctx, zmq.PUSH, hwm=DEFAULT_HWM)
+        sock = make_socket(ctx, zmq.PUSH, hwm=DEFAULT_HWM, zmtp_heartbeats=False)
         sock.setsockopt(zmq.SNDTIMEO, int(RECV_TIMEOUT_S * 1000))
         sock.connect(endpoint)
         for _ in range(warmup + n):

@@ -135,11 +135,11 @@ class RolloutService:
 
     def admit(self) -> str | None:
         """None when a generate call may start now, else the reason it may not (counted, and a refill logged)."""
-        refills, starving = self.admission.refills, self.admission.starving
+        in_flight = len(self.continuous.pending) if self.continuous is not None else 0
+        refills, starving = self.admission.refills, self.admission.starving and not in_flight  # the refill's reason
         waited = self.admission.given_back["waited"]
         reason = "no_learner" if self.weights.latest is None else self.admission.check(
-            self.engine.version, self.weights.learner_version,
-            in_flight=len(self.continuous.pending) if self.continuous is not None else 0)
+            self.engine.version, self.weights.learner_version, in_flight=in_flight)
         if self.admission.given_back["waited"] > waited:
             back = self.admission.given_back["waited"] - waited
             self.ctx.metrics.get("admission_given_back_total").labels(kind="waited").inc(back)

@@ -40,7 +40,11 @@ has gone is closed), every receive behind a poll with a timeout, every send non-
 request/reply sockets (DEALER/ROUTER) also have ZMTP heartbeats (``HEARTBEAT_IVL`` 1 s, ``HEARTBEAT_TIMEOUT`` 3 s),
 so a vanished peer is disconnected instead of holding a pipe open. The streams (PUSH/PULL, XPUB/SUB) have none:
 their readers stall by design (a verifier checking, a rollout evaluating), and libzmq drops a connection whose
-reader has stalled with a full pipe for the heartbeat timeout, losing what was in flight (:func:`make_socket`).
+reader has stalled with a full pipe for the heartbeat timeout, losing what was in flight (:func:`make_socket`). On
+them a peer process that dies is seen when its kernel closes the connection, and a host that has gone by TCP
+keepalive on an idle connection (about 25 s) or, with data unacknowledged, by the kernel's retransmission limit
+(``tcp_retries2``, about 15 minutes); whether a rollout is alive the learner decides from the rollout's own
+heartbeats (``HeartbeatMonitor``, ``cluster.wire.peer_dead_s``).
 One shared :func:`shared_context` per process; sockets belong to one thread each.
 
 A hard cap at the ZMTP layer (``zmq.MAXMSGSIZE``) is deliberately not set: it disconnects the peer
@@ -125,8 +129,8 @@ def make_socket(ctx: zmq.Context, kind: int, *, hwm: int = DEFAULT_HWM, max_msg_
     Streams whose reader may stall while its pipe is full (PUSH/PULL, XPUB/SUB) go without ZMTP heartbeats: at the
     high-water mark libzmq stops reading the connection, PINGs go unanswered, and after ``HEARTBEAT_TIMEOUT`` both ends
     drop it, losing what was in the kernel's buffers; on a SUB the reconnect can also abort libzmq at the reader's
-    next receive (``Assertion failed: _input_stopped``, libzmq 4.3.5, zeromq/libzmq#3937). The services' own
-    heartbeats tell a live peer from a dead one on those links."""
+    next receive (``Assertion failed: _input_stopped``, libzmq 4.3.5, zeromq/libzmq#3937). What tells a dead peer
+    there instead: the module docstring."""
     if hwm < 1:
         raise ValueError(f"hwm must be >= 1, got {hwm}")
     sock = ctx.socket(kind)
