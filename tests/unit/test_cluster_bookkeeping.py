@@ -176,12 +176,18 @@ def test_a_slow_learner_does_not_trigger_the_refill():
     assert adm.check(3, 3, now=851.0) is None and adm.refills == 1  # twice its slowest update: groups were lost
 
 
-def test_admission_makes_up_lost_groups_as_soon_as_the_learner_reports_starving():
-    # one engine at its budget; the groups it shipped at t=100 were lost downstream (a verifier died holding them)
+def _at_its_budget() -> Admission:
+    """One engine that has made its whole budget of version 0 (at t = 95), the learner at version 0."""
     adm = Admission(max_staleness=1, prompts_per_step=4, num_engines=1, refill_s=60.0, starved_s=10.0)
     adm.versions_changed(now=90.0)
     while adm.check(served=0, learner=0, now=95.0) is None:
         adm.record(0, 4)
+    return adm
+
+
+def test_admission_makes_up_lost_groups_as_soon_as_the_learner_reports_starving():
+    # one engine at its budget; the groups it shipped at t=100 were lost downstream (a verifier died holding them)
+    adm = _at_its_budget()
     adm.shipped(now=100.0)
     # waiting, but those groups may still be on their way: not yet
     adm.learner_waiting(12.0, now=105.0)
@@ -201,10 +207,7 @@ def test_admission_makes_up_lost_groups_as_soon_as_the_learner_reports_starving(
 
 def test_admission_does_not_take_a_wait_its_own_evaluation_caused_for_lost_groups():
     # the hour-long SmolLM2 services runs: one refill per held-out evaluation, each share dropped stale later
-    adm = Admission(max_staleness=1, prompts_per_step=4, num_engines=1, refill_s=60.0, starved_s=10.0)
-    adm.versions_changed(now=90.0)
-    while adm.check(served=0, learner=0, now=95.0) is None:
-        adm.record(0, 4)
+    adm = _at_its_budget()
     adm.shipped(now=100.0)
     # the engine evaluates from 100 to 140; the learner took the groups, and has waited since 110
     adm.resumed(now=140.0)
@@ -217,10 +220,7 @@ def test_admission_does_not_take_a_wait_its_own_evaluation_caused_for_lost_group
 
 def test_admission_waits_for_its_groups_in_flight_before_a_refill():
     # a continuous engine slower than the learner: its budget started, the groups still being generated
-    adm = Admission(max_staleness=1, prompts_per_step=4, num_engines=1, refill_s=60.0, starved_s=10.0)
-    adm.versions_changed(now=90.0)
-    while adm.check(served=0, learner=0, now=95.0) is None:
-        adm.record(0, 4)
+    adm = _at_its_budget()
     adm.shipped(now=96.0)
     adm.learner_waiting(15.0, now=110.0)  # starving by the report alone
     assert adm.starving
