@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 from async_vapo.experiments.report import analyse_cluster_run
@@ -30,7 +29,6 @@ def figures(run: Path) -> dict:
     train = sorted((r for r in rows if r["kind"] == "train"), key=lambda r: r["step"])
     evals = [r for r in rows if r["kind"] == "eval" and r["step"] > 0]
     per_update = base["seconds_per_update"]
-    own = statistics.median(r["time/learn_s"] + r.get("time/weight_push_s", 0.0) for r in train[1:])
     # the waits for a batch that overlapped an evaluation (its span: its row's wall_s minus its seconds); an update's
     # wait is the start of its step (wall_s - time/step_s) for time/wait_batch_s
     spans = [(e["wall_s"] - e["time/eval_s"], e["wall_s"]) for e in evals]
@@ -41,7 +39,8 @@ def figures(run: Path) -> dict:
             during_eval.append(r["time/wait_batch_s"])
     log = (run / "logs" / "rollout-0.log").read_text(errors="replace") if (run / "logs").is_dir() else ""
     return {"run": str(run), "updates": base["updates"], "window_s": base["window_s"], "s_per_update": per_update,
-            "learner_own_s": own, "over_bound": per_update / own - 1, "busy_fraction": base["busy_fraction"],
+            "learner_own_s": base["learner_own_s"], "over_bound": base["over_learner_own"],
+            "busy_fraction": base["busy_fraction"],
             "wait_s_per_update": base["wait_s_per_update"], "wait_s_during_eval": sum(during_eval),
             "evaluations": len(evals), "eval_s": [round(e["time/eval_s"], 1) for e in evals],
             "eval_accuracy": [(e["step"], e["eval/accuracy"]) for e in evals],

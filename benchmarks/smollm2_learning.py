@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import statistics
 import sys
 from collections import defaultdict
@@ -121,18 +120,17 @@ def services_split(path: Path, steps: list[dict]) -> dict:
     """Where a services run's time went, over its training window (first to last update): each stage's busy share
     (the services' busy logs), the learner's wait for a batch and weight push per update, its own median seconds per
     update (learn and push, waits excluded: the bound while the learner is the slower side) and how far over it the
-    run came, the groups the replay dropped as stale (its log) as a share of those it dropped or served, and how old
+    run came, the engine's generating seconds per batch it made (the bound while the engine is the slower side), the
+    groups the replay dropped as stale (its log) as a share of those it dropped or served, and how old
     the trained tokens were (the share of tokens generated K versions behind the learner, averaged over updates)."""
     from async_vapo.experiments.report import analyse_cluster_run
 
     a = analyse_cluster_run(path)
-    own = statistics.median(r["time/learn_s"] + r.get("time/weight_push_s", 0.0) for r in steps[1:] or steps)
-    replay_log = path / "logs" / "replay.log"
-    stale = sum(int(m.group(1)) for m in re.finditer(r"dropped (\d+) groups: stale",
-                                                     replay_log.read_text() if replay_log.is_file() else ""))
+    stale = a["stale_groups"]
     cfg = json.loads((path / "config.resolved.json").read_text())
-    served = len(steps) * cfg["algo"]["prompts_per_step"] * (1 + cfg["algo"].get("max_resample_rounds", 0)
-                                                              * bool(cfg["algo"].get("dynamic_sampling")))
+    pps = cfg["algo"]["prompts_per_step"]
+    served = len(steps) * pps * (1 + cfg["algo"].get("max_resample_rounds", 0)
+                                 * bool(cfg["algo"].get("dynamic_sampling")))
     lags: dict[str, list[float]] = defaultdict(list)
     for r in steps:
         for k, v in r.items():
@@ -143,9 +141,12 @@ def services_split(path: Path, steps: list[dict]) -> dict:
             "wait_s": a["wait_s_per_update"],
             "push_s": statistics.fmean(r.get("time/weight_push_s", 0.0) for r in steps),
             "token_lag_mean": a["token_lag_mean"], "token_lag_max": a["token_lag_max"],
-            "multi_version_samples": a["multi_version_samples"], "own_s": own,
-            "over_bound": a["seconds_per_update"] / own - 1, "stale_groups": stale,
+            "multi_version_samples": a["multi_version_samples"], "own_s": a["learner_own_s"],
+            "over_bound": a["over_learner_own"], "stale_groups": stale,
             "stale_share": stale / (stale + served) if stale + served else 0.0,
+            # the engine's side: its seconds generating per batch it made (served in the window, or dropped stale)
+            "engine_s_per_batch": a["busy_fraction"].get("generate", 0.0) * a["window_s"] * pps
+            / max(1, a["updates"] * pps + stale),
             "token_lag_share": {k: sum(v) / len(steps) for k, v in sorted(lags.items(), key=lambda kv: int(kv[0]))}}
 
 
@@ -234,16 +235,17 @@ def main(argv: list[str] | None = None) -> int:
     services = [r for r in runs if "services" in r]
     if services:
         lines += ["", "| through the services | s / update | the learner's own (median), over it "
-                  "| busy share: generate, learn, evaluate, load weights | generate and learn at once "
+                  "| the engine's generating s per batch made | busy share: generate, learn, evaluate, load weights "
+                  "| generate and learn at once "
                   "| learner waits for a batch (s / update) "
                   "| groups dropped stale (share) | trained tokens by version lag | samples under two versions |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in services:
             x = r["services"]
             b = x["busy_fraction"]
             lag = ", ".join(f"{k}: {v:.1%}" for k, v in x["token_lag_share"].items())
             lines.append(f"| {r['algo']} seed {r['seed']} | {x['seconds_per_update']:.1f} | {x['own_s']:.1f}, "
-                         f"{x['over_bound']:+.0%} | "
+                         f"{x['over_bound']:+.0%} | {x['engine_s_per_batch']:.1f} | "
                          + ", ".join(f"{b.get(k, 0.0):.2f}" for k in ("generate", "learn", "evaluate", "load_weights"))
                          + f" | {x['generate_and_learn_overlap']:.2f} | {x['wait_s']:.1f} | "
                          f"{x['stale_groups']} ({x['stale_share']:.0%}) | {lag} "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -102,6 +103,14 @@ def analyse_cluster_run(run: Path) -> dict:
                   "explained_variance": d["ev_w"] / d["ev_n"] if d["ev_n"] else None}
               for a, d in sorted(by_age.items())}
     evals = [(r["wall_s"], r["eval/accuracy"], r["version"]) for r in rows if r.get("kind") == "eval"]
+    # the learner's own seconds per update: learn and push, its waits for a batch excluded, the median over the
+    # updates after the first (which carries start-up); the bound on seconds per update while the learner is the
+    # slower side
+    own = statistics.median(r["time/learn_s"] + r.get("time/weight_push_s", 0.0) for r in train[1:])
+    replay_log = run / "logs" / "replay.log"
+    stale = sum(int(m.group(1)) for m in re.finditer(r"dropped (\d+) groups: stale",
+                                                     replay_log.read_text(errors="replace")
+                                                     if replay_log.is_file() else ""))
     memory = {}
     for f in sorted((run / "stats").glob("*.json")):
         s = json.loads(f.read_text())
@@ -119,6 +128,9 @@ def analyse_cluster_run(run: Path) -> dict:
         "token_lag_max": max((r["replay/token_lag_max"] for r in train if "replay/token_lag_max" in r), default=None),
         "multi_version_samples": _mean_of(train, "replay/multi_version_samples"),
         "final_accuracy": evals[-1][1] if evals else None,
+        "learner_own_s": own, "over_learner_own": window / updates / own - 1,
+        # groups the replay dropped as too old for the staleness bound (its log; the whole run, not the window)
+        "stale_groups": stale,
     }
 
 

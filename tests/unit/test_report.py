@@ -53,6 +53,26 @@ def test_cluster_run_figures(tmp_path):
     assert fig["generate_and_learn_overlap"] == 0  # synchronous: they take turns
     assert fig["peak_rss_mib"] == {"rollout-0": 900.0, "learner-0": 600.0}
     assert fig["critic_by_age"][0]["value_error_abs"] == pytest.approx(0.5)
+    # the learner's own seconds per update: learn (and push), waits excluded, the first update left out
+    assert fig["learner_own_s"] == pytest.approx(6.0)
+    assert fig["over_learner_own"] == pytest.approx(8 / 6 - 1)
+    assert fig["stale_groups"] == 0
+
+
+def test_cluster_run_learner_own_time_and_stale_groups(tmp_path):
+    run = tmp_path / "r"
+    _write_run(run, step_s=8.0, gen=2.0, learn=6.0, ages=[0])
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    pushes = [9.0, 1.0, 1.0, 2.0, 3.0]  # the first update's (start-up) does not count
+    for r, p in zip((r for r in rows if r["kind"] == "train"), pushes, strict=True):
+        r["time/weight_push_s"] = p
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "logs").mkdir()
+    (run / "logs" / "replay.log").write_text("replay: dropped 3 groups: stale (version 2 < 4)\n"
+                                             "replay: dropped 5 groups: stale (version 6 < 8)\nother\n")
+    fig = analyse_cluster_run(run)
+    assert fig["learner_own_s"] == pytest.approx(6.0 + 1.5)  # the median of 7, 7, 8, 9
+    assert fig["stale_groups"] == 8
 
 
 def test_async_report_ratios_against_the_synchronous_run(tmp_path):
