@@ -42,6 +42,9 @@ def figures(run: Path) -> dict:
             "learner_own_s": base["learner_own_s"], "over_bound": base["over_learner_own"],
             "busy_fraction": base["busy_fraction"],
             "wait_s_per_update": base["wait_s_per_update"], "wait_s_during_eval": sum(during_eval),
+            # the engine on the learner's cores too (cluster.rollout.engine_threads), against the learner's waits
+            "engine_lent_s": base["busy_fraction"].get("engine_lent", 0.0) * base["window_s"],
+            "wait_s": sum(r["time/wait_batch_s"] for r in train[1:]),  # the window's
             "evaluations": len(evals), "eval_s": [round(e["time/eval_s"], 1) for e in evals],
             "eval_accuracy": [(e["step"], e["eval/accuracy"]) for e in evals],
             "rollout_restarts": max(0, log.count("[supervise] rollout-0: start") - 1),
@@ -68,6 +71,9 @@ def main() -> None:
               f"{f['over_bound']:+6.1%} {f['wait_s_per_update']:8.1f} {f['wait_s_during_eval']:13.0f}s "
               f"{f['evaluations']:5d} {per_eval:7.0f}s  {f['rollout_restarts']}")
         print(f"         evaluation seconds {f['eval_s']}")
+        if f["engine_lent_s"]:
+            print(f"         the engine on every core {f['engine_lent_s']:.0f} s, the learner waiting "
+                  f"{f['wait_s']:.0f} s")
     (first, a), *rest = runs.items()
     for name, b in rest:
         print(f"{name} / {first}, seconds per update: {b['s_per_update'] / a['s_per_update']:.3f}")

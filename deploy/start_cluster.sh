@@ -64,7 +64,8 @@
 # async.rollout_devices : async.learner_devices (taskset; each engine gets its own slice when there are enough
 # cores); replay and verifier are not pinned. With cluster.deploy.lend_cpus = true and one learner rank the
 # engines lend theirs: the learner may run on every core, with its share as train.threads, and takes every core while
-# all engines wait for a version. --no-pin disables both. Learner ranks > 1 are launched with torchrun.
+# all engines wait for a version; one engine with continuous generation runs on every core too, with its share as
+# cluster.rollout.engine_threads, and takes every core while the learner waits for a batch. --no-pin disables both. Learner ranks > 1 are launched with torchrun.
 # --dry-run: print the plan (host, CUDA_VISIBLE_DEVICES or cores, command of every process) and exit; nothing is
 # started or written. With GPUs it also runs `async-vapo plan`'s memory check of that placement (per learner rank
 # and engine GPU, GPUs of ASYNC_VAPO_GPU_MEMORY_GIB, default 80) and exits 1 when something does not fit.
@@ -215,7 +216,7 @@ eval "$PLAN"
 read -ra LEARNERS <<< "$LEARNER_AGENTS"  # the learner's torchrun agents by node rank: learner, learner-1, ...
 
 # -- CPU placement (GPUs: the plan's GPUS_<NAME>) -----------------------------------------------------------------------------------------------------
-ROLLOUT_CPUS=() LEARNER_CPUS="" LEARNER_OVERRIDES=()
+ROLLOUT_CPUS=() LEARNER_CPUS="" LEARNER_OVERRIDES=() ROLLOUT_OVERRIDES=()
 ncpu=$(nproc)
 if [ "$PIN" = 1 ] && [ -z "$HOSTFILE" ] && [ "$GPUS_PER_HOST" = 0 ] && command -v taskset >/dev/null \
    && ! command -v nvidia-smi >/dev/null && [ "$ncpu" -ge 2 ]; then
@@ -229,7 +230,11 @@ if [ "$PIN" = 1 ] && [ -z "$HOSTFILE" ] && [ "$GPUS_PER_HOST" = 0 ] && command -
     LEARNER_CPUS="0-$(( ncpu - 1 ))" LEARNER_OVERRIDES=("train.threads=$(( ncpu - r ))")
   fi
   for ((i = 0; i < N_ROLLOUT; i++)); do
-    if [ "$r" -ge "$N_ROLLOUT" ]; then
+    if [ "$LEND_CPUS" = 1 ] && [ "$N_LEARNER" = 1 ] && [ "$N_ROLLOUT" = 1 ] && [ "$CONTINUOUS" = 1 ]; then
+      # and back: one continuous engine runs on every core, its own share as its threads while the learner works,
+      # every core while the learner waits for a batch (cluster.rollout.engine_threads)
+      ROLLOUT_CPUS+=("0-$(( ncpu - 1 ))") ROLLOUT_OVERRIDES=("cluster.rollout.engine_threads=$r")
+    elif [ "$r" -ge "$N_ROLLOUT" ]; then
       lo=$(( i * r / N_ROLLOUT )); hi=$(( (i + 1) * r / N_ROLLOUT - 1 ))
       ROLLOUT_CPUS+=("$lo-$hi")
     else
@@ -455,7 +460,7 @@ start replay "$(host_of replay)" "" "$PY" -m async_vapo.services.replay "${svc_a
 start verifier "$(host_of verifier)" "" "$PY" -m async_vapo.services.verifier "${svc_args[@]}" -- "${OVERRIDES[@]}"
 for ((i = 0; i < N_ROLLOUT; i++)); do
   start "rollout-$i" "$(host_of "rollout-$i")" "${ROLLOUT_CPUS[$i]:-}" "$PY" -m async_vapo.services.rollout \
-    "${svc_args[@]}" --instance "$i" -- "${OVERRIDES[@]}"
+    "${svc_args[@]}" --instance "$i" -- "${OVERRIDES[@]}" "${ROLLOUT_OVERRIDES[@]}"
 done
 learn_extra=()
 [ -n "$RESUME" ] && learn_extra=(--resume "$RESUME")

@@ -973,6 +973,12 @@ class ClusterRolloutConfig(_Section):
     than 0: the evaluation took longer beside, and the held version stops feeding the learner after
     ``async.max_staleness`` + 1 updates. It can pay where evaluations are short against an update or the bound is
     loose."""
+    engine_threads: int = Field(0, ge=0)
+    """The engine's OpenMP threads on its own share of the cores, with ``cluster.deploy.lend_cpus`` (start_cluster.sh
+    sets it on one CPU host with one engine and one learner rank, and starts the engine on every core): the engine
+    runs its forwards on every core while the learner says it waits for a batch (its heartbeats), on this many while
+    the learner works. ``rollout.generation = "continuous"`` only (the lock-step engine takes no call while it
+    generates). 0: the engine keeps the threads it started with."""
     eval_when: Literal["due", "idle"] = "due"
     """When rollout 0's evaluation alone (``eval_share`` 0) starts. ``due``: as soon as the engine serves a version that
     is due. ``idle``: the engine keeps that version (new ones held, heartbeats "busy") and goes on generating training
@@ -1071,7 +1077,9 @@ class DeployConfig(_Section):
     lend_cpus: bool = False
     """start_cluster.sh on one machine without GPUs: the engines lend their cores to the learner while every engine
     waits for a version (its budget spent): the learner may run on every core, and its torch threads rise from its
-    own share of the cores (``train.threads``, set by the script) to every core until an engine generates again. False:
+    own share of the cores (``train.threads``, set by the script) to every core until an engine generates again. With
+    one engine and continuous generation the learner lends its cores back while it waits for a batch: the engine's
+    forwards run on every core until the learner works again (``cluster.rollout.engine_threads``). False:
     the learner and the engines keep disjoint cores (``taskset``), as on GPU hosts always. Off by default: on a shared
     2-core host under load, two learner threads made updates slower (benchmarks/results/cpu_lending); on an idle host
     it kept both cores ≥ 94 % busy at the same speed (the embedded default) or faster (SmolLM2: the SmolLM2 configs

@@ -142,7 +142,8 @@ def _plan(argv: Sequence[str]) -> int:
            "HEALTH_TIMEOUT": int(math.ceil(c.deploy.health_timeout_s)),
            "STOP_GRACE": int(math.ceil(c.deploy.stop_grace_s)),
            "POLICY_PATH": cfg.model.path or "", "CURVE": int(c.security.curve), "KEYS_DIR": str(keys_dir(cfg, rd)),
-           "LEARNER_RDZV_PORT": c.ports.learner_rdzv_port, "LEND_CPUS": int(c.deploy.lend_cpus)}
+           "LEARNER_RDZV_PORT": c.ports.learner_rdzv_port, "LEND_CPUS": int(c.deploy.lend_cpus),
+           "CONTINUOUS": int(cfg.rollout.generation == "continuous")}
     for agent in placement.learners:  # what the other learner hosts reach each learner agent at
         out[f"ADDR_{agent.name.upper().replace('-', '_')}"] = args.local_addr if agent.host in local else agent.host
     scheme = "https" if http.tls_cert is not None else "http"

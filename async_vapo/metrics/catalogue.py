@@ -115,6 +115,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec("rollout", "engine_occupancy_ratio", G, "Sequences in flight over rollout.max_in_flight, averaged over "
                "the last second (0-1): how busy the engine is kept."),
     MetricSpec("rollout", "groups_shipped_total", C, "Groups sent to the verifier."),
+    MetricSpec("rollout", "engine_threads", G, "The engine's OpenMP threads now: with cluster.deploy.lend_cpus and "
+               "cluster.rollout.engine_threads, every core while the learner waits for a batch, its own share while "
+               "it works (busy_seconds_total{stage=\"engine_lent\"}: the seconds on every core); 0: not set."),
     MetricSpec("rollout", "group_ship_seconds", H, "From a group's submission to the engine to its shipping.",
                buckets=LATENCY_BUCKETS),
     MetricSpec("rollout", "weight_pause_seconds", H, "Generation paused for one weight update (pause to resume; "

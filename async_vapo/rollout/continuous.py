@@ -232,6 +232,14 @@ class ContinuousEngine(EngineWeights):
         return self._call(self.llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs), timeout + 30.0,
                           f"RPC {method}")
 
+    def set_threads(self, n: int) -> concurrent.futures.Future:
+        """The OpenMP threads of the engine's forwards from its next step on (``worker_ext.async_vapo_threads``): the
+        learner's cores while it waits for a batch, the engine's own share while it learns
+        (``cluster.deploy.lend_cpus``). Returns at once; the future holds the count in force once a step boundary
+        applied it."""
+        return asyncio.run_coroutine_threadsafe(self.llm.collective_rpc("async_vapo_threads", timeout=60.0,
+                                                                        args=(n,)), self._loop)
+
     def _lora_call(self, method: str, arg):
         return self._call(getattr(self.llm, method)(arg), self.spec.weights_timeout_s, f"LoRA {method}")
 

@@ -98,6 +98,41 @@ class WeightSyncExtension:
         self.model_runner.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
         return {"reload_s": time.perf_counter() - t0, "quiet_layers": quiet.dropped, "not_loaded": quiet.not_loaded}
 
+    def async_vapo_threads(self, n: int) -> int:
+        """The OpenMP threads of this worker's forwards from its next step on, when ``n`` > 0; returns the count in
+        force. The engine takes the learner's cores while the learner waits for a batch (``cluster.deploy.lend_cpus``;
+        the engine's process may run on every core, its places span them). vLLM's CPU worker replaces
+        ``torch.set_num_threads`` with a no-op once it has bound its threads; ``torch._C``'s is the original. The
+        thread count is the calling thread's, and this thread runs the forwards: RPCs are served between two steps in
+        the worker's own loop."""
+        import torch
+
+        if n > 0:
+            torch._C.set_num_threads(n)
+        return torch.get_num_threads()
+
+    def async_vapo_forward_threads(self) -> tuple[int, int] | None:
+        """(thread id, OpenMP threads) of the last forward of the model since the first call (which installs the
+        hook that records them, and returns None), with this call's own thread id beside it as ``(fwd_id == rpc_id,
+        threads)``: for the tests of :meth:`async_vapo_threads`."""
+        import threading
+
+        import torch
+
+        seen = self.__dict__.get("_async_vapo_fwd")
+        if seen is None:
+            seen = self._async_vapo_fwd = {}
+
+            def record(*_):
+                seen["last"] = (threading.get_ident(), torch.get_num_threads())
+
+            self.model_runner.get_model().register_forward_pre_hook(record)  # type: ignore[attr-defined]
+            return None
+        if "last" not in seen:
+            return None
+        ident, threads = seen["last"]
+        return int(ident == threading.get_ident()), threads
+
     def async_vapo_dist_stats(self) -> dict[str, float]:
         """Stages of the last version received over torch.distributed (``async_vapo.weights.collective``)."""
         engine = getattr(self, "weight_transfer_engine", None)

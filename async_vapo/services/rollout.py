@@ -50,6 +50,7 @@ loop's thread; the learner writes the scores as a ``kind="critic_eval"`` row.
 from __future__ import annotations
 
 import math
+import os
 import queue
 import threading
 import time
@@ -99,8 +100,14 @@ class RolloutService:
         self.transport = transport
         self.groups_out = self.transport.sender(ctx.endpoint(c.hosts.verifier_host, c.ports.verifier_port),
                                                 peer="verifier")
+        self._threads_now: int | None = None
+        self._lent_since: float | None = None
+        self.engine_threads: tuple[int, int] | None = None
+        self.engine_threads = self._engine_threads()
+        """(own, every): the engine's OpenMP threads while the learner works and while it waits for a batch
+        (``cluster.deploy.lend_cpus``, ``cluster.rollout.engine_threads``); None: the engine keeps its threads."""
         self.weights = EngineWeightClient(ctx, transport, engine, on_announce=self._on_announce,
-                                          on_learner_waiting=self.admission.learner_waiting,
+                                          on_learner_waiting=self._learner_waiting,
                                           on_dropped=self._on_dropped,
                                           on_loaded=self._on_loaded)
         self.continuous = ContinuousDriver(self) if cfg.rollout.generation == "continuous" else None
@@ -117,6 +124,55 @@ class RolloutService:
         """(version, groups): held-out responses for the learner's critic, sent from the loop's thread (the
         evaluation may run in another: ``cluster.rollout.eval_share``)."""
         self.samples_generated = 0
+
+    def _engine_threads(self) -> tuple[int, int] | None:
+        """Cores follow the work the other way (``cluster.deploy.lend_cpus``): start_cluster.sh starts the one engine
+        on every core of a CPU host and sets its own share as ``cluster.rollout.engine_threads``; the engine's forwards
+        run on that many threads while the learner works, on every core while it says it waits for a batch."""
+        own = self.ctx.cfg.cluster.rollout.engine_threads
+        if not own or not self.ctx.cfg.cluster.deploy.lend_cpus:
+            return None
+        if self.ctx.cfg.rollout.generation != "continuous" or not hasattr(self.engine, "set_threads"):
+            self.ctx.log.warning("%s: cluster.rollout.engine_threads needs rollout.generation = \"continuous\": the "
+                                 "engine keeps the threads it started with", self.engine_id)
+            return None
+        every = len(os.sched_getaffinity(0))
+        if every <= own:
+            return None
+        self.ctx.log.info("%s: %d engine threads of its own, %d while the learner waits for a batch (it lends its "
+                          "cores: cluster.deploy.lend_cpus)", self.engine_id, own, every)
+        self._set_engine_threads(own, own)
+        return own, every
+
+    def _learner_waiting(self, waiting_s: float) -> None:
+        """Each of the learner's heartbeats: admission hears how long it has waited for a batch, and with
+        :meth:`_engine_threads` the engine takes its cores while it waits, gives them back when it works."""
+        self.admission.learner_waiting(waiting_s)
+        if self.engine_threads is not None:
+            own, every = self.engine_threads
+            self._set_engine_threads(every if waiting_s > 0 else own, own)
+
+    def _set_engine_threads(self, n: int, own: int) -> None:
+        if n == self._threads_now:
+            return
+        self._lent(n > own)
+        self._threads_now = n
+        self.ctx.metrics.get("engine_threads").set(n)
+
+        def done(fut) -> None:
+            if fut.exception() is not None:
+                self.ctx.log.warning("%s: the engine could not set %d threads: %s", self.engine_id, n,
+                                     fut.exception())
+
+        self.engine.set_threads(n).add_done_callback(done)
+
+    def _lent(self, lent: bool) -> None:
+        """The engine runs on the learner's cores from now on, or no longer: each such span is recorded in the busy
+        log as ``engine_lent``."""
+        now = time.time()
+        if self._lent_since is not None:
+            self.ctx.record_busy("engine_lent", self._lent_since, now)
+        self._lent_since = now if lent else None
 
     def _on_announce(self, a: WeightsAnnounce, previous: int) -> None:
         self.admission.announced(a.version, a.min_version)
@@ -355,6 +411,7 @@ class RolloutService:
                 except Exception:  # noqa: S110 - closing: the engine may be gone already
                     pass
                 self._eval_thread.join(30)
+        self._lent(False)
         self.ctx.write_stats()  # while the engine core and the eval worker are still up
         self.groups_out.close()
         self.weights.close()

@@ -337,14 +337,29 @@ class EngineWeightClient:
         long piece of work that takes no weights (a held-out evaluation), however long: the learner neither
         declares the engine dead (``cluster.wire.peer_dead_s``) nor drops it from rotation for the versions it
         publishes meanwhile (``WeightBroadcast``: a busy engine is excused from the ack deadline). A "ready"
-        heartbeat at the end says the engine takes versions again. The ``acks`` socket is the thread's alone
-        meanwhile: the loop sends nothing while it works, and starting and joining the thread order the
+        heartbeat at the end says the engine takes versions again. The thread also reads what the learner sends
+        (its heartbeats: how long it has waited for a batch, which lends its cores to this engine with
+        ``cluster.deploy.lend_cpus``; the latest announce, kept for the loop to load after the work; a shutdown);
+        an offer of a weight group waits for the loop. The ``acks`` and weights sockets are the thread's alone
+        meanwhile: the loop neither sends nor polls while it works, and starting and joining the thread order the
         hand-over (a ZeroMQ socket may move between threads so), so the learner reads one ordered stream."""
         done = threading.Event()
+        deferred: list = []
 
         def beat() -> None:
-            while not done.wait(self.ctx.cfg.cluster.wire.heartbeat_s):
-                self.heartbeat(force=True, status="busy")
+            every = self.ctx.cfg.cluster.wire.heartbeat_s
+            due = time.monotonic() + every
+            while not done.is_set():
+                env = self.sub.recv(min(0.05, every))
+                while env is not None:
+                    if isinstance(env.body, WeightsGroupOffer):
+                        deferred.append(env)
+                    else:
+                        self._receive(env)
+                    env = self.sub.recv(0)
+                if time.monotonic() >= due and not done.is_set():
+                    self.heartbeat(force=True, status="busy")
+                    due = time.monotonic() + every
 
         self._waiting_since = None  # it works: its cores are not the learner's to borrow meanwhile
         self.heartbeat(force=True, status="busy")
@@ -355,6 +370,8 @@ class EngineWeightClient:
         finally:
             done.set()
             thread.join()
+            for env in deferred:
+                self._receive(env)
             self.heartbeat(force=True)
 
     def close(self) -> None:

@@ -186,6 +186,7 @@ class WeightBroadcast:
         self.liveness = HeartbeatMonitor(c.wire.peer_dead_s)
         self.latest: WeightsAnnounce | None = None
         self._last_beat = 0.0
+        self._last_waiting = False
         self.idle: dict[str, bool] = {}
         """Engine -> whether its last heartbeat said it has nothing to generate (``waiting_s``)."""
         m = ctx.metrics
@@ -367,14 +368,15 @@ class WeightBroadcast:
 
     def heartbeat(self, version: int, waiting_s: float = 0.0, stale_dropped: dict[str, int] | None = None,
                   late_dropped: dict[str, int] | None = None, status: str = "ready") -> None:
-        """Publish a Heartbeat (at most every ``cluster.wire.heartbeat_s``) with the latest announce and, while the
-        learner waits for a batch, how long it has waited, and the groups the replay dropped as stale by engine, all
-        and those that arrived stale (the engines' admission makes up lost groups by them). ``status`` "draining":
-        the learner has made its last version (rollout 0 evaluates it)."""
+        """Publish a Heartbeat (every ``cluster.wire.heartbeat_s``, and at once when a wait for a batch starts or ends)
+        with the latest announce and, while the learner waits for a batch, how long it has waited, and the groups the
+        replay dropped as stale by engine, all and those that arrived stale (the engines' admission makes up lost
+        groups by them). ``status`` "draining": the learner has made its last version (rollout 0 evaluates it)."""
         now = time.monotonic()
         self.pub.pump()
-        if now - self._last_beat >= self.ctx.cfg.cluster.wire.heartbeat_s:
-            self._last_beat = now
+        # a wait that starts or ends is published at once: an engine lends its cores by it (lend_cpus)
+        if now - self._last_beat >= self.ctx.cfg.cluster.wire.heartbeat_s or (waiting_s > 0) != self._last_waiting:
+            self._last_beat, self._last_waiting = now, waiting_s > 0
             self.pub.publish(make_envelope(Heartbeat(service="learner", instance=str(self.ctx.instance),
                                                      served_version=version, weights=self.latest, status=status,
                                                      waiting_s=waiting_s, stale_dropped=dict(stale_dropped or {}),

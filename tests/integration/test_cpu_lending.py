@@ -107,8 +107,74 @@ def _dry_run(tmp_path, *overrides) -> dict[str, str]:
 def test_start_cluster_lets_the_learner_run_on_every_core_of_a_cpu_host(tmp_path):
     plan = _dry_run(tmp_path, "cluster.deploy.lend_cpus=true")
     last = NCPU - 1
-    r = NCPU * 1 // 2  # tiny_cpu: one engine, one learner rank
-    assert plan["rollout-0"].startswith(f"taskset -c 0-{r - 1} ")
+    r = NCPU * 1 // 2  # tiny_cpu: one engine (continuous generation), one learner rank
+    # and back: the one continuous engine on every core, its own share as its threads
+    assert plan["rollout-0"].startswith(f"taskset -c 0-{last} ")
+    assert plan["rollout-0"].endswith(f"'cluster.rollout.engine_threads={r}'")
     assert plan["learner"].startswith(f"taskset -c 0-{last} ") and f"train.threads={NCPU - r}" in plan["learner"]
+    plan = _dry_run(tmp_path, "cluster.deploy.lend_cpus=true", "rollout.generation=lockstep")
+    assert plan["rollout-0"].startswith(f"taskset -c 0-{r - 1} ") and "engine_threads" not in plan["rollout-0"]
+    assert plan["learner"].startswith(f"taskset -c 0-{last} ")
     plan = _dry_run(tmp_path)  # the default: disjoint cores, as before
     assert plan["learner"].startswith(f"taskset -c {r}-{last} ") and "train.threads=" not in plan["learner"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NCPU < 2, reason="lending needs two cores")
+def test_the_engine_takes_the_learners_cores_while_the_learner_waits(tiny_cfg, tiny_base, continuous_engine,
+                                                                     tmp_path):
+    """The other way: the rollout service hears the learner's heartbeats (the real learner's weight broadcast) and its
+    continuous engine's forwards run on every core while the learner waits for a batch, on its own share while it
+    works; the forwards run in the thread that sets the count (vLLM's worker loop)."""
+    from transformers import AutoTokenizer
+
+    from async_vapo.services.learner import LearnerService
+    from async_vapo.services.rollout import RolloutService
+    from async_vapo.tasks import load_task
+    from async_vapo.transport import InprocTransport
+
+    cfg = load_config([], [*TINY_TEST_OVERRIDES, f"model.cache_dir={tiny_cfg.model.cache_dir}", "train.threads=1",
+                           "cluster.deploy.lend_cpus=true", "cluster.rollout.engine_threads=1",
+                           "rollout.generation=continuous",
+                           "cluster.weights.transfer=shm", f"cluster.weights.dir={tmp_path / 'w'}",
+                           "cluster.wire.heartbeat_s=30"])  # only a wait that starts or ends is heard in time
+    ctxs = {s: make_context(s, cfg=cfg, run_dir=tmp_path / "run", serve_metrics=False, install_signals=False)
+            for s in ("learner", "rollout")}
+    transport = InprocTransport()
+    learner = LearnerService(ctxs["learner"], transport)
+    tok = AutoTokenizer.from_pretrained(str(tiny_base))
+    continuous_engine.load_weights(learner.learner.policy_state(), 0)
+    train_set, eval_set = load_task(cfg)
+    threads_before = continuous_engine.set_threads(0).result(30)[0]  # the session's engine's, to restore
+    rollout = RolloutService(ctxs["rollout"], transport, continuous_engine, tok, train_set, eval_set,
+                             pretrain_batches=1)
+    ids = tok("12+7=")["input_ids"]
+
+    def forward_threads() -> tuple[int, int]:
+        continuous_engine.generate([ids], n=1, temperature=1.0, top_p=1.0, max_tokens=2, stop_token_ids=[])
+        return tuple(continuous_engine._collective_rpc("async_vapo_forward_threads", timeout=30)[0])
+
+    def heard(waiting_s: float) -> None:
+        learner.sync.heartbeat(learner.learner.version, waiting_s=waiting_s)
+        _until(lambda: rollout._threads_now == (NCPU if waiting_s > 0 else 1),
+               lambda: rollout.weights.poll(0.05), timeout_s=10)
+        continuous_engine.set_threads(0).result(30)  # the count is applied: the next forward runs with it
+
+    try:
+        assert rollout.engine_threads == (1, NCPU)
+        continuous_engine._collective_rpc("async_vapo_forward_threads", timeout=30)  # its hook
+        rollout.weights.start()
+        assert forward_threads() == (1, 1), "the engine did not start on its own share"
+        heard(2.0)  # the learner waits for a batch
+        assert forward_threads() == (1, NCPU), "the engine did not take the waiting learner's cores"
+        assert ctxs["rollout"].metrics.get("engine_threads")._value.get() == NCPU
+        heard(0.0)  # it works again
+        assert forward_threads() == (1, 1), "the engine kept the cores of a learner that works"
+        lent = [ln for ln in (tmp_path / "run" / "stats" / "rollout-0.busy.jsonl").read_text().splitlines()
+                if "engine_lent" in ln]
+        assert len(lent) == 1, "the engine's time on the learner's cores is not in its busy log"
+    finally:
+        continuous_engine.set_threads(threads_before).result(30)  # the session's engine as it was
+        rollout.close()
+        learner.close()
+        transport.close()
