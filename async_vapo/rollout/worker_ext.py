@@ -112,9 +112,9 @@ class WeightSyncExtension:
         return torch.get_num_threads()
 
     def async_vapo_forward_threads(self) -> tuple[int, int] | None:
-        """(thread id, OpenMP threads) of the last forward of the model since the first call (which installs the
-        hook that records them, and returns None), with this call's own thread id beside it as ``(fwd_id == rpc_id,
-        threads)``: for the tests of :meth:`async_vapo_threads`."""
+        """Of the model's last forward since the first call (which installs the hook that records it, and returns
+        None): (1 if it ran in this RPC's thread, else 0; its OpenMP threads). For the tests of
+        :meth:`async_vapo_threads`."""
         import threading
 
         import torch
