@@ -143,6 +143,8 @@ def services_split(path: Path, steps: list[dict]) -> dict:
             "token_lag_mean": a["token_lag_mean"], "token_lag_max": a["token_lag_max"],
             "multi_version_samples": a["multi_version_samples"], "own_s": a["learner_own_s"],
             "over_bound": a["over_learner_own"], "stale_groups": stale,
+            "between_evals_s": a["between_evals_s_per_update"],
+            "over_bound_between_evals": a["over_learner_own_between_evals"],
             "stale_share": stale / (stale + served) if stale + served else 0.0,
             # the engine's side: its seconds generating per batch it made (served in the window, or dropped stale)
             "engine_s_per_batch": a["busy_fraction"].get("generate", 0.0) * a["window_s"] * pps
@@ -202,6 +204,13 @@ def plot(runs: list[dict], png: Path) -> None:
     fig.savefig(png, dpi=110)
 
 
+def _between(x: dict) -> str:
+    """Seconds per update between evaluations and how far over the learner's own (median) they came."""
+    if x.get("between_evals_s") is None:
+        return "–"
+    return f"{x['between_evals_s']:.1f}, {x['over_bound_between_evals']:+.0%}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+")
@@ -235,17 +244,18 @@ def main(argv: list[str] | None = None) -> int:
     services = [r for r in runs if "services" in r]
     if services:
         lines += ["", "| through the services | s / update | the learner's own (median), over it "
+                  "| s / update between evaluations, over the learner's own "
                   "| the engine's generating s per batch made | busy share: generate, learn, evaluate, load weights "
                   "| generate and learn at once "
                   "| learner waits for a batch (s / update) "
                   "| groups dropped stale (share) | trained tokens by version lag | samples under two versions |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in services:
             x = r["services"]
             b = x["busy_fraction"]
             lag = ", ".join(f"{k}: {v:.1%}" for k, v in x["token_lag_share"].items())
             lines.append(f"| {r['algo']} seed {r['seed']} | {x['seconds_per_update']:.1f} | {x['own_s']:.1f}, "
-                         f"{x['over_bound']:+.0%} | {x['engine_s_per_batch']:.1f} | "
+                         f"{x['over_bound']:+.0%} | {_between(x)} | {x['engine_s_per_batch']:.1f} | "
                          + ", ".join(f"{b.get(k, 0.0):.2f}" for k in ("generate", "learn", "evaluate", "load_weights"))
                          + f" | {x['generate_and_learn_overlap']:.2f} | {x['wait_s']:.1f} | "
                          f"{x['stale_groups']} ({x['stale_share']:.0%}) | {lag} "

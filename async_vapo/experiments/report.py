@@ -107,6 +107,12 @@ def analyse_cluster_run(run: Path) -> dict:
     # updates after the first (which carries start-up); the bound on seconds per update while the learner is the
     # slower side
     own = statistics.median(r["time/learn_s"] + r.get("time/weight_push_s", 0.0) for r in train[1:])
+    # seconds per update between evaluations: the intervals between consecutive updates that no held-out
+    # evaluation's span ([wall_s - time/eval_s, wall_s]) overlaps; with the rest, what the evaluations cost
+    spans = [(r["wall_s"] - r.get("time/eval_s", 0.0), r["wall_s"]) for r in rows if r.get("kind") == "eval"]
+    gaps = [(a["wall_s"], b["wall_s"]) for a, b in zip(train, train[1:], strict=False)]
+    between = [b - a for a, b in gaps if not any(s <= b and e >= a for s, e in spans)]
+    between_s = statistics.fmean(between) if between else None
     replay_log = run / "logs" / "replay.log"
     stale = sum(int(m.group(1)) for m in re.finditer(r"dropped (\d+) groups: stale",
                                                      replay_log.read_text(errors="replace")
@@ -129,6 +135,8 @@ def analyse_cluster_run(run: Path) -> dict:
         "multi_version_samples": _mean_of(train, "replay/multi_version_samples"),
         "final_accuracy": evals[-1][1] if evals else None,
         "learner_own_s": own, "over_learner_own": window / updates / own - 1,
+        "between_evals_s_per_update": between_s, "between_evals_updates": len(between),
+        "over_learner_own_between_evals": between_s / own - 1 if between_s is not None else None,
         # groups the replay dropped as too old for the staleness bound (its log; the whole run, not the window)
         "stale_groups": stale,
     }

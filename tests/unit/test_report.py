@@ -75,6 +75,26 @@ def test_cluster_run_learner_own_time_and_stale_groups(tmp_path):
     assert fig["stale_groups"] == 8
 
 
+def test_cluster_run_seconds_per_update_between_evaluations(tmp_path):
+    run = tmp_path / "r"
+    _write_run(run, step_s=8.0, gen=2.0, learn=6.0, ages=[0])
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    walls = [108.0, 116.0, 130.0, 138.0, 146.0]  # the third interval held up 6 s by an evaluation
+    for r, w in zip(train, walls, strict=True):
+        r["wall_s"] = w
+    rows = [r for r in rows if r["kind"] == "train"]
+    rows.append({"kind": "eval", "step": 2, "version": 2, "wall_s": 125.0, "time/eval_s": 7.0, "eval/accuracy": 0.5})
+    rows.append({"kind": "eval", "step": 0, "version": 0, "wall_s": 90.0, "time/eval_s": 9.0, "eval/accuracy": 0.1})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fig = analyse_cluster_run(run)
+    assert fig["seconds_per_update"] == pytest.approx(38 / 4)
+    # the evaluation's span 118-125 s lies inside the interval 116-130 s; the one before training overlaps none
+    assert fig["between_evals_updates"] == 3
+    assert fig["between_evals_s_per_update"] == pytest.approx(8.0)
+    assert fig["over_learner_own_between_evals"] == pytest.approx(8 / 6 - 1)
+
+
 def test_async_report_ratios_against_the_synchronous_run(tmp_path):
     _write_run(tmp_path / "staleness_0", step_s=8.0, gen=2.0, learn=6.0, ages=[0])
     _write_run(tmp_path / "staleness_1", step_s=6.4, gen=2.0, learn=6.0, ages=[0, 1])
