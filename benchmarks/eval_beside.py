@@ -18,7 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-from async_vapo.experiments.report import analyse_cluster_run
+from async_vapo.experiments.report import analyse_cluster_run, eval_spans
 
 
 def figures(run: Path) -> dict:
@@ -29,9 +29,9 @@ def figures(run: Path) -> dict:
     train = sorted((r for r in rows if r["kind"] == "train"), key=lambda r: r["step"])
     evals = [r for r in rows if r["kind"] == "eval" and r["step"] > 0]
     per_update = base["seconds_per_update"]
-    # the waits for a batch that overlapped an evaluation (its span: its row's wall_s minus its seconds); an update's
+    # the waits for a batch that overlapped an evaluation (eval_spans); an update's
     # wait is the start of its step (wall_s - time/step_s) for time/wait_batch_s
-    spans = [(e["wall_s"] - e["time/eval_s"], e["wall_s"]) for e in evals]
+    spans = eval_spans(evals)
     during_eval = []
     for r in train[1:]:
         start = r["wall_s"] - r["time/step_s"]

@@ -70,6 +70,12 @@ def _intersection(x: list[tuple[float, float]], y: list[tuple[float, float]]) ->
     return out
 
 
+def eval_spans(rows: list[dict]) -> list[tuple[float, float]]:
+    """Each held-out evaluation's span in a run's metrics rows: its row's ``wall_s`` less its ``time/eval_s``, to
+    ``wall_s``."""
+    return [(r["wall_s"] - r.get("time/eval_s", 0.0), r["wall_s"]) for r in rows if r.get("kind") == "eval"]
+
+
 def analyse_cluster_run(run: Path) -> dict:
     """Figures of one cluster run over its training window (first to last policy update)."""
     rows = _rows(run)
@@ -109,7 +115,7 @@ def analyse_cluster_run(run: Path) -> dict:
     own = statistics.median(r["time/learn_s"] + r.get("time/weight_push_s", 0.0) for r in train[1:])
     # seconds per update between evaluations: the intervals between consecutive updates that no held-out
     # evaluation's span ([wall_s - time/eval_s, wall_s]) overlaps; with the rest, what the evaluations cost
-    spans = [(r["wall_s"] - r.get("time/eval_s", 0.0), r["wall_s"]) for r in rows if r.get("kind") == "eval"]
+    spans = eval_spans(rows)
     gaps = [(a["wall_s"], b["wall_s"]) for a, b in zip(train, train[1:], strict=False)]
     between = [b - a for a, b in gaps if not any(s <= b and e >= a for s, e in spans)]
     between_s = statistics.fmean(between) if between else None
