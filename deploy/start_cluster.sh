@@ -302,7 +302,9 @@ fi
 rm -f "$RUN_DIR"/pids/* "$RUN_DIR/DONE"
 ASYNC_VAPO_T0=$(date +%s.%N)
 export ASYNC_VAPO_T0
-printf 'STOP_GRACE=%s\nASYNC_VAPO_SSH=%s\n' "$STOP_GRACE" "$SSH_CMD" > "$RUN_DIR/pids/cluster.env"
+# ASYNC_VAPO_T0, recorded: the origin of every service's clock (wall_s in metrics.jsonl and the busy logs), epoch seconds
+printf 'STOP_GRACE=%s\nASYNC_VAPO_SSH=%s\nASYNC_VAPO_T0=%s\n' "$STOP_GRACE" "$SSH_CMD" "$ASYNC_VAPO_T0" \
+  > "$RUN_DIR/pids/cluster.env"
 echo "[start_cluster] run dir $RUN_DIR: $N_ROLLOUT rollout engine(s), $N_LEARNER learner rank(s)" >&2
 
 # -- the base model is built once here, not by four services at the same time (its progress on the terminal) ------

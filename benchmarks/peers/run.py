@@ -130,13 +130,30 @@ def run_cluster(seed: int, updates: int, every: int, work: Path, setting: str = 
     cmd = ["bash", "deploy/start_cluster.sh", "--config", config, "--run-dir", str(run_dir), "--wait",
            "--", *overrides, f"train.seed={seed}", f"train.total_steps={updates}", f"train.checkpoint_every={every}",
            f"train.max_minutes={minutes:g}", "cluster.rollout.eval=false", *ports]
-    t0 = time.perf_counter()
+    launched, t0 = time.time(), time.perf_counter()
     with open(work / f"{run_dir.name}.log", "w") as f:
         subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, check=True)
     train = cluster_train_rows(run_dir)
     ckpts = {int(p.name.split("_")[1]): str(p / "policy") for p in (run_dir / "checkpoints").glob("step_*")}
     return {"side": "cluster", "seed": seed, "t": cluster_clock(train), "checkpoints": ckpts, "run_dir": str(run_dir),
+            "process_t": cluster_process_clock(train, clock_origin(run_dir) - launched),
             "learn_s_mean": sum(r["time/learn_s"] for r in train) / len(train), "process_s": time.perf_counter() - t0}
+
+
+def clock_origin(run_dir: Path) -> float:
+    """The services' clock origin (epoch seconds), as ``deploy/start_cluster.sh`` recorded it."""
+    for line in (run_dir / "pids/cluster.env").read_text().splitlines():
+        if line.startswith("ASYNC_VAPO_T0="):
+            return float(line.split("=", 1)[1])
+    raise ValueError(f"{run_dir}/pids/cluster.env records no ASYNC_VAPO_T0")
+
+
+def cluster_process_clock(train: list[dict], origin_after_launch: float) -> dict[int, float]:
+    """Per update, seconds from ``start_cluster.sh``'s launch to the update's end: its checks and claim before the
+    services' clock starts (``origin_after_launch``), then the learner's ``wall_s``. Rollout 0 does not evaluate
+    (checkpoints are evaluated afterwards, as TRL's), so nothing is taken out: the engine's start, the model's load
+    and every wait stay in."""
+    return {r["step"]: origin_after_launch + r["wall_s"] for r in train}
 
 
 def cluster_train_rows(run_dir: Path) -> list[dict]:

@@ -153,7 +153,7 @@ def test_cluster_across_three_network_stacks(hosts, tiny_cfg, tiny_base, tmp_pat
         parts += [f"--- {log.name}:\n{_tail(log, 12)}" for log in hosts.sshd_logs]
         return "\n".join(parts)
 
-    t0 = time.monotonic()
+    t0, launched = time.monotonic(), time.time()
     try:
         start = subprocess.run([*start_cmd, "--", *overrides], cwd=REPO, env=env, capture_output=True, text=True,
                                stdin=subprocess.DEVNULL, timeout=LIMIT_S)
@@ -163,7 +163,10 @@ def test_cluster_across_three_network_stacks(hosts, tiny_cfg, tiny_base, tmp_pat
         pids = {p.stem: int(p.read_text()) for p in pids_dir.glob("*.pid")}
         assert set(pids) == set(host_of), pids
         assert {p.stem: p.read_text().strip() for p in pids_dir.glob("*.host")} == host_of
-        assert f"ASYNC_VAPO_SSH={hosts.ssh_cmd}" in (pids_dir / "cluster.env").read_text().splitlines()
+        env_lines = (pids_dir / "cluster.env").read_text().splitlines()
+        assert f"ASYNC_VAPO_SSH={hosts.ssh_cmd}" in env_lines
+        origin = [float(x.split("=", 1)[1]) for x in env_lines if x.startswith("ASYNC_VAPO_T0=")]
+        assert len(origin) == 1 and launched < origin[0] < time.time(), env_lines  # the services' clock origin
         resolved = json.loads((run_dir / "config.resolved.json").read_text())["cluster"]["hosts"]
         assert (resolved["bind_host"], resolved["learner_host"], resolved["replay_host"], resolved["verifier_host"],
                 resolved["rollout_hosts"]) == ("0.0.0.0", a, c, c, [c]), resolved

@@ -160,3 +160,20 @@ def test_committed_real_model_results_match_their_runs():
         assert 0 in {int(k) for k in run["accuracy"]}
     assert r.summarize_time_to(runs) == summary
     assert (RESULTS / "smollm2/peers.md").read_text() == r.markdown_time_to(summary)
+
+
+def test_services_process_clock_runs_from_the_launch(tmp_path):
+    """The services' side on the process clock: start_cluster.sh's recorded clock origin, less the launch, plus the
+    learner's ``wall_s`` (hand-made cluster.env and rows)."""
+    from benchmarks.peers.run import clock_origin, cluster_clock, cluster_process_clock
+
+    (tmp_path / "pids").mkdir()
+    (tmp_path / "pids/cluster.env").write_text("STOP_GRACE=30\nASYNC_VAPO_SSH=\nASYNC_VAPO_T0=1000.25\n")
+    train = [{"step": 1, "wall_s": 80.0, "time/step_s": 50.0, "time/wait_batch_s": 40.0},
+             {"step": 2, "wall_s": 95.0, "time/step_s": 15.0, "time/wait_batch_s": 1.0}]
+    origin = clock_origin(tmp_path) - 990.0  # launched 10.25 s before the services' clock started
+    assert cluster_process_clock(train, origin) == {1: 90.25, 2: 105.25}
+    assert cluster_clock(train) == {1: 10.0, 2: 25.0}  # the training clock: from the first batch (t = 70 s)
+    (tmp_path / "pids/cluster.env").write_text("STOP_GRACE=30\n")
+    with pytest.raises(ValueError, match="no ASYNC_VAPO_T0"):
+        clock_origin(tmp_path)
