@@ -2,7 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/peers/hf_check.py --setting smollm2 \
         models/smollm2-135m-instruct runs/peers_smollm2/trl_s0/step_2 \
-        --out benchmarks/results/peers/smollm2/hf_check.json
+        --out benchmarks/results/peers/smollm2/pilot/hf_check.json
 
 Each model directory is evaluated on the setting's held-out problems (one sample each, the config's evaluation
 temperature and top-p, its response cap, stopping at the model's EOS ids), prompts by our ``PromptEncoder``, graded by

@@ -149,17 +149,19 @@ def test_time_to_threshold_is_censored_at_the_budget():
     assert "| 150 | > 600 |" in md and "| 250 | 250 |" in md
 
 
-@pytest.mark.skipif(not (RESULTS / "smollm2/runs.json").exists(), reason="no committed real-model results")
-def test_committed_real_model_results_match_their_runs():
+@pytest.mark.parametrize("where", ["smollm2", "smollm2/pilot"])
+def test_committed_real_model_results_match_their_runs(where):
+    if not (RESULTS / where / "runs.json").exists():
+        pytest.skip(f"no committed real-model results in {where}")
     r = _report()
-    runs = json.loads((RESULTS / "smollm2/runs.json").read_text())
-    summary = json.loads((RESULTS / "smollm2/peers.json").read_text())
+    runs = json.loads((RESULTS / where / "runs.json").read_text())
+    summary = json.loads((RESULTS / where / "peers.json").read_text())
     for run in runs:
         times = [run["process_t"][str(k)] for k in sorted(map(int, run["process_t"]))]
         assert all(b > a for a, b in zip(times, times[1:], strict=False)), "the clock must increase"
         assert 0 in {int(k) for k in run["accuracy"]}
     assert r.summarize_time_to(runs) == summary
-    assert (RESULTS / "smollm2/peers.md").read_text() == r.markdown_time_to(summary)
+    assert (RESULTS / where / "peers.md").read_text() == r.markdown_time_to(summary)
 
 
 def test_services_process_clock_runs_from_the_launch(tmp_path):
