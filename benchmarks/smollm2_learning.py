@@ -120,8 +120,9 @@ def services_split(path: Path, steps: list[dict]) -> dict:
     """Where a services run's time went, over its training window (first to last update): each stage's busy share
     (the services' busy logs), the learner's wait for a batch and weight push per update, its own median seconds per
     update (learn and push, waits excluded: the bound while the learner is the slower side) and how far over it the
-    run came, the engine's generating seconds per batch it made (the bound while the engine is the slower side), the
-    groups the replay dropped as stale (its log) as a share of those it dropped or served, and how old
+    run came, the engine's generating seconds per batch it made, the engine's own seconds per update (generation,
+    evaluation and loads: ``analyse_cluster_run``'s ``engine_own_s``) and how far over the slower side's own time the
+    run came, the groups the replay dropped as stale (its log) as a share of those it dropped or served, and how old
     the trained tokens were (the share of tokens generated K versions behind the learner, averaged over updates)."""
     from async_vapo.experiments.report import analyse_cluster_run
 
@@ -143,7 +144,8 @@ def services_split(path: Path, steps: list[dict]) -> dict:
             "token_lag_mean": a["token_lag_mean"], "token_lag_max": a["token_lag_max"],
             "multi_version_samples": a["multi_version_samples"], "own_s": a["learner_own_s"],
             "over_bound": a["over_learner_own"], "stale_groups": stale,
-            "between_evals_s": a["between_evals_s_per_update"],
+            "between_evals_s": a["between_evals_s_per_update"], "engine_own_s": a["engine_own_s"],
+            "slower_side": a["slower_side"], "over_slower_side": a["over_bound"],
             "over_bound_between_evals": a["over_learner_own_between_evals"],
             "stale_share": stale / (stale + served) if stale + served else 0.0,
             # the engine's side: its seconds generating per batch it made (served in the window, or dropped stale)
@@ -245,17 +247,20 @@ def main(argv: list[str] | None = None) -> int:
     if services:
         lines += ["", "| through the services | s / update | the learner's own (median), over it "
                   "| s / update between evaluations, over the learner's own "
-                  "| the engine's generating s per batch made | busy share: generate, learn, evaluate, load weights "
+                  "| the engine's generating s per batch made "
+                  "| the engine's own s / update (generate, evaluate, load); the slower side's, over it "
+                  "| busy share: generate, learn, evaluate, load weights "
                   "| generate and learn at once "
                   "| learner waits for a batch (s / update) "
                   "| groups dropped stale (share) | trained tokens by version lag | samples under two versions |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in services:
             x = r["services"]
             b = x["busy_fraction"]
             lag = ", ".join(f"{k}: {v:.1%}" for k, v in x["token_lag_share"].items())
             lines.append(f"| {r['algo']} seed {r['seed']} | {x['seconds_per_update']:.1f} | {x['own_s']:.1f}, "
                          f"{x['over_bound']:+.0%} | {_between(x)} | {x['engine_s_per_batch']:.1f} | "
+                         f"{x['engine_own_s']:.1f}; {x['slower_side']}, {x['over_slower_side']:+.0%} | "
                          + ", ".join(f"{b.get(k, 0.0):.2f}" for k in ("generate", "learn", "evaluate", "load_weights"))
                          + f" | {x['generate_and_learn_overlap']:.2f} | {x['wait_s']:.1f} | "
                          f"{x['stale_groups']} ({x['stale_share']:.0%}) | {lag} "

@@ -36,10 +36,11 @@ def _rows(run: Path) -> list[dict]:
     return rows
 
 
-def busy_intervals(run: Path) -> dict[str, list[tuple[float, float]]]:
-    """Stage -> [(start, end)] seconds since the cluster started, from every service's busy log."""
+def busy_intervals(run: Path, pattern: str = "*") -> dict[str, list[tuple[float, float]]]:
+    """Stage -> [(start, end)] seconds since the cluster started, from the busy logs of every service (or of those
+    whose name matches ``pattern``, e.g. ``rollout-0``)."""
     out: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for f in sorted((run / "stats").glob("*.busy.jsonl")):
+    for f in sorted((run / "stats").glob(f"{pattern}.busy.jsonl")):
         for line in f.read_text().splitlines():
             try:
                 stage, a, b = json.loads(line)
@@ -47,6 +48,11 @@ def busy_intervals(run: Path) -> dict[str, list[tuple[float, float]]]:
                 continue
             out[stage].append((float(a), float(b)))
     return out
+
+
+ENGINE_WORK = ("generate", "evaluate", "load_weights")
+"""What a rollout engine's own time per update is made of: its training groups, rollout 0's held-out evaluations,
+its loads of new versions."""
 
 
 def _covered(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
@@ -115,6 +121,13 @@ def analyse_cluster_run(run: Path) -> dict:
     own = statistics.median(r["time/learn_s"] + r.get("time/weight_push_s", 0.0) for r in train[1:])
     # seconds per update between evaluations: the intervals between consecutive updates that no held-out
     # evaluation's span ([wall_s - time/eval_s, wall_s]) overlaps; with the rest, what the evaluations cost
+    # the engine's own seconds per update: the seconds of the window in which it generated, evaluated or loaded
+    # weights, per update (the mean over engines); the pipeline's bound is the slower side's own time
+    engines = [busy_intervals(run, f.name.removesuffix(".busy.jsonl"))
+               for f in sorted((run / "stats").glob("rollout-*.busy.jsonl"))]
+    engine_own = (statistics.fmean(_covered([iv for st in ENGINE_WORK for iv in e.get(st, [])], lo, hi)
+                                   for e in engines) / updates) if engines else None
+    bound = max(own, engine_own or 0.0)
     spans = eval_spans(rows)
     gaps = [(a["wall_s"], b["wall_s"]) for a, b in zip(train, train[1:], strict=False)]
     between = [b - a for a, b in gaps if not any(s <= b and e >= a for s, e in spans)]
@@ -141,6 +154,8 @@ def analyse_cluster_run(run: Path) -> dict:
         "multi_version_samples": _mean_of(train, "replay/multi_version_samples"),
         "final_accuracy": evals[-1][1] if evals else None,
         "learner_own_s": own, "over_learner_own": window / updates / own - 1,
+        "engine_own_s": engine_own, "bound_s": bound, "over_bound": window / updates / bound - 1,
+        "slower_side": "engine" if engine_own is not None and engine_own > own else "learner",
         "between_evals_s_per_update": between_s, "between_evals_updates": len(between),
         "over_learner_own_between_evals": between_s / own - 1 if between_s is not None else None,
         # groups the replay dropped as too old for the staleness bound (its log; the whole run, not the window)

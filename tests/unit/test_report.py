@@ -190,3 +190,27 @@ def test_undefined_explained_variance_is_left_out_not_averaged_in(tmp_path):
     assert critic[1]["explained_variance"] is None and critic[1]["value_error_abs"] == pytest.approx(0.6)
     assert "0.600 / – / 320" in (tmp_path / "async_vs_sync.md").read_text()
     assert (tmp_path / "async_vs_sync.png").stat().st_size > 0
+
+
+def test_cluster_run_bound_is_the_slower_sides_own_time(tmp_path):
+    """The engine's own seconds per update (generation, evaluation, loads, per engine) against the learner's: the
+    slower one bounds the pipeline."""
+    run = tmp_path / "r"
+    _write_run(run, step_s=8.0, gen=2.0, learn=6.0, ages=[0])  # window 108-140 s: 4 updates, 8 s each
+    fig = analyse_cluster_run(run)
+    # generation 2 s per update inside the window (updates 2..5: the first update's generation is before it)
+    assert fig["engine_own_s"] == pytest.approx(2.0)
+    assert fig["bound_s"] == pytest.approx(6.0) and fig["slower_side"] == "learner"
+    # an evaluation of 9 s and loads of 1 s per update on the engine; a second engine busy all the window
+    with open(run / "stats" / "rollout-0.busy.jsonl", "a") as f:
+        f.write("\n" + json.dumps(["evaluate", 120.0, 129.0]) + "\n")
+        f.write("".join(json.dumps(["load_weights", 95 + k * 8.0, 96 + k * 8.0]) + "\n" for k in range(1, 6)))
+        f.write(json.dumps(["engine_lent", 100.0, 140.0]) + "\n")  # a marker, not work
+    (run / "stats" / "rollout-1.busy.jsonl").write_text(json.dumps(["generate", 90.0, 150.0]) + "\n")
+    fig = analyse_cluster_run(run)
+    # rollout-0 in the window 108-140: generation 8 s (108-110, 116-118, 124-126, 132-134), the evaluation 7 s more
+    # (120-129, less 124-126), loads 3 s more (111-112, 119-120, 135-136; 103-104 before the window, 127-128 inside
+    # the evaluation): 18 s; rollout-1: 32 s; the mean, 25 s over 4 updates
+    assert fig["engine_own_s"] == pytest.approx(25 / 4)
+    assert fig["slower_side"] == "engine" and fig["bound_s"] == pytest.approx(25 / 4)
+    assert fig["over_bound"] == pytest.approx(8 / (25 / 4) - 1)
