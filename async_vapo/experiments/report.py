@@ -119,8 +119,6 @@ def analyse_cluster_run(run: Path) -> dict:
     # updates after the first (which carries start-up); the bound on seconds per update while the learner is the
     # slower side
     own = statistics.median(r["time/learn_s"] + r.get("time/weight_push_s", 0.0) for r in train[1:])
-    # seconds per update between evaluations: the intervals between consecutive updates that no held-out
-    # evaluation's span ([wall_s - time/eval_s, wall_s]) overlaps; with the rest, what the evaluations cost
     # the engine's own seconds per update: the seconds of the window in which it generated, evaluated or loaded
     # weights, per update (the mean over engines); the pipeline's bound is the slower side's own time
     engines = [busy_intervals(run, f.name.removesuffix(".busy.jsonl"))
@@ -128,6 +126,8 @@ def analyse_cluster_run(run: Path) -> dict:
     engine_own = (statistics.fmean(_covered([iv for st in ENGINE_WORK for iv in e.get(st, [])], lo, hi)
                                    for e in engines) / updates) if engines else None
     bound = max(own, engine_own or 0.0)
+    # seconds per update between evaluations: the intervals between consecutive updates that no held-out
+    # evaluation's span ([wall_s - time/eval_s, wall_s]) overlaps; with the rest, what the evaluations cost
     spans = eval_spans(rows)
     gaps = [(a["wall_s"], b["wall_s"]) for a, b in zip(train, train[1:], strict=False)]
     between = [b - a for a, b in gaps if not any(s <= b and e >= a for s, e in spans)]
