@@ -145,7 +145,7 @@ def services_split(path: Path, steps: list[dict]) -> dict:
             "multi_version_samples": a["multi_version_samples"], "own_s": a["learner_own_s"],
             "over_bound": a["over_learner_own"], "stale_groups": stale,
             "between_evals_s": a["between_evals_s_per_update"], "engine_own_s": a["engine_own_s"],
-            "slower_side": a["slower_side"], "over_slower_side": a["over_bound"],
+            "slower_side": a["slower_side"], "over_slower_side": a["over_slower_side"],
             "over_bound_between_evals": a["over_learner_own_between_evals"],
             "stale_share": stale / (stale + served) if stale + served else 0.0,
             # the engine's side: its seconds generating per batch it made (served in the window, or dropped stale)

@@ -154,7 +154,7 @@ def analyse_cluster_run(run: Path) -> dict:
         "multi_version_samples": _mean_of(train, "replay/multi_version_samples"),
         "final_accuracy": evals[-1][1] if evals else None,
         "learner_own_s": own, "over_learner_own": window / updates / own - 1,
-        "engine_own_s": engine_own, "bound_s": bound, "over_bound": window / updates / bound - 1,
+        "engine_own_s": engine_own, "slower_side_s": bound, "over_slower_side": window / updates / bound - 1,
         "slower_side": "engine" if engine_own is not None and engine_own > own else "learner",
         "between_evals_s_per_update": between_s, "between_evals_updates": len(between),
         "over_learner_own_between_evals": between_s / own - 1 if between_s is not None else None,
