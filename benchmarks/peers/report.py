@@ -18,7 +18,11 @@ Per side: the mean over seeds, with min and max; ``x_trl`` is the side's mean ``
 A real-model run (``run.py --setting smollm2``) also has ``process_t``: per update, seconds from the process's
 launch, start-up included, held-out evaluations excluded, and ``budget_s``. :func:`summarize_time_to` reads it: per
 run the process seconds to the first evaluation at or above each threshold (``time_to``), censored at the budget
-when none is (``reached`` false), the seconds per update after the first, the last evaluation.
+when none is (``reached`` false), the seconds per update after the first, the last evaluation. For each of our runs
+against TRL's run of the same seed, ``vs_trl``: per threshold the ratio of the two times with what it is when a side
+is censored (``"="`` both reached; ``"<"`` only ours, so the ratio is an upper bound, TRL's time being past its
+budget; ``">"`` only TRL's, a lower bound; ``None`` neither), and the study's criterion (issue 47): ours reaches the
+last threshold in at most ``CRITERION_RATIO`` x TRL's time, at equal or better final accuracy (the last evaluation).
 """
 
 from __future__ import annotations
@@ -86,6 +90,23 @@ def summarize(runs: list[dict], *, updates: int) -> dict:
 
 
 THRESHOLDS = (0.8, 0.9)
+CRITERION_RATIO = 0.6
+
+
+def versus_trl(row: dict, trl: dict, thresholds: tuple[float, ...]) -> dict:
+    """One of our runs' times against TRL's run of the same seed (rows of :func:`summarize_time_to`)."""
+    out: dict = {"ratio": {}}
+    for thr in map(str, thresholds):
+        ours, theirs = row["time_to"][thr], trl["time_to"][thr]
+        kind = {(True, True): "=", (True, False): "<", (False, True): ">", (False, False): None}[
+            (ours["reached"], theirs["reached"])]
+        out["ratio"][thr] = {"x": None if kind is None else ours["s"] / theirs["s"], "kind": kind}
+    last = out["ratio"][str(thresholds[-1])]
+    out["criterion"] = {"ratio_le": CRITERION_RATIO,
+                        "time": last["kind"] in ("=", "<") and last["x"] <= CRITERION_RATIO,
+                        "final_accuracy": row["last_accuracy"] >= trl["last_accuracy"]}
+    out["criterion"]["met"] = out["criterion"]["time"] and out["criterion"]["final_accuracy"]
+    return out
 
 
 def time_to(run: dict, threshold: float) -> tuple[float, bool]:
@@ -117,6 +138,11 @@ def summarize_time_to(runs: list[dict], thresholds: tuple[float, ...] = THRESHOL
         threads = "/".join(map(str, sorted({x["threads"] for x in mine if "threads" in x})))
         out["sides"][s] = {"label": LABELS_REAL[s] + (f", torch threads {threads}" if threads else ""),
                            "runs": per_run}
+    trl = {r["seed"]: r for r in out["sides"].get("trl", {}).get("runs", [])}
+    for s, side in out["sides"].items():
+        for row in side["runs"]:
+            if s != "trl" and row["seed"] in trl:
+                row["vs_trl"] = versus_trl(row, trl[row["seed"]], thresholds)
     return out
 
 
@@ -138,6 +164,23 @@ def markdown_time_to(summary: dict) -> str:
             lines.append(f"| {side['label']} | {r['seed']} | {r['updates']} | {r['first_update_s']:.0f} | {spu} | "
                          f"{r['base_accuracy']:.3f} | {r['last_accuracy']:.3f} at update {r['last_eval_update']} | "
                          + " | ".join(cells) + " |")
+    ours = [(side["label"], r) for side in summary["sides"].values() for r in side["runs"] if "vs_trl" in r]
+    if ours:
+        lines += ["", f"Against TRL's run of the same seed: our time over TRL's ('< x' where TRL is censored at its "
+                  f"budget, an upper bound; '> x' where ours is). Criterion: {thr[-1]} in at most "
+                  f"{CRITERION_RATIO}x TRL's time, at equal or better final accuracy.", "",
+                  "| side | seed | " + " | ".join(f"x TRL's time to {x}" for x in thr) + " | criterion |",
+                  "|---|---|" + "---|" * len(thr) + "---|"]
+        for label, r in ours:
+            cells = []
+            for x in thr:
+                v = r["vs_trl"]["ratio"][str(x)]
+                cells.append("— (both censored)" if v["kind"] is None
+                             else ("" if v["kind"] == "=" else f"{v['kind']} ") + f"{v['x']:.2f}")
+            c = r["vs_trl"]["criterion"]
+            verdict = "met" if c["met"] else "not met (" + ", ".join(
+                k for k in ("time", "final_accuracy") if not c[k]).replace("_", " ") + ")"
+            lines.append(f"| {label} | {r['seed']} | " + " | ".join(cells) + f" | {verdict} |")
     return "\n".join(lines) + "\n"
 
 

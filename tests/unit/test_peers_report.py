@@ -147,6 +147,22 @@ def test_time_to_threshold_is_censored_at_the_budget():
     assert trl["s_per_update"] == pytest.approx(50.0) and trl["first_update_s"] == 100.0
     md = r.markdown_time_to(s)
     assert "| 150 | > 600 |" in md and "| 250 | 250 |" in md
+    # against TRL's seed 0: 0.8 both (250 s against 150 s); 0.9 only ours (TRL censored at 600 s: < 250/600)
+    vs = grpo["vs_trl"]
+    assert vs["ratio"]["0.8"] == {"x": pytest.approx(250 / 150), "kind": "="}
+    assert vs["ratio"]["0.9"] == {"x": pytest.approx(250 / 600), "kind": "<"}
+    assert vs["criterion"]["time"] and vs["criterion"]["final_accuracy"] and vs["criterion"]["met"]  # 0.91 >= 0.88
+    assert "| 1.67 | < 0.42 | met |" in md and "vs_trl" not in trl
+    # slower than 0.6x TRL's time when both reach 0.9, and a lower final accuracy: not met on either count
+    fast_trl = {**run, "accuracy": {"0": 0.3, "2": 0.95, "4": 0.95}}
+    slow = r.summarize_time_to([fast_trl, ours])["sides"]["grpo"]["runs"][0]["vs_trl"]
+    assert slow["ratio"]["0.9"] == {"x": pytest.approx(250 / 150), "kind": "="}
+    assert slow["criterion"] == {"ratio_le": 0.6, "time": False, "final_accuracy": False, "met": False}
+    # ours censored at its 200 s budget, TRL at 0.9 by 150 s: a lower bound, and the criterion's time not met
+    short = r.summarize_time_to([fast_trl, {**ours, "budget_s": 200.0}])["sides"]["grpo"]["runs"][0]["vs_trl"]
+    assert short["ratio"]["0.9"] == {"x": pytest.approx(200 / 150), "kind": ">"} and not short["criterion"]["time"]
+    # no TRL run of that seed: no comparison
+    assert "vs_trl" not in r.summarize_time_to([run, {**ours, "seed": 3}])["sides"]["grpo"]["runs"][0]
 
 
 @pytest.mark.parametrize("where", ["smollm2", "smollm2/pilot"])
