@@ -196,7 +196,8 @@ def plot_time_to(summary: dict, runs: list[dict], path: Path) -> None:
         for r in (x for x in runs if x["side"] == s and "process_t" in x):
             t, acc = _ints(r["process_t"]), _ints(r["accuracy"])
             ks = [k for k in sorted(acc) if k == 0 or k in t]
-            ax.plot([0.0 if k == 0 else t[k] for k in ks], [acc[k] for k in ks], "o-", color=colors[s], alpha=0.8,
+            style = "o-" if r["seed"] % 2 == 0 else "s--"  # a side's seeds told apart by line and marker
+            ax.plot([0.0 if k == 0 else t[k] for k in ks], [acc[k] for k in ks], style, color=colors[s], alpha=0.8,
                     label=f"{s} seed {r['seed']}")
     for x in summary["thresholds"]:
         ax.axhline(x, color="k", ls=":", lw=1)
