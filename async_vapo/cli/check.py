@@ -321,17 +321,32 @@ def checkpoint_bytes(cfg, params: int) -> tuple[int, int]:
     return models * params * (12 if sharded else 16), count
 
 
+def checkpoints_disk(cfg, params: int) -> tuple[int, str]:
+    """Bytes the run's checkpoints take at its end, and how they add up: :func:`checkpoint_bytes`, with
+    ``train.keep_checkpoints`` the newest k whole and the older ones as their HF weights (4 B per parameter per
+    model, unsharded and ``train.keep_weights``) or nothing."""
+    per, count = checkpoint_bytes(cfg, params)
+    keep = cfg.train.keep_checkpoints
+    if not keep or keep >= count:
+        return count * per, f"{count} checkpoint(s) of {per / 2**30:,.2f} GiB = {count * per / 2**30:,.2f} GiB"
+    models = 2 if cfg.algo.uses_critic else 1
+    sharded = cfg.async_.learner_devices > 1 or cfg.learner.fsdp == "on"
+    weights = models * params * 4 if cfg.train.keep_weights and not sharded else 0
+    total = keep * per + (count - keep) * weights
+    return total, (f"{keep} resumable checkpoint(s) of {per / 2**30:,.2f} GiB and {count - keep} pruned to "
+                   f"{weights / 2**30:,.2f} GiB (train.keep_checkpoints = {keep}) = {total / 2**30:,.2f} GiB")
+
+
 def _disk(cfg, r: Report, params: int | None, run_dir: Path) -> None:
     if params is None:
         return
-    per, count = checkpoint_bytes(cfg, params)
+    total, need = checkpoints_disk(cfg, params)
     where = run_dir.expanduser().resolve()
     while not where.exists():
         where = where.parent
     free = shutil.disk_usage(where).free
-    need = f"{count} checkpoint(s) of {per / 2**30:,.2f} GiB = {count * per / 2**30:,.2f} GiB"
-    if count * per > free:
+    if total > free:
         r.problems.append(f"disk: {need} do not fit the {free / 2**30:,.1f} GiB free at {where} (train.output_dir "
-                          "on a larger disk, or a larger train.checkpoint_every)")
+                          "on a larger disk, a larger train.checkpoint_every, or train.keep_checkpoints)")
     else:
         r.ok.append(f"disk: {need} fit the {free / 2**30:,.1f} GiB free at {where}")

@@ -1204,6 +1204,13 @@ class TrainConfig(_Section):
     """Evaluate on the held-out split every k policy updates (and before the first and after the last)."""
     checkpoint_every: int = Field(50, ge=0)
     """Save a resumable checkpoint every k updates (0: only at the end)."""
+    keep_checkpoints: int = Field(0, ge=0)
+    """Resumable checkpoints kept (0: every one). When a checkpoint is written, those older than the newest k lose
+    their resume state (``dcp/`` and ``learner_state.pt``, 12 B per parameter per model) and keep, with
+    ``keep_weights``, their HF weights (``policy/``, ``critic/`` or ``policy_adapter/``, and ``hf_meta/``) for
+    evaluation and ``async-vapo export``; a sharded learner writes no HF weights, so its older checkpoints go whole."""
+    keep_weights: bool = True
+    """With ``keep_checkpoints``: the older checkpoints keep their HF weights (False: they are deleted whole)."""
     output_dir: str = "runs/{name}"
     """Run directory; `{name}` is replaced by `name`."""
     name: str = "tiny_cpu"

@@ -272,6 +272,12 @@ class StepLoop:
         path = self.learner.save(self.run_dir / "checkpoints" / f"step_{step}",
                                  extra={"step": step, "samples_seen": self.samples_seen, **self.source.state()})
         self.log.info("checkpoint %s", path)
+        if self.leader and self.cfg.train.keep_checkpoints:
+            from async_vapo.learner.rundir import prune_checkpoints
+
+            for old in prune_checkpoints(self.run_dir, self.cfg.train.keep_checkpoints, self.cfg.train.keep_weights):
+                self.log.info("checkpoint %s pruned (train.keep_checkpoints = %d%s)", old,
+                              self.cfg.train.keep_checkpoints, ": weights kept" if old.exists() else "")
         return path
 
     def _write(self, row: dict) -> None:

@@ -51,6 +51,36 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return max(steps)[1] if steps else None
 
 
+WEIGHTS = ("policy", "critic", "policy_adapter", "hf_meta")
+"""What a pruned checkpoint keeps with ``train.keep_weights``: the HF weights and what ``async-vapo export`` reads."""
+
+
+def prune_checkpoints(run_dir: Path, keep: int, keep_weights: bool = True) -> list[Path]:
+    """``train.keep_checkpoints``: every resumable checkpoint (``checkpoints/step_N`` with its ``learner_state.pt``)
+    older than the newest ``keep`` loses its resume state; with ``keep_weights`` and HF weights in it (an unsharded
+    learner's ``policy/`` or ``policy_adapter/``) it keeps :data:`WEIGHTS`, otherwise it is deleted whole. The
+    resume state goes first, so a prune cut short leaves no checkpoint that looks resumable and is not. Returns the
+    checkpoints pruned; ``keep`` 0 prunes nothing."""
+    import shutil
+
+    if keep <= 0:
+        return []
+    steps = sorted((int(p.name.split("_")[1]), p) for p in (Path(run_dir) / "checkpoints").glob("step_*")
+                   if p.name.split("_")[1].isdigit() and (p / "learner_state.pt").exists())
+    pruned = []
+    for _, path in steps[:-keep]:
+        (path / "learner_state.pt").unlink()
+        weights = keep_weights and any((path / d).is_dir() for d in ("policy", "policy_adapter"))
+        if not weights:
+            shutil.rmtree(path)
+        else:
+            for child in path.iterdir():
+                if child.name not in WEIGHTS:
+                    shutil.rmtree(child) if child.is_dir() else child.unlink()
+        pruned.append(path)
+    return pruned
+
+
 def holds_run(run_dir: Path) -> bool:
     """Whether ``run_dir`` holds a run's results: a metrics row or a checkpoint."""
     metrics = run_dir / "metrics.jsonl"

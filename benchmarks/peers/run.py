@@ -120,7 +120,8 @@ def ours_process_clock(rows: list[dict], started: float) -> dict[int, float]:
 
 def run_cluster(seed: int, updates: int, every: int, work: Path, setting: str = "tiny", minutes: float = 120) -> dict:
     """The services; its clock runs from the learner's first batch (:func:`cluster_clock`). Rollout 0's own
-    evaluation is off (it would hold the engine): checkpoints every ``every`` updates are evaluated afterwards."""
+    evaluation is off (it would hold the engine): checkpoints every ``every`` updates are evaluated afterwards, all
+    but the newest pruned to their weights as they are written (``train.keep_checkpoints``)."""
     run_dir = work / f"cluster_s{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
     names = ["verifier_port", "replay_port", "replay_batch_port", "weights_port", "acks_port", "weights_fetch_port",
@@ -129,7 +130,7 @@ def run_cluster(seed: int, updates: int, every: int, work: Path, setting: str = 
     config, overrides = SETTINGS[setting]["cluster"]
     cmd = ["bash", "deploy/start_cluster.sh", "--config", config, "--run-dir", str(run_dir), "--wait",
            "--", *overrides, f"train.seed={seed}", f"train.total_steps={updates}", f"train.checkpoint_every={every}",
-           f"train.max_minutes={minutes:g}", "cluster.rollout.eval=false", *ports]
+           f"train.max_minutes={minutes:g}", "cluster.rollout.eval=false", "train.keep_checkpoints=1", *ports]
     launched, t0 = time.time(), time.perf_counter()
     with open(work / f"{run_dir.name}.log", "w") as f:
         subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, check=True)

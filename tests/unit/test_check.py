@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file
 
 from async_vapo.cli import main
-from async_vapo.cli.check import check, checkpoint_bytes, service_ports
+from async_vapo.cli.check import check, checkpoint_bytes, checkpoints_disk, service_ports
 from async_vapo.config import load_config
 from async_vapo.deploy.placement import place
 
@@ -160,6 +160,20 @@ def test_checkpoints_by_hand(tmp_path):
                            "async.learner_devices=2"])
     assert checkpoint_bytes(cfg, 1000) == (12_000, 2)  # one model, sharded: no HF copies
     assert checkpoint_bytes(load_config([], ["train.checkpoint_every=0"]), 10) == (320, 1)
+
+
+def test_pruned_checkpoints_by_hand():
+    # 200 updates, one every 5: 40 checkpoints; GRPO (one model), unsharded: 16 B whole, 4 B as HF weights
+    over = ["algo.name=grpo", "train.total_steps=200", "train.checkpoint_every=5"]
+    assert checkpoints_disk(load_config([], over), 1000)[0] == 40 * 16_000
+    total, text = checkpoints_disk(load_config([], [*over, "train.keep_checkpoints=2"]), 1000)
+    assert total == 2 * 16_000 + 38 * 4_000 and "38 pruned" in text, text
+    assert checkpoints_disk(load_config([], [*over, "train.keep_checkpoints=2", "train.keep_weights=false"]),
+                            1000)[0] == 2 * 16_000
+    # sharded: no HF weights to keep; keep_checkpoints above the count prunes nothing
+    assert checkpoints_disk(load_config([], [*over, "train.keep_checkpoints=2", "async.learner_devices=2"]),
+                            1000)[0] == 2 * 12_000
+    assert checkpoints_disk(load_config([], [*over, "train.keep_checkpoints=50"]), 1000)[0] == 40 * 16_000
 
 
 def test_a_disk_too_small_for_the_checkpoints_is_reported(tmp_path):

@@ -224,3 +224,37 @@ def test_entropy_bonus_keeps_every_response_token_under_a_rejection_mask(cache, 
     assert masked["actor/pg_loss"] == 0.0 and want > 0
     for m in got.values():
         assert m["actor/grad_norm"] == pytest.approx(want, rel=2e-5)
+
+
+@pytest.mark.parametrize("keep_weights", [True, False])
+def test_keep_checkpoints_prunes_the_resume_state_of_the_older_ones(cache, tmp_path, keep_weights):
+    """``train.keep_checkpoints = 1``: of three checkpoints the newest stays whole and resumable; the two older ones
+    keep only their HF weights (the policy loads and equals the one saved), or go whole; ``latest_checkpoint`` and
+    the resume read the newest."""
+    from transformers import AutoModelForCausalLM
+
+    from async_vapo.learner.rundir import latest_checkpoint, prune_checkpoints
+
+    learner, batch = make(cache)
+    saved = {}
+    for step in (1, 2, 3):
+        learner.update(batch)
+        saved[step] = {k: v.detach().clone() for k, v in learner.policy.state_dict().items()}
+        learner.save(tmp_path / "checkpoints" / f"step_{step}")
+    pruned = prune_checkpoints(tmp_path, 1, keep_weights)
+    assert sorted(p.name for p in pruned) == ["step_1", "step_2"]
+    assert latest_checkpoint(tmp_path).name == "step_3"
+    for step in (1, 2):
+        path = tmp_path / "checkpoints" / f"step_{step}"
+        if not keep_weights:
+            assert not path.exists()
+            continue
+        assert sorted(c.name for c in path.iterdir()) == ["critic", "hf_meta", "policy"]
+        model = AutoModelForCausalLM.from_pretrained(path / "policy")
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(v, saved[step][k].to(v.dtype), rtol=0, atol=0)
+    assert (tmp_path / "checkpoints/step_3/dcp").is_dir()
+    again = Learner(learner.cfg, tmp_path / "checkpoints/step_3/policy", tmp_path / "checkpoints/step_3/critic")
+    again.load_state(tmp_path / "checkpoints/step_3")
+    assert again.optimizer_steps == learner.optimizer_steps == 3
+    assert prune_checkpoints(tmp_path, 1, keep_weights) == []  # nothing more to prune
