@@ -39,7 +39,8 @@ LABELS = {"trl": "TRL 1.16 GRPOTrainer (HF generate)",
 LABELS_REAL = {"trl": "TRL 1.16 GRPOTrainer (HF generate)",
                "grpo": "async-vapo train, configs/smollm2_grpo_cpu.toml (one process)",
                "vapo": "async-vapo train, configs/smollm2_cpu.toml (VAPO, one process)",
-               "cluster": "deploy/start_cluster.sh, configs/smollm2_grpo_cpu.toml (services)"}
+               "cluster": "deploy/start_cluster.sh, configs/smollm2_grpo_cpu.toml (services, max_staleness 1, "
+                          "continuous)"}
 SAMPLES_PER_UPDATE = 128
 METRICS = ["updates_per_s", "samples_per_s", "time_to_n_s", "accuracy_at_n", "accuracy_at_equal_wall"]
 

@@ -46,11 +46,15 @@ from benchmarks.peers.report import SIDES, summarize, summarize_time_to, write_r
 # response tokens, 200 held-out problems x 1 sample.
 _SMOLLM2 = ["task.max_ops=1", "algo.prompts_per_step=8", "algo.group_size=8", "algo.mini_batch_size=64",
             "algo.micro_batch_size=8", "optim.actor_lr=3e-5"]
+# the services as benchmarks/smollm2_learning.sh runs them (issue 46): one version behind at most, continuous
+# generation, a request keeps its version's weights when a new one lands mid-response (smollm2_cpu.toml's staleness 0
+# would make them lock-step)
+_SERVICES = ["async.max_staleness=1", "rollout.generation=continuous", "rollout.weight_update=keep"]
 SETTINGS = {
     "tiny": {"grpo": ("configs/baselines/grpo.toml", []), "vapo": ("configs/tiny_cpu.toml", []),
              "cluster": ("configs/baselines/grpo.toml", []), "trl": ("configs/baselines/grpo.toml", [])},
     "smollm2": {"grpo": ("configs/smollm2_grpo_cpu.toml", []), "vapo": ("configs/smollm2_cpu.toml", _SMOLLM2),
-                "cluster": ("configs/smollm2_grpo_cpu.toml", []), "trl": ("configs/smollm2_grpo_cpu.toml", [])},
+                "cluster": ("configs/smollm2_grpo_cpu.toml", _SERVICES), "trl": ("configs/smollm2_grpo_cpu.toml", [])},
 }
 
 
