@@ -7,10 +7,16 @@ responses are graded by the sandboxed verifier pool of ``cfg.verifier``, and the
 * a checkpoint (``runs/NAME/checkpoints/step_N``: ``policy/`` and ``learner_state.pt``), with its run's
   ``config.resolved.json`` unless ``--config`` is given;
 * an HF model directory (``config.json``), with ``--config`` (default: the schema's defaults);
-* nothing: the config's own starting policy (``model.path`` or the embedded base model).
+* nothing: the config's own starting policy (``model.path`` or the embedded base model);
+* a run directory (``runs/NAME``): every checkpoint of the run with HF weights (``step_N/policy``, whole or pruned by
+  ``train.keep_checkpoints``) not evaluated yet, and the starting policy as update 0, with one engine
+  (:func:`eval_run`). Each becomes an ``eval`` row of the run's ``metrics.jsonl`` (``"source": "checkpoint"``, the
+  wall-clock and samples of that update's training row), so ``async-vapo plot`` and ``report`` draw the curve as if
+  the run had evaluated itself; ``--watch`` follows a run still training, an evaluator outside the training engines
+  (the services' ``cluster.rollout.eval = false``; on a GPU host, on a device of its own), until the run is done.
 
-Outputs in ``--out`` (default ``runs/eval/<label>``): ``samples.jsonl`` (one record per sample: problem,
-difficulty, response, verdict), ``metrics.json`` (the figures and how they were made).
+Outputs in ``--out`` (default ``runs/eval/<label>``; for a run directory ``RUN_DIR/eval/step_N``): ``samples.jsonl``
+(one record per sample: problem, difficulty, response, verdict), ``metrics.json`` (the figures and how they were made).
 """
 
 from __future__ import annotations
@@ -26,12 +32,14 @@ from async_vapo.config import Config, ConfigError, load_config
 
 def resolve_target(path: str | None, configs: Sequence[str], overrides: Sequence[str]) -> tuple[Config, Path | None,
                                                                                              str]:
-    """(config, policy directory or None for the config's own starting policy, label) of what to evaluate."""
+    """(config, policy directory or None for the config's own starting policy, label) of what to evaluate (a run
+    directory is :func:`eval_run`'s)."""
     if path is None:
         cfg = load_config(configs, overrides)
         return cfg, None, f"{cfg.train.name}-base"
     p = Path(path).expanduser()
-    if (p / "policy" / "config.json").is_file() and (p / "learner_state.pt").is_file():
+    checkpoint = (p / "learner_state.pt").is_file() or p.parent.name == "checkpoints"  # whole, or pruned to weights
+    if (p / "policy" / "config.json").is_file() and checkpoint:
         run_config = p.parent.parent / "config.resolved.json"
         if not configs and not run_config.is_file():
             raise ConfigError(f"{p} is a checkpoint, but its run has no {run_config}: pass --config")
@@ -44,11 +52,95 @@ def resolve_target(path: str | None, configs: Sequence[str], overrides: Sequence
                       "learner_state.pt)")
 
 
+def is_run_dir(path: str | Path) -> bool:
+    """Whether ``path`` is a run directory (its ``config.resolved.json`` and a ``checkpoints/`` or metrics file)."""
+    p = Path(path).expanduser()
+    return (p / "config.resolved.json").is_file() and ((p / "checkpoints").is_dir() or (p / "metrics.jsonl").is_file())
+
+
+def run_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, policy directory) of every checkpoint of the run with HF weights, by step. A checkpoint without them (a
+    sharded learner's, or a LoRA policy's adapter) is an error that says how to get them."""
+    out = []
+    for p in (run_dir / "checkpoints").glob("step_*"):
+        step = p.name.split("_")[1]
+        if not step.isdigit():
+            continue
+        if (p / "policy" / "config.json").is_file():
+            out.append((int(step), p / "policy"))
+        elif (p / "policy_adapter").is_dir() or (p / "dcp").is_dir():
+            raise ConfigError(f"{p} has no HF policy weights (policy/config.json): a LoRA adapter or a sharded "
+                              f"learner's checkpoint; write them with `async-vapo export {p} --merge` and evaluate "
+                              "that directory")
+    return sorted(out)
+
+
+def _evaluated_steps(rows: list[dict]) -> set[int]:
+    return {int(r["step"]) for r in rows if r.get("kind") == "eval" and isinstance(r.get("step"), int)}
+
+
+def eval_run(run_dir: Path, configs: Sequence[str] = (), overrides: Sequence[str] = (), *, n: int | None = None,
+             ks: Sequence[int] | None = None, split: str = "eval", limit: int | None = None, watch: bool = False,
+             poll_s: float = 10.0, out_dir: Path | None = None, engine=None, progress: bool = True,
+             log=print) -> list[dict]:
+    """Evaluate the run's starting policy (update 0) and each of its checkpoints that has no ``eval`` row yet in
+    ``metrics.jsonl``, oldest first, with one engine (each checkpoint's weights loaded in place); append a row per
+    evaluation there. ``watch``: then wait for new checkpoints every ``poll_s`` seconds until the run has ended
+    (``DONE`` or ``summary.json``) and every checkpoint is evaluated. Returns the rows written. The config is the
+    run's ``config.resolved.json`` unless ``configs`` are given; ``overrides`` apply over it. Each evaluation's
+    samples and figures go to ``out_dir/step_N`` (default ``RUN_DIR/eval``). ``engine``: a running engine to use
+    (left running), else one is started for the first evaluation and closed at the end."""
+    from async_vapo.experiments.plots import read_metrics
+    from async_vapo.metrics.jsonl import JsonlWriter
+
+    run_dir = Path(run_dir).expanduser()
+    out_dir = Path(out_dir) if out_dir is not None else run_dir / "eval"
+    cfg = load_config(list(configs) or [run_dir / "config.resolved.json"], list(overrides))
+    metrics = run_dir / "metrics.jsonl"
+    writer = JsonlWriter(metrics)
+    own_engine, written = engine is None, []
+    try:
+        while True:
+            # the end marker is read before the checkpoints: the last checkpoint is written before it
+            ended = (run_dir / "DONE").exists() or (run_dir / "summary.json").exists()
+            rows = read_metrics(metrics) if metrics.stat().st_size else []
+            done = _evaluated_steps(rows)
+            train = {int(r["step"]): r for r in rows if r.get("kind") == "train" and isinstance(r.get("step"), int)}
+            todo = [(0, None)] if 0 not in done else []
+            todo += [(s, p) for s, p in run_checkpoints(run_dir) if s not in done and s > 0]
+            for step, policy in todo:
+                try:
+                    result = run_eval(cfg, policy, out_dir=out_dir / f"step_{step}", n=n, ks=ks, split=split,
+                                      limit=limit, engine=engine, keep_engine=True, progress=progress)
+                except OSError:
+                    if policy is None or policy.exists():
+                        raise
+                    log(f"update {step}: its checkpoint was deleted before it was evaluated (train.keep_weights)")
+                    continue
+                engine = result.pop("engine")
+                at = train.get(step, {})
+                row = {"kind": "eval", "step": step, "version": step, "source": "checkpoint",
+                       "wall_s": at.get("wall_s", 0.0), "samples_seen": at.get("samples_seen", 0),
+                       "time/eval_s": result["wall_s"], **result["metrics"]}
+                writer.write(row)
+                written.append(row)
+                log(f"update {step}: held-out accuracy {row['eval/accuracy']:.3f} ({result['wall_s']:.1f} s)")
+            if not watch or (ended and not todo):
+                return written
+            if not todo:
+                time.sleep(poll_s)
+    finally:
+        writer.close()
+        if own_engine and engine is not None:
+            engine.close()
+
+
 def run_eval(cfg: Config, policy: Path | None, *, out_dir: Path, n: int | None = None,
              ks: Sequence[int] | None = None, split: str = "eval", limit: int | None = None, engine=None,
-             progress: bool = True) -> dict:
+             progress: bool = True, keep_engine: bool = False) -> dict:
     """Evaluate ``policy`` (None: the config's starting policy) and write ``out_dir``; returns ``metrics.json``'s
-    content. ``engine``: a running engine to use (the policy's weights are loaded into it)."""
+    content. ``engine``: a running engine to use (the policy's weights are loaded into it). ``keep_engine``: the
+    engine (the given one or the one started here) is left running and returned as the result's ``engine``."""
     import torch
     from transformers import AutoTokenizer
 
@@ -80,7 +172,7 @@ def run_eval(cfg: Config, policy: Path | None, *, out_dir: Path, n: int | None =
     train_set, eval_set = load_task(cfg)
     problems = (eval_set if split == "eval" else train_set)[:limit]
     encoder = PromptEncoder.from_config(cfg, tokenizer)
-    own_engine = engine is None
+    own_engine = engine is None and not keep_engine
     if engine is None:
         engine = VLLMEngine(EngineSpec.from_config(cfg, policy, longest_prompt=encoder.longest(problems)))
     else:
@@ -105,7 +197,7 @@ def run_eval(cfg: Config, policy: Path | None, *, out_dir: Path, n: int | None =
               "answer_format": cfg.verifier.answer_format, "wall_s": round(time.perf_counter() - t0, 1),
               "metrics": ev.metrics}
     (out_dir / "metrics.json").write_text(json.dumps(result, indent=2, allow_nan=False, default=str) + "\n")
-    return result
+    return result | ({"engine": engine} if keep_engine else {})
 
 
 def format_table(metrics: dict[str, float], ks: Sequence[int]) -> str:
@@ -125,6 +217,16 @@ def format_table(metrics: dict[str, float], ks: Sequence[int]) -> str:
 def main(args) -> int:
     if args.model and "=" in args.model and not Path(args.model).exists():  # an override, no model named
         args.overrides, args.model = [args.model, *args.overrides], None
+    if args.model and is_run_dir(args.model):
+        ks = [int(k) for k in args.k.split(",")] if args.k else None
+        rows = eval_run(Path(args.model), args.config or [], args.overrides, n=args.samples, ks=ks, split=args.split,
+                        limit=args.limit, watch=args.watch, out_dir=Path(args.out) if args.out else None,
+                        log=lambda m: print(m, file=sys.stderr))
+        print(json.dumps({"run_dir": args.model, "evaluated": [r["step"] for r in rows],
+                          "accuracy": {r["step"]: r["eval/accuracy"] for r in rows}}))
+        return 0
+    if args.watch:
+        raise ConfigError("--watch follows a run directory (runs/NAME); got a model")
     cfg, policy, label = resolve_target(args.model, args.config or [], args.overrides)
     try:
         ks = [int(k) for k in args.k.split(",")] if args.k else None

@@ -963,7 +963,9 @@ class ClusterRolloutConfig(_Section):
     prompts_per_call: int = Field(0, ge=0)
     """Prompts per engine `generate` call; 0: ceil(algo.prompts_per_step / engines)."""
     eval: bool = True
-    """Rollout 0 evaluates the held-out split at versions 0, k*train.eval_every and train.total_steps."""
+    """Rollout 0 evaluates the held-out split at versions 0, k*train.eval_every and train.total_steps. False: no
+    evaluation in the training engines; ``async-vapo eval RUN_DIR --watch`` evaluates the run's checkpoints
+    (``train.checkpoint_every``) with an engine of its own, beside the run or after it, into the same metrics."""
     eval_share: float = Field(0.0, ge=0, le=1)
     """``rollout.generation = "continuous"``, above 0: the held-out evaluation runs beside training generation in the
     same engine, with at most this share of its ``rollout.max_in_flight`` sequences (the rest stay the training

@@ -218,7 +218,9 @@ class RolloutService:
         problems = self.sampler.take(self.per_call)
         self.m.inflight_groups.set(len(problems))
         try:
-            with self.ctx.busy("generate"):
+            # a lock-step call takes no message until it returns, however long (SmolLM2's first batch on one core: 33
+            # s); its heartbeats go on from a thread, so the learner neither declares it dead nor drops it meanwhile
+            with self.ctx.busy("generate"), self.weights.beating():
                 groups = generate_groups(self.engine, self.encoder, problems, version=version,
                                          n=self.ctx.cfg.algo.group_size, temperature=r.temperature, top_p=r.top_p,
                                          max_tokens=r.max_response_tokens, stop_token_ids=self.encoder.stop_ids,

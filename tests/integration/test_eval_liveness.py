@@ -87,6 +87,33 @@ def _eval_rows(run_dir) -> list[dict]:
     return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "eval"]
 
 
+def _watch(sync, rollout, work, version: int, state) -> tuple[dict, list, list]:
+    """Run ``work()`` (the engine's long piece of work) in a thread; 0.3 s in, the learner publishes ``version``, which
+    the engine can take only after it. Meanwhile the learner's side services acks and heartbeats as it does while it
+    waits for a batch. Returns (work's result and seconds, times out of rotation, times declared dead)."""
+    ran: dict = {}
+
+    def run():
+        t0 = time.monotonic()
+        ran["result"] = work()
+        ran["s"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    time.sleep(0.3)
+    sync.publish(version, state)
+    out_of_rotation, dead = [], []
+    while thread.is_alive():
+        sync.heartbeat(version)
+        sync.poll(0.05)
+        if rollout.engine_id not in sync.rotation.members:
+            out_of_rotation.append(round(time.monotonic(), 2))
+        if rollout.engine_id in sync.liveness.dead_peers():
+            dead.append(round(time.monotonic(), 2))
+    thread.join()
+    return ran, out_of_rotation, dead
+
+
 def test_an_evaluation_longer_than_the_liveness_timeout_keeps_the_engine_alive_and_in_rotation(
         tiny_cfg, tiny_base, vllm_engine, tmp_path):
     cfg, run_dir, transport, sync, rollout, state = _services(
@@ -97,27 +124,8 @@ def test_an_evaluation_longer_than_the_liveness_timeout_keeps_the_engine_alive_a
     try:
         rollout.weights.start()
         _serve(sync, rollout, 1, state)
-        ran: dict = {}
-
-        def evaluate():
-            t0 = time.monotonic()
-            ran["evaluated"] = rollout.maybe_evaluate()
-            ran["s"] = time.monotonic() - t0
-
-        thread = threading.Thread(target=evaluate, daemon=True)
-        thread.start()
-        time.sleep(0.3)
-        sync.publish(2, state)  # a version the engine takes only after its evaluation
-        out_of_rotation, dead = [], []
-        while thread.is_alive():  # the learner's side, as it services acks while it waits for a batch
-            sync.heartbeat(2)
-            sync.poll(0.05)
-            if rollout.engine_id not in sync.rotation.members:
-                out_of_rotation.append(round(time.monotonic(), 2))
-            if rollout.engine_id in sync.liveness.dead_peers():
-                dead.append(round(time.monotonic(), 2))
-        thread.join()
-        assert ran["evaluated"] and [r["version"] for r in _eval_rows(run_dir)] == [1]
+        ran, out_of_rotation, dead = _watch(sync, rollout, rollout.maybe_evaluate, 2, state)
+        assert ran["result"] and [r["version"] for r in _eval_rows(run_dir)] == [1]
         # the case is the one meant: the evaluation outlasted both the liveness timeout and the ack deadline
         assert ran["s"] > 2 * DEAD_S, f"the evaluation took {ran['s']:.2f} s only"
         assert not dead, f"the engine was declared dead during its {ran['s']:.1f} s evaluation"
@@ -128,6 +136,28 @@ def test_an_evaluation_longer_than_the_liveness_timeout_keeps_the_engine_alive_a
         # done, it takes the version published meanwhile at once and acks it in time
         _serve(sync, rollout, 2, state)
         print(f"evaluation of {len(rollout.eval_set)} problems: {ran['s']:.1f} s; engine alive and in rotation")
+    finally:
+        _close(sync, rollout, transport)
+
+
+def test_a_lock_step_generate_call_longer_than_the_liveness_timeout_keeps_the_engine_alive(
+        tiny_cfg, tiny_base, vllm_engine, tmp_path):
+    """A lock-step engine takes no message while ``generate`` runs: SmolLM2's first batch through the services took 33
+    s on one core and the learner declared the engine dead for it (``peer_dead_s`` 30). Its heartbeats now go on
+    from a thread during the call, as during an evaluation."""
+    cfg, run_dir, transport, sync, rollout, state = _services(
+        # 96 prompts x 64 samples in one call: several times DEAD_S on the tiny model, as the evaluation above
+        tiny_cfg, tiny_base, vllm_engine, tmp_path, "cluster.rollout.prompts_per_call=96", "algo.group_size=64",
+        "cluster.rollout.eval=false")
+    try:
+        rollout.weights.start()
+        _serve(sync, rollout, 1, state)
+        ran, out_of_rotation, dead = _watch(sync, rollout, rollout.generate_once, 2, state)
+        assert len(ran["result"]) == 96 and all(len(g.samples) == 64 for g in ran["result"])
+        assert ran["s"] > 2 * DEAD_S, f"the call took {ran['s']:.2f} s only"
+        assert not dead, f"the engine was declared dead during its {ran['s']:.1f} s generate call"
+        assert not out_of_rotation, f"the engine left rotation during its {ran['s']:.1f} s generate call"
+        _serve(sync, rollout, 2, state)  # then it takes the version published meanwhile
     finally:
         _close(sync, rollout, transport)
 
