@@ -90,8 +90,7 @@ def eval_run(run_dir: Path, configs: Sequence[str] = (), overrides: Sequence[str
     run's ``config.resolved.json`` unless ``configs`` are given; ``overrides`` apply over it. Each evaluation's
     samples and figures go to ``out_dir/step_N`` (default ``RUN_DIR/eval``). ``engine``: a running engine to use
     (left running), else one is started for the first evaluation and closed at the end."""
-    from async_vapo.experiments.plots import read_metrics
-    from async_vapo.metrics.jsonl import JsonlWriter
+    from async_vapo.metrics.jsonl import JsonlWriter, read_metrics
 
     run_dir = Path(run_dir).expanduser()
     out_dir = Path(out_dir) if out_dir is not None else run_dir / "eval"

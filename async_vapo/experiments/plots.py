@@ -13,7 +13,6 @@ safe to call from any thread or a headless server. Every function returns the pa
 
 from __future__ import annotations
 
-import json
 import math
 import textwrap
 from collections.abc import Mapping, Sequence
@@ -23,38 +22,12 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from async_vapo.metrics.jsonl import read_metrics
+
 PathLike = str | Path
 
 _X_LABELS = {"step": "update step", "samples_seen": "samples seen", "wall_s": "wall-clock (minutes)",
              "version": "policy version"}
-
-
-def read_metrics(run: PathLike) -> list[dict[str, Any]]:
-    """Rows of ``<run>/metrics.jsonl`` (``run`` may also be the file itself).
-
-    Raises FileNotFoundError / ValueError naming the file when it is missing, empty or not JSON lines."""
-    path = Path(run)
-    if path.is_dir():
-        path = path / "metrics.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"no metrics file at {path}")
-    rows = []
-    lines = path.read_text().splitlines(keepends=True)
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            if lineno == len(lines) and not line.endswith("\n"):
-                break  # a run still being written: its last line may be half flushed
-            raise ValueError(f"{path}:{lineno}: not a JSON object ({e.msg})") from e
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-        rows.append(row)
-    if not rows:
-        raise ValueError(f"{path} is empty: the run has not logged anything yet")
-    return rows
 
 
 def series(rows: Sequence[Mapping[str, Any]], x: str, y: str, *, kind: str | None = None,

@@ -18,6 +18,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+PathLike = str | Path
+
 
 def strict_json(value: Any) -> Any:
     """``value`` with every non-finite float (in nested dicts and lists too) replaced by None."""
@@ -46,3 +48,32 @@ class JsonlWriter:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def read_metrics(run: PathLike) -> list[dict[str, Any]]:
+    """Rows of ``<run>/metrics.jsonl`` (``run`` may also be the file itself); a last line still being written (no
+    newline, not JSON yet) is left out.
+
+    Raises FileNotFoundError / ValueError naming the file when it is missing, empty or not JSON lines."""
+    path = Path(run)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics file at {path}")
+    rows = []
+    lines = path.read_text().splitlines(keepends=True)
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if lineno == len(lines) and not line.endswith("\n"):
+                break  # a run still being written: its last line may be half flushed
+            raise ValueError(f"{path}:{lineno}: not a JSON object ({e.msg})") from e
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"{path} is empty: the run has not logged anything yet")
+    return rows

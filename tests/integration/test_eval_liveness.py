@@ -87,10 +87,11 @@ def _eval_rows(run_dir) -> list[dict]:
     return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "eval"]
 
 
-def _watch(sync, rollout, work, version: int, state) -> tuple[dict, list, list]:
-    """Run ``work()`` (the engine's long piece of work) in a thread; 0.3 s in, the learner publishes ``version``, which
-    the engine can take only after it. Meanwhile the learner's side services acks and heartbeats as it does while it
-    waits for a batch. Returns (work's result and seconds, times out of rotation, times declared dead)."""
+def _watch(sync, rollout, work, version: int, state, what: str) -> dict:
+    """Run ``work()`` (the engine's long piece of work, ``what``) in a thread; 0.3 s in, the learner publishes
+    ``version``, which the engine can take only after it. Meanwhile the learner's side services acks and heartbeats as
+    it does while it waits for a batch. Checks that the work outlasted the liveness timeout twice over (the case meant)
+    and that the engine was neither declared dead nor out of rotation meanwhile; returns its result and seconds."""
     ran: dict = {}
 
     def run():
@@ -111,7 +112,10 @@ def _watch(sync, rollout, work, version: int, state) -> tuple[dict, list, list]:
         if rollout.engine_id in sync.liveness.dead_peers():
             dead.append(round(time.monotonic(), 2))
     thread.join()
-    return ran, out_of_rotation, dead
+    assert ran["s"] > 2 * DEAD_S, f"the {what} took {ran['s']:.2f} s only"
+    assert not dead, f"the engine was declared dead during its {ran['s']:.1f} s {what}"
+    assert not out_of_rotation, f"the engine left rotation during its {ran['s']:.1f} s {what}"
+    return ran
 
 
 def test_an_evaluation_longer_than_the_liveness_timeout_keeps_the_engine_alive_and_in_rotation(
@@ -124,12 +128,9 @@ def test_an_evaluation_longer_than_the_liveness_timeout_keeps_the_engine_alive_a
     try:
         rollout.weights.start()
         _serve(sync, rollout, 1, state)
-        ran, out_of_rotation, dead = _watch(sync, rollout, rollout.maybe_evaluate, 2, state)
+        # it outlasts both the liveness timeout and the ack deadline (DEAD_S each)
+        ran = _watch(sync, rollout, rollout.maybe_evaluate, 2, state, "evaluation")
         assert ran["result"] and [r["version"] for r in _eval_rows(run_dir)] == [1]
-        # the case is the one meant: the evaluation outlasted both the liveness timeout and the ack deadline
-        assert ran["s"] > 2 * DEAD_S, f"the evaluation took {ran['s']:.2f} s only"
-        assert not dead, f"the engine was declared dead during its {ran['s']:.1f} s evaluation"
-        assert not out_of_rotation, f"the engine left rotation during its {ran['s']:.1f} s evaluation"
         m = sync.ctx.metrics
         assert m.get("engines_dead_total")._value.get() == 0
         assert m.get("engines_dropped_total")._value.get() == 0
@@ -152,11 +153,8 @@ def test_a_lock_step_generate_call_longer_than_the_liveness_timeout_keeps_the_en
     try:
         rollout.weights.start()
         _serve(sync, rollout, 1, state)
-        ran, out_of_rotation, dead = _watch(sync, rollout, rollout.generate_once, 2, state)
+        ran = _watch(sync, rollout, rollout.generate_once, 2, state, "generate call")
         assert len(ran["result"]) == 96 and all(len(g.samples) == 64 for g in ran["result"])
-        assert ran["s"] > 2 * DEAD_S, f"the call took {ran['s']:.2f} s only"
-        assert not dead, f"the engine was declared dead during its {ran['s']:.1f} s generate call"
-        assert not out_of_rotation, f"the engine left rotation during its {ran['s']:.1f} s generate call"
         _serve(sync, rollout, 2, state)  # then it takes the version published meanwhile
     finally:
         _close(sync, rollout, transport)
