@@ -61,18 +61,17 @@ def is_run_dir(path: str | Path) -> bool:
 def run_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     """(step, policy directory) of every checkpoint of the run with HF weights, by step. A checkpoint without them (a
     sharded learner's, or a LoRA policy's adapter) is an error that says how to get them."""
+    from async_vapo.learner.rundir import checkpoint_dirs
+
     out = []
-    for p in (run_dir / "checkpoints").glob("step_*"):
-        step = p.name.split("_")[1]
-        if not step.isdigit():
-            continue
+    for step, p in checkpoint_dirs(run_dir, resumable=False):
         if (p / "policy" / "config.json").is_file():
-            out.append((int(step), p / "policy"))
+            out.append((step, p / "policy"))
         elif (p / "policy_adapter").is_dir() or (p / "dcp").is_dir():
             raise ConfigError(f"{p} has no HF policy weights (policy/config.json): a LoRA adapter or a sharded "
                               f"learner's checkpoint; write them with `async-vapo export {p} --merge` and evaluate "
                               "that directory")
-    return sorted(out)
+    return out
 
 
 def _evaluated_steps(rows: list[dict]) -> set[int]:

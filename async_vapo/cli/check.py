@@ -310,12 +310,16 @@ def _bind_error(host: str, port: int) -> str | None:
     return None
 
 
+def _models_sharded(cfg) -> tuple[int, bool]:
+    """Models a checkpoint holds (policy, and a critic), and whether the learner is sharded (no HF copies)."""
+    return 2 if cfg.algo.uses_critic else 1, cfg.async_.learner_devices > 1 or cfg.learner.fsdp == "on"
+
+
 def checkpoint_bytes(cfg, params: int) -> tuple[int, int]:
     """(bytes of one checkpoint, checkpoints the run writes): float32 masters and AdamW's two moments (12 B per
     parameter per model) in ``dcp/``, and an unsharded learner's float32 HF copies (4 B); one every
     ``train.checkpoint_every`` updates and one at the end, none deleted."""
-    models = 2 if cfg.algo.uses_critic else 1
-    sharded = cfg.async_.learner_devices > 1 or cfg.learner.fsdp == "on"
+    models, sharded = _models_sharded(cfg)
     every, total = cfg.train.checkpoint_every, cfg.train.total_steps
     count = max(1, total // every + (1 if total % every else 0)) if every else 1
     return models * params * (12 if sharded else 16), count
@@ -329,8 +333,7 @@ def checkpoints_disk(cfg, params: int) -> tuple[int, str]:
     keep = cfg.train.keep_checkpoints
     if not keep or keep >= count:
         return count * per, f"{count} checkpoint(s) of {per / 2**30:,.2f} GiB = {count * per / 2**30:,.2f} GiB"
-    models = 2 if cfg.algo.uses_critic else 1
-    sharded = cfg.async_.learner_devices > 1 or cfg.learner.fsdp == "on"
+    models, sharded = _models_sharded(cfg)
     weights = models * params * 4 if cfg.train.keep_weights and not sharded else 0
     total = keep * per + (count - keep) * weights
     return total, (f"{keep} resumable checkpoint(s) of {per / 2**30:,.2f} GiB and {count - keep} pruned to "

@@ -44,11 +44,17 @@ class RunDirError(ValueError):
     """A run cannot be resumed as asked."""
 
 
+def checkpoint_dirs(run_dir: Path, resumable: bool = True) -> list[tuple[int, Path]]:
+    """(step, directory) of the run's checkpoints (``checkpoints/step_N``; not a ``step_N.tmp`` being written), by step;
+    ``resumable``: only those with their ``learner_state.pt`` (not pruned to weights by ``train.keep_checkpoints``)."""
+    return sorted((int(p.name.split("_")[1]), p) for p in (Path(run_dir) / "checkpoints").glob("step_*")
+                  if p.name.split("_")[1].isdigit() and (not resumable or (p / "learner_state.pt").exists()))
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The run's newest complete checkpoint (``checkpoints/step_N`` with its ``learner_state.pt``), or None."""
-    steps = [(int(p.name.split("_")[1]), p) for p in (Path(run_dir) / "checkpoints").glob("step_*")
-             if p.name.split("_")[1].isdigit() and (p / "learner_state.pt").exists()]
-    return max(steps)[1] if steps else None
+    steps = checkpoint_dirs(run_dir)
+    return steps[-1][1] if steps else None
 
 
 WEIGHTS = ("policy", "critic", "policy_adapter", "hf_meta")
@@ -65,10 +71,8 @@ def prune_checkpoints(run_dir: Path, keep: int, keep_weights: bool = True) -> li
 
     if keep <= 0:
         return []
-    steps = sorted((int(p.name.split("_")[1]), p) for p in (Path(run_dir) / "checkpoints").glob("step_*")
-                   if p.name.split("_")[1].isdigit() and (p / "learner_state.pt").exists())
     pruned = []
-    for _, path in steps[:-keep]:
+    for _, path in checkpoint_dirs(run_dir)[:-keep]:
         (path / "learner_state.pt").unlink()
         weights = keep_weights and any((path / d).is_dir() for d in ("policy", "policy_adapter"))
         if not weights:

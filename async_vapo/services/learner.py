@@ -559,11 +559,11 @@ class LearnerService:
 def newest_checkpoint_since(run_dir: Path, marker: Path) -> Path | None:
     """The run's newest complete checkpoint (highest step) among those written after ``marker`` was, or None: the
     rule of a restarted learner under deploy/start_cluster.sh, whose supervisor config is the marker."""
+    from async_vapo.learner.rundir import checkpoint_dirs
+
     since = marker.stat().st_mtime
-    steps = [(int(p.name.split("_")[1]), p) for p in (Path(run_dir) / "checkpoints").glob("step_*")
-             if p.name.split("_")[1].isdigit() and (p / "learner_state.pt").exists()
-             and (p / "learner_state.pt").stat().st_mtime > since]
-    return max(steps)[1] if steps else None
+    steps = [(n, p) for n, p in checkpoint_dirs(run_dir) if (p / "learner_state.pt").stat().st_mtime > since]
+    return steps[-1][1] if steps else None
 
 
 def run_learner(ctx: ServiceContext, resume: str | None = None, resume_since: str | None = None) -> None:
