@@ -84,8 +84,9 @@ def eval_run(run_dir: Path, configs: Sequence[str] = (), overrides: Sequence[str
              log=print) -> list[dict]:
     """Evaluate the run's starting policy (update 0) and each of its checkpoints that has no ``eval`` row yet in
     ``metrics.jsonl``, oldest first, with one engine (each checkpoint's weights loaded in place); append a row per
-    evaluation there. ``watch``: then wait for new checkpoints every ``poll_s`` seconds until the run has ended
-    (``DONE`` or ``summary.json``) and every checkpoint is evaluated. Returns the rows written. The config is the
+    evaluation there. ``watch``: starts once the run has made its first update, then waits for new checkpoints
+    every ``poll_s`` seconds until the run has ended (``DONE`` or ``summary.json``) and every checkpoint is
+    evaluated, and writes ``out_dir/DONE``. Returns the rows written. The config is the
     run's ``config.resolved.json`` unless ``configs`` are given; ``overrides`` apply over it. Each evaluation's
     samples and figures go to ``out_dir/step_N`` (default ``RUN_DIR/eval``). ``engine``: a running engine to use
     (left running), else one is started for the first evaluation and closed at the end."""
@@ -101,9 +102,14 @@ def eval_run(run_dir: Path, configs: Sequence[str] = (), overrides: Sequence[str
         while True:
             # the end marker is read before the checkpoints: the last checkpoint is written before it
             ended = (run_dir / "DONE").exists() or (run_dir / "summary.json").exists()
-            rows = read_metrics(metrics) if metrics.stat().st_size else []
+            rows = read_metrics(metrics) if metrics.is_file() and metrics.stat().st_size else []
             done = _evaluated_steps(rows)
             train = {int(r["step"]): r for r in rows if r.get("kind") == "train" and isinstance(r.get("step"), int)}
+            if watch and not ended and not train:
+                # nothing to evaluate before the run's first update; an engine started now would only slow the
+                # services' own start where they share the host
+                time.sleep(poll_s)
+                continue
             todo = [(0, None)] if 0 not in done else []
             todo += [(s, p) for s, p in run_checkpoints(run_dir) if s not in done and s > 0]
             for step, policy in todo:
@@ -123,7 +129,13 @@ def eval_run(run_dir: Path, configs: Sequence[str] = (), overrides: Sequence[str
                 writer.write(row)
                 written.append(row)
                 log(f"update {step}: held-out accuracy {row['eval/accuracy']:.3f} ({result['wall_s']:.1f} s)")
-            if not watch or (ended and not todo):
+            if not watch:
+                return written
+            if ended and not todo:
+                # the watch's end, for whoever waits on it (start_cluster.sh --wait with cluster.evaluator)
+                (out_dir / "DONE").parent.mkdir(parents=True, exist_ok=True)
+                (out_dir / "DONE").write_text(json.dumps({"evaluated": sorted(_evaluated_steps(rows) | {
+                    r["step"] for r in written})}) + "\n")
                 return written
             if not todo:
                 time.sleep(poll_s)
@@ -215,6 +227,13 @@ def format_table(metrics: dict[str, float], ks: Sequence[int]) -> str:
 def main(args) -> int:
     if args.model and "=" in args.model and not Path(args.model).exists():  # an override, no model named
         args.overrides, args.model = [args.model, *args.overrides], None
+    if args.watch and args.model and Path(args.model).is_dir() and not is_run_dir(args.model):
+        # an evaluator started beside the services (cluster.evaluator.mode = "watch"): the run directory's config
+        # and metrics come with the services' start
+        print(f"waiting for {args.model} to become a run directory (config.resolved.json and metrics.jsonl)",
+              file=sys.stderr)
+        while not is_run_dir(args.model):
+            time.sleep(2.0)
     if args.model and is_run_dir(args.model):
         ks = [int(k) for k in args.k.split(",")] if args.k else None
         rows = eval_run(Path(args.model), args.config or [], args.overrides, n=args.samples, ks=ks, split=args.split,

@@ -104,6 +104,11 @@
 # --resume-since RUN_DIR/supervisor/TAG.conf), else from the one the cluster started with; the updates after that
 # checkpoint are made again. --wait ends when any learner agent is given up.
 # --wait: block until the learner writes RUN_DIR/DONE (or exits), then stop the cluster.
+# Held-out evaluation outside the training engines (cluster.evaluator.mode, async-vapo eval RUN_DIR): "watch" starts a
+# fifth supervised process, evaluator, on the first learner host (with GPUs: rollout.tensor_parallel_size GPUs no
+# service uses), which evaluates each checkpoint as it is written, and --wait waits for it to finish the last (its
+# RUN_DIR/eval/DONE); "after" needs --wait and evaluates every checkpoint once the services are stopped, with the whole
+# machine. Its rows are eval rows of RUN_DIR/metrics.jsonl ("source": "checkpoint"), its log RUN_DIR/logs/evaluator.log.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-$REPO/.venv/bin/python}
@@ -212,6 +217,11 @@ PLAN=$("$PY" -m async_vapo.deploy.launch plan "${CONFIGS[@]}" ${RUN_DIR_ARG:+--r
        ${RESUME:+--resume "$RESUME"} --scrape-interval "$INTERVAL" "${plan_args[@]}" -- "${OVERRIDES[@]}") \
   || { echo "start_cluster: no plan (above: why)" >&2; exit 2; }
 eval "$PLAN"
+if [ "$EVALUATOR" = after ] && [ "$WAIT" = 0 ] && [ "$DRY_RUN" = 0 ]; then
+  echo "start_cluster: cluster.evaluator.mode = after evaluates once the run is done, so it needs --wait (or set" \
+       "cluster.evaluator.mode = watch, or run async-vapo eval $RUN_DIR after the run); nothing was started" >&2
+  exit 2
+fi
 [ -n "$ROLLOUT_HOSTS_OVERRIDE" ] && OVERRIDES+=("$ROLLOUT_HOSTS_OVERRIDE")
 read -ra LEARNERS <<< "$LEARNER_AGENTS"  # the learner's torchrun agents by node rank: learner, learner-1, ...
 
@@ -299,7 +309,7 @@ if [ -f "$RUN_DIR/supervisor/hosts" ]; then
     fi
   done < "$RUN_DIR/supervisor/hosts"
 fi
-rm -f "$RUN_DIR"/pids/* "$RUN_DIR/DONE"
+rm -f "$RUN_DIR"/pids/* "$RUN_DIR/DONE" "$RUN_DIR/eval/DONE"
 ASYNC_VAPO_T0=$(date +%s.%N)
 export ASYNC_VAPO_T0
 # ASYNC_VAPO_T0, recorded: the origin of every service's clock (wall_s in metrics.jsonl and the busy logs), epoch seconds
@@ -425,7 +435,9 @@ launch_supervisors() {  # writes each host's RUN_DIR/supervisor/TAG.conf and sta
         || fail_start "supervisord did not start: $(tail -n 20 "$RUN_DIR/logs/supervisord-$tag.log" 2>/dev/null)"
     else
       echo "$tag $host" >> "$SUP/hosts"
-      for name in ${SUP_PROGS[$tag]}; do hand_keys "$host" "${name%%-*}"; done  # its roles' CURVE keys
+      for name in ${SUP_PROGS[$tag]}; do  # its roles' CURVE keys (the evaluator opens no socket)
+        [ "$name" = evaluator ] || hand_keys "$host" "${name%%-*}"
+      done
       script="cd $(q "$REPO") || exit 1; mkdir -p $(q "$RUN_DIR/logs") $(q "$RUN_DIR/pids") $(q "$SUP") || exit 1"
       for f in "$conf" $(for name in ${SUP_PROGS[$tag]}; do echo "$SUP/$name.sh"; done); do
         script+="; printf '%s\n' $(q "$(cat "$f")") > $(q "$f") || exit 1"
@@ -486,6 +498,9 @@ else
   start learner "$(host_of learner)" "$LEARNER_CPUS" "$PY" -m async_vapo.services.learner "${svc_args[@]}" \
     "${learn_extra[@]}" -- "${OVERRIDES[@]}" "${LEARNER_OVERRIDES[@]}"
 fi
+if [ "$EVALUATOR" = watch ]; then  # held-out evaluation of each checkpoint with an engine of its own
+  start evaluator "$(host_of evaluator)" "" "$PY" -m async_vapo.cli eval "$RUN_DIR" --watch
+fi
 [ "$DRY_RUN" = 1 ] && exit 0
 PROM_LAUNCHED=""
 if [ "$PROM" = 1 ]; then
@@ -542,6 +557,13 @@ wait_health_learners() {  # wait_health_learners URL TIMEOUT_S: rank 0's health 
   done
 }
 for name in "${STARTED[@]}"; do
+  if [ "$name" = evaluator ]; then  # no socket, no health: it runs, or it says why in its log
+    alive evaluator || { echo "[start_cluster] the evaluator exited at once; last lines of" \
+                              "$RUN_DIR/logs/evaluator.log:" >&2; tail -n 40 "$RUN_DIR/logs/evaluator.log" >&2 || true
+                         "$REPO/deploy/stop_cluster.sh" "$RUN_DIR" >&2 || true; exit 1; }
+    echo "[start_cluster] evaluator runs ($(host_of evaluator)${GPUS_EVALUATOR:+, GPUs $GPUS_EVALUATOR})" >&2
+    continue
+  fi
   if [ ${#LEARNERS[@]} -gt 1 ] && [[ $name = learner* ]]; then
     # rank 0 answers /health once every agent joined its group; the other agents serve no health of their own
     if [ "$name" = learner ]; then
@@ -624,8 +646,31 @@ if [ "$WAIT" = 1 ]; then
       sleep 2
     done
   fi
+  # the evaluator (cluster.evaluator.mode = watch) evaluates the checkpoints it has not yet, then writes eval/DONE
+  if [ "$EVALUATOR" = watch ] && on_host_of learner "test -e $done_file"; then
+    echo "[start_cluster] the learner is done; the evaluator evaluates the checkpoints it has not yet" >&2
+    while ! on_host_of evaluator "test -e $(q "$RUN_DIR/eval/DONE")" \
+          && ! on_host_of evaluator "test -e $(q "$SUP/evaluator.gave_up")"; do
+      [ $(( i++ % 5 )) = 0 ] && show_progress
+      sleep 2
+    done
+  fi
   show_progress
   "$REPO/deploy/stop_cluster.sh" "$RUN_DIR"
+  if [ "$EVALUATOR" = after ] && on_host_of learner "test -e $done_file"; then
+    echo "[start_cluster] evaluating the run's checkpoints (cluster.evaluator.mode = after; RUN_DIR/logs/evaluator.log)" >&2
+    ev=(-m async_vapo.cli eval "$RUN_DIR")
+    if [ -e "$RUN_DIR/pids/learner.host" ]; then
+      cmd="cd $(q "$REPO") && env $(remote_env) $(q "$PY")"
+      for a in "${ev[@]}"; do cmd+=" $(q "$a")"; done
+      remote "$(cat "$RUN_DIR/pids/learner.host")" "$cmd >> $(q "$RUN_DIR/logs/evaluator.log") 2>&1" \
+        || { echo "[start_cluster] the evaluation failed (exit $?; $RUN_DIR/logs/evaluator.log there)" >&2; exit 1; }
+    else
+      rc=0
+      "$PY" "${ev[@]}" 2>&1 | tee -a "$RUN_DIR/logs/evaluator.log" >&2 || rc=$?
+      [ "$rc" = 0 ] || { echo "[start_cluster] the evaluation failed (exit $rc; $RUN_DIR/logs/evaluator.log)" >&2; exit 1; }
+    fi
+  fi
   if ! on_host_of learner "test -e $done_file"; then
     why=""
     for a in "${LEARNERS[@]}"; do

@@ -990,6 +990,21 @@ class ClusterRolloutConfig(_Section):
     way."""
 
 
+class ClusterEvaluatorConfig(_Section):
+    """Held-out evaluation outside the training engines (``async-vapo eval RUN_DIR``), started by start_cluster.sh:
+    each checkpoint (``train.checkpoint_every``, and the last) and the starting policy become ``eval`` rows of the
+    run's ``metrics.jsonl`` at their updates' wall-clock, so that no evaluation stalls an engine that generates for
+    training (set ``cluster.rollout.eval = false`` to leave it all to the evaluator)."""
+    mode: Literal["off", "watch", "after"] = "off"
+    """``watch``: a fifth supervised process, ``evaluator``, evaluates each checkpoint as it is written, with an engine
+    of its own: on GPU hosts on ``rollout.tensor_parallel_size`` GPUs of its own (the placement takes them from the
+    GPUs no service uses, and refuses a plan that leaves none), on a CPU host on the same cores as the services (it
+    slows them while it evaluates). ``after``: once the learner is done and the services are stopped,
+    ``start_cluster.sh --wait`` evaluates every checkpoint on the learner's host with the whole machine (needs
+    ``--wait``). Either way the run's checkpoints need HF weights: not a LoRA policy or a sharded learner (evaluate
+    ``async-vapo export --merge`` of those)."""
+
+
 class ClusterReplayConfig(_Section):
     """The replay service's store."""
     fsync: Literal["always", "batch", "never"] = "batch"
@@ -1144,6 +1159,7 @@ class ClusterConfig(_Section):
     weights: WeightsConfig = WeightsConfig()
     wire: WireConfig = WireConfig()
     rollout: ClusterRolloutConfig = ClusterRolloutConfig()
+    evaluator: ClusterEvaluatorConfig = ClusterEvaluatorConfig()
     replay: ClusterReplayConfig = ClusterReplayConfig()
     metrics_http: MetricsHttpConfig = MetricsHttpConfig()
     deploy: DeployConfig = DeployConfig()
@@ -1290,6 +1306,14 @@ class Config(_Section):
                 raise ValueError('model.critic_trunk = "frozen" with a sharded learner (async.learner_devices = '
                                  f"{self.async_.learner_devices}, learner.fsdp = {self.learner.fsdp!r}) is not "
                                  "supported yet: its hidden-state cache is one process's")
+        if self.cluster.evaluator.mode != "off" and (
+                self.model.lora.enabled or self.async_.learner_devices > 1 or self.learner.fsdp == "on"):
+            why = ("a LoRA policy's checkpoints hold its adapter" if self.model.lora.enabled else
+                   f"a sharded learner (async.learner_devices = {self.async_.learner_devices}, learner.fsdp = "
+                   f"{self.learner.fsdp!r}) writes no HF weights")
+            raise ValueError(f"cluster.evaluator.mode = {self.cluster.evaluator.mode!r} evaluates the checkpoints' HF "
+                             f"weights, and {why}: evaluate `async-vapo export CHECKPOINT --merge` instead, or use "
+                             "cluster.rollout.eval")
         if self.model.critic_lora.enabled and not self.algo.uses_critic:
             raise ValueError(f"model.critic_lora: algo.name = {self.algo.name!r} builds no critic (set "
                              "model.critic_lora.rank = 0)")

@@ -40,7 +40,7 @@ def cluster_placement(cfg: Config, hostfile: str | Sequence[tuple[str, str]] | N
         lines = list(hostfile or [])
     return place(cfg.async_.rollout_devices, cfg.async_.learner_devices,
                  tensor_parallel_size=cfg.rollout.tensor_parallel_size, gpus_per_host=gpus_per_host,
-                 hostfile=lines), lines
+                 hostfile=lines, evaluator=cfg.cluster.evaluator.mode == "watch"), lines
 
 
 def hosts_line(lines: Sequence[tuple[str, str]], gpus_per_host: int, source: str) -> str:
@@ -143,7 +143,7 @@ def _plan(argv: Sequence[str]) -> int:
            "STOP_GRACE": int(math.ceil(c.deploy.stop_grace_s)),
            "POLICY_PATH": cfg.model.path or "", "CURVE": int(c.security.curve), "KEYS_DIR": str(keys_dir(cfg, rd)),
            "LEARNER_RDZV_PORT": c.ports.learner_rdzv_port, "LEND_CPUS": int(c.deploy.lend_cpus),
-           "CONTINUOUS": int(cfg.rollout.generation == "continuous")}
+           "CONTINUOUS": int(cfg.rollout.generation == "continuous"), "EVALUATOR": c.evaluator.mode}
     for agent in placement.learners:  # what the other learner hosts reach each learner agent at
         out[f"ADDR_{agent.name.upper().replace('-', '_')}"] = args.local_addr if agent.host in local else agent.host
     scheme = "https" if http.tls_cert is not None else "http"

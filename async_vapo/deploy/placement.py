@@ -17,6 +17,9 @@ The rules (``deploy/start_cluster.sh --dry-run`` prints the result, ``async-vapo
   ``free GPUs // tensor_parallel_size`` engine slots after the learner's GPUs there; a host may run several
   engines and may share a host with a learner agent.
 * Replay and verifier use no GPU.
+* The evaluator (``cluster.evaluator.mode = "watch"``) runs on the first learner host; with GPUs it takes
+  ``tensor_parallel_size`` adjacent GPUs that no service uses, on the first learner host that has them, else on
+  the first rollout host that does; a plan that leaves none is refused.
 * GPUs left over are reported idle, never silently given to anyone.
 
 Without GPUs (``gpus_per_host = 0``) only hosts are decided: engine i on the i-th ``rollout`` line, round-robin,
@@ -120,8 +123,9 @@ def parse_hostfile(text: str, source: str = "hostfile") -> list[tuple[str, str]]
 
 
 def place(rollout_devices: int, learner_devices: int, *, tensor_parallel_size: int = 1, gpus_per_host: int = 0,
-          hostfile: Sequence[tuple[str, str]] = ()) -> Placement:
-    """The placement of every process (module docstring); raises PlacementError when the shape does not fit."""
+          hostfile: Sequence[tuple[str, str]] = (), evaluator: bool = False) -> Placement:
+    """The placement of every process (module docstring), with an ``evaluator`` process when asked; raises
+    PlacementError when the shape does not fit."""
     tp = tensor_parallel_size
     if rollout_devices < 1 or learner_devices < 1 or tp < 1 or gpus_per_host < 0:
         raise PlacementError("async.rollout_devices, async.learner_devices and rollout.tensor_parallel_size must be "
@@ -153,6 +157,8 @@ def place(rollout_devices: int, learner_devices: int, *, tensor_parallel_size: i
     if gpus_per_host == 0:
         procs += [Process(f"rollout-{i}", rollout_lines[i % len(rollout_lines)]) for i in range(n_engines)]
         procs += learners(())
+        if evaluator:
+            procs.append(Process("evaluator", learner_hosts[0]))
         return Placement(procs, 0, tp)
 
     if tp > gpus_per_host:
@@ -195,6 +201,18 @@ def place(rollout_devices: int, learner_devices: int, *, tensor_parallel_size: i
                 slots[h] -= 1
     procs += engines + agents
     all_hosts = list(dict.fromkeys([*learner_hosts, *hosts]))
+    if evaluator:
+        free = {h: gpus_per_host - used.get(h, 0) for h in all_hosts}
+        host = next((h for h in all_hosts if free[h] >= tp), None)
+        if host is None:
+            raise PlacementError(
+                f"cluster.evaluator.mode = 'watch' needs {tp} GPU(s) of its own on one host (rollout."
+                f"tensor_parallel_size) and every GPU is taken ({', '.join(f'{h}: {free[h]} free' for h in all_hosts)})"
+                ": lower async.rollout_devices by one engine, add a host, or set cluster.evaluator.mode = 'after' "
+                "(it evaluates once the run is done)")
+        lo = used.get(host, 0)
+        procs.append(Process("evaluator", host, tuple(range(lo, lo + tp))))
+        used[host] = lo + tp
     idle = {h: tuple(range(used.get(h, 0), gpus_per_host)) for h in all_hosts if used.get(h, 0) < gpus_per_host}
     return Placement(procs, gpus_per_host, tp, idle)
 

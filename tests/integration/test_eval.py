@@ -141,3 +141,4 @@ def test_eval_of_a_run_directory_adds_a_row_per_checkpoint_and_follows_the_run(t
                     log=lambda m: None)
     t.join()
     assert [(r["step"], r["wall_s"]) for r in rows] == [(6, 60.0)] and responses(run, 6) == responses(run, 0)
+    assert 6 in json.loads((run / "eval" / "DONE").read_text())["evaluated"]  # the watch's end, for start_cluster.sh

@@ -209,3 +209,48 @@ def test_start_cluster_runs_the_check_first_and_starts_nothing_on_a_problem(tmp_
     assert r.returncode == 2, r.stderr
     assert f"{problems}:3: missing field 'answer'" in r.stderr and "nothing was started" in r.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_the_evaluator_gets_gpus_no_service_uses_or_the_plan_is_refused():
+    """cluster.evaluator.mode = "watch": its engine's GPUs from the ones left idle, learner host first; on a CPU
+    host the first learner host; none left: refused with what to change."""
+    p = place(4, 2, gpus_per_host=8, hostfile=hosts("n1", ["n1"]), evaluator=True)
+    assert p.get("evaluator").host == "n1" and p.get("evaluator").gpus == (6,) and p.idle == {"n1": (7,)}
+    assert "evaluator" not in {e.name for e in p.engines} and [a.name for a in p.learners] == ["learner"]
+    p = place(4, 8, tensor_parallel_size=2, gpus_per_host=8, hostfile=hosts("n1", ["n2"]), evaluator=True)
+    assert (p.get("evaluator").host, p.get("evaluator").gpus) == ("n2", (4, 5))  # the learner's host is full
+    assert "GPUS_EVALUATOR=4,5" in shell_assignments(p) and "HOST_EVALUATOR=n2" in shell_assignments(p)
+    assert "evaluator" in p.describe() and "CUDA_VISIBLE_DEVICES=4,5" in p.describe()
+    counts = [len(proc.gpus) for proc in p.processes]
+    assert sum(counts) == 8 + 4 + 2 and len({(q.host, g) for q in p.processes for g in q.gpus}) == sum(counts)
+    with pytest.raises(PlacementError, match=r"evaluator.mode = 'watch' needs 2 GPU\(s\).*n1: 0 free, n2: 0 free.*"
+                                             r"'after'"):
+        place(8, 8, tensor_parallel_size=2, gpus_per_host=8, hostfile=hosts("n1", ["n2"]), evaluator=True)
+    cpu = place(1, 1, hostfile=hosts("n1", ["n2"]), evaluator=True)
+    assert (cpu.get("evaluator").host, cpu.get("evaluator").gpus) == ("n1", ())
+    assert "evaluator" not in {q.name for q in place(1, 1, gpus_per_host=8).processes}
+
+
+def test_start_cluster_starts_the_evaluator_as_asked_and_refuses_after_without_wait(tmp_path):
+    r = dry_run(tmp_path, "--gpus-per-host", "4", overrides=["async.rollout_devices=2", "async.learner_devices=1",
+                                                             "cluster.evaluator.mode=watch"])
+    assert r.returncode == 0, r.stderr
+    cmds = {ln.split("\t")[0]: ln.split("\t") for ln in r.stdout.splitlines() if "\t" in ln}
+    assert cmds["evaluator"][2] == (f"CUDA_VISIBLE_DEVICES=3  '{sys.executable}' '-m' 'async_vapo.cli' 'eval' "
+                                    f"'{tmp_path / 'run'}' '--watch'")
+    assert "evaluator" not in dry_run(tmp_path, "--gpus-per-host", "4").stdout
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHON": sys.executable}
+    after = subprocess.run(["bash", str(REPO / "deploy/start_cluster.sh"), "--config",
+                            str(REPO / "configs/tiny_cpu.toml"), "--run-dir", str(tmp_path / "run2"), "--no-check",
+                            "--", "cluster.evaluator.mode=after"], capture_output=True, text=True, env=env, timeout=60)
+    assert after.returncode == 2 and "needs --wait" in after.stderr, after.stderr
+    assert not (tmp_path / "run2" / "pids").exists()
+
+
+@pytest.mark.parametrize("over", [["model.lora.rank=8"], ["async.learner_devices=2"], ["learner.fsdp=on"]])
+def test_config_refuses_an_evaluator_of_checkpoints_without_hf_weights(over):
+    from async_vapo.config import ConfigError, load_config
+
+    assert load_config([], over).cluster.evaluator.mode == "off"
+    with pytest.raises(ConfigError, match=r"cluster.evaluator.mode = 'watch' evaluates the checkpoints' HF weights"):
+        load_config([], [*over, "cluster.evaluator.mode=watch"])
