@@ -15,20 +15,22 @@ def test_engine_weights_hook_alters_every_served_version_but_not_the_evaluated_o
 
     cfg = tiny_cfg.model_copy(update={"train": tiny_cfg.train.model_copy(update={
         "total_steps": 2, "eval_every": 1, "checkpoint_every": 0, "output_dir": str(tmp_path / "run")})})
-    hooked, altered = [], set()  # versions handed to the hook; ids of the states it returned
+    # versions handed to the hook; the states it returned, kept alive (an id alone could be reused by a later dict,
+    # such as the learner's own state loaded for an evaluation, once the altered one is freed)
+    hooked, altered = [], []
 
     def engine_weights(state: dict, version: int) -> dict:
         hooked.append(version)
         gen = torch.Generator().manual_seed(0)
         out = {k: v + 3e-2 * torch.sign(torch.randn(v.shape, generator=gen)) for k, v in state.items()}
-        altered.add(id(out))
+        altered.append(out)
         return out
 
     serving = {"altered": None}
     real_load, real_eval = vllm_engine.load_weights, trainer.run_evaluation
 
     def load_weights(state, version, **kw):
-        serving["altered"] = id(state) in altered
+        serving["altered"] = any(state is a for a in altered)
         return real_load(state, version, **kw)
 
     evaluated_altered = []
