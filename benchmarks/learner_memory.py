@@ -30,10 +30,17 @@ gradients, allocated and freed layer after layer, left up to 775 and 849 MiB of 
 ranks grew 2.2 and 2.1 times as much as with the fixed threshold (glibc_default.json against result.json); one
 process, 225 MiB and 1.14 times.
 
-    .venv/bin/python benchmarks/learner_memory.py [--sizes 1m,30m,300m] [--ranks 1,2] [--algo grpo] \
-        [--updates 2] [--glibc-default] [--trim]
+    .venv/bin/python benchmarks/learner_memory.py [--sizes 1m,30m,300m | --model DIR] [--ranks 1,2] [--algo grpo] \
+        [--lora RANK] [--groups G --group-size K] [--updates 2] [--glibc-default] [--trim]
 
 ``--algo grpo`` measures the policy alone (no critic): half the memory, for a machine that cannot hold both.
+
+``--lora RANK`` (issue 50) trains adapters of that rank (alpha 2 x rank) on every linear layer of the policy and, with
+VAPO, of the critic's trunk (``model.lora``, ``model.critic_lora``): its rows sit beside the full fine-tune's of the
+same size, algorithm and ranks (``lora`` 0), for the state, the peak and the seconds per update. ``--model DIR``
+measures an HF model directory (e.g. ``models/smollm2-135m-instruct``) in place of the random ones, its row's size
+the directory's name. ``--groups G --group-size K`` sets the batch (G prompts x K responses, one mini-batch of
+micro-batches of 8; default 2 x 2, micro-batches of 2): the states do not depend on it, the seconds per update do.
 
 Prints a table and writes benchmarks/results/learner_memory/result.json (``--out``; ``--glibc-default`` rows of 30
 M: glibc_default.json). The update runs on a small batch (4 responses of ~40 tokens): the states do not depend on
@@ -158,6 +165,7 @@ def _instrument(ph: _Phases) -> None:
 
 
 def _plan_mib(cfg, model_dir: str, world: int, seq_tokens: int) -> float:
+    """The plan's learner memory (on the device plus offloaded) for this model, ranks, batch and LoRA settings."""
     from async_vapo.deploy.scale import LearnerSetup, ModelShape, learner_memory, micro_batch_rows
 
     shape = ModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
@@ -168,7 +176,10 @@ def _plan_mib(cfg, model_dir: str, world: int, seq_tokens: int) -> float:
                                            a.mini_batch_size, world),
                      compute_bytes={"float32": 4, "bfloat16": 2, "float16": 2}[cfg.model.dtype], sharded=sharded,
                      activation_checkpointing=lc.activation_checkpointing, logprob_chunk_tokens=lc.logprob_chunk_tokens,
-                     cpu_offload=lc.cpu_offload and sharded, budget=a.max_tokens_per_micro_batch)
+                     cpu_offload=lc.cpu_offload and sharded, budget=a.max_tokens_per_micro_batch,
+                     lora_rank=cfg.model.lora.rank, lora_targets=tuple(cfg.model.lora.target_modules),
+                     critic_lora_rank=cfg.model.critic_lora.rank if a.uses_critic else 0,
+                     critic_lora_targets=tuple(cfg.model.critic_lora.target_modules))
     m = learner_memory(shape, s)
     return (m["total"] + m["host"]) / 2**20
 
@@ -182,7 +193,25 @@ def _opt_bytes(opt) -> int:
     return sum(_local_bytes(v) for s in opt.state.values() for v in s.values() if hasattr(v, "numel"))
 
 
-def one_size(size: str, model_dir: str, algo: str = "vapo", trim: bool = False, updates: int = 2) -> dict:
+def lora_overrides(rank: int, algo: str) -> list[str]:
+    """``--lora RANK``'s config overrides: adapters on the policy and, where there is a critic, on its trunk."""
+    if not rank:
+        return []
+    out = [f"model.lora.rank={rank}", f"model.lora.alpha={2.0 * rank}"]
+    if algo != "grpo":
+        out += [f"model.critic_lora.rank={rank}", f"model.critic_lora.alpha={2.0 * rank}"]
+    return out
+
+
+def batch_overrides(groups: int, group_size: int) -> list[str]:
+    """One mini-batch of the whole batch, in micro-batches of 2 (the default 2 x 2 batch) or 8."""
+    n = groups * group_size
+    return [f"algo.prompts_per_step={groups}", f"algo.group_size={group_size}", f"algo.mini_batch_size={n}",
+            f"algo.micro_batch_size={2 if n <= 4 else 8}"]
+
+
+def one_size(size: str, model_dir: str, algo: str = "vapo", trim: bool = False, updates: int = 2, lora: int = 0,
+             groups: int = 2, group_size: int = 2) -> dict:
     import torch
 
     from async_vapo.config import load_config
@@ -198,14 +227,15 @@ def one_size(size: str, model_dir: str, algo: str = "vapo", trim: bool = False, 
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    out: dict = {"size": size, "algo": algo, "ranks": world, "rank": rank, "rss_start_mib": _rss_mib()}
+    out: dict = {"size": size, "algo": algo, "lora": lora, "ranks": world, "rank": rank,
+                 "batch": f"{groups}x{group_size}", "rss_start_mib": _rss_mib()}
     ph = _Phases(0, trim)
     _instrument(ph)
     _reset_peak()
     base_kib = ph.base = _status_kib("VmRSS")
     cfg = load_config([ROOT / "configs" / "tiny_cpu.toml"],
-                      [f"model.path={model_dir}", "model.critic_init=base", "algo.mini_batch_size=4",
-                       "algo.micro_batch_size=2", "algo.prompts_per_step=2", "algo.group_size=2", f"algo.name={algo}"])
+                      [f"model.path={model_dir}", "model.critic_init=base", f"algo.name={algo}",
+                       *batch_overrides(groups, group_size), *lora_overrides(lora, algo)])
     t0 = time.perf_counter()
     learner = Learner(cfg, model_dir)
     out["rss_after_load_mib"] = _rss_mib()
@@ -221,17 +251,17 @@ def one_size(size: str, model_dir: str, algo: str = "vapo", trim: bool = False, 
 
     learner._step = counting_step
     rng = random.Random(0)
-    groups = []
-    for g in range(2):
+    made = []
+    for g in range(groups):
         samples = []
-        for k in range(2):
+        for k in range(group_size):
             ids = tok(f"{rng.randint(0, 9)}+{rng.randint(0, 9)}=" + "7;" * rng.randint(10, 18)).input_ids
             samples.append(Trajectory(response_ids=ids + [tok.eos_token_id],
                                       behavior_logprobs=[-1.0] * (len(ids) + 1), finish_reason="stop",
                                       reward=1.0 if k % 2 else -1.0, correct=bool(k % 2)))
-        groups.append(Group(uid=f"g{g}", prompt="p", answer="7", prompt_ids=tok("3+4-1*2+5-2+1").input_ids,
+        made.append(Group(uid=f"g{g}", prompt="p", answer="7", prompt_ids=tok("3+4-1*2+5-2+1").input_ids,
                             version=0, samples=samples))
-    batch = make_rollout_batch(groups, tok.pad_token_id)
+    batch = make_rollout_batch(made, tok.pad_token_id)
     t1 = time.perf_counter()
     for k in range(updates):
         ph.mark(f"update {k + 1}")
@@ -253,6 +283,7 @@ def one_size(size: str, model_dir: str, algo: str = "vapo", trim: bool = False, 
     if learner.critic is not None:
         models.append((learner.critic, learner.critic_opt))
     out["params"] = sum(p.numel() for m, _ in models for p in m.parameters())  # whole-model count
+    out["trained_params"] = sum(p.numel() for m, _ in models for p in m.parameters() if p.requires_grad)
     out["param_bytes"] = sum(_local_bytes(p) for m, _ in models for p in m.parameters())
     out["grad_bytes"] = sum(grads.values())
     out["optim_bytes"] = sum(_opt_bytes(o) for _, o in models)
@@ -265,7 +296,7 @@ def one_size(size: str, model_dir: str, algo: str = "vapo", trim: bool = False, 
 
 
 def run(size: str, ranks: int, model_dir: str, algo: str, trim: bool = False, updates: int = 2,
-        glibc_default: bool = False) -> list[dict]:
+        glibc_default: bool = False, lora: int = 0, groups: int = 2, group_size: int = 2) -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
         res = Path(d) / "rank"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -273,7 +304,8 @@ def run(size: str, ranks: int, model_dir: str, algo: str, trim: bool = False, up
         if not glibc_default:  # freed tensors go back to the system (module docstring)
             env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
         args = [__file__, "--one", size, "--model-dir", model_dir, "--result", str(res), "--algo", algo,
-                "--updates", str(updates)] + (["--trim"] if trim else [])
+                "--updates", str(updates), "--lora", str(lora), "--groups", str(groups),
+                "--group-size", str(group_size)] + (["--trim"] if trim else [])
         if ranks == 1:
             cmd = [sys.executable, *args]
         else:
@@ -282,7 +314,8 @@ def run(size: str, ranks: int, model_dir: str, algo: str, trim: bool = False, up
         proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if proc.returncode != 0:  # e.g. a rank killed for memory (SIGKILL): recorded, not hidden
             tail = proc.stderr.strip().splitlines()[-12:]
-            return [{"size": size, "algo": algo, "ranks": ranks, "rank": r, "failed": f"exit status {proc.returncode}",
+            return [{"size": size, "algo": algo, "lora": lora, "ranks": ranks, "rank": r,
+                     "batch": f"{groups}x{group_size}", "failed": f"exit status {proc.returncode}",
                      "stderr_tail": tail} for r in range(ranks)]
         return [json.loads(Path(f"{res}.{r}").read_text()) for r in range(ranks)]
 
@@ -292,6 +325,10 @@ def main() -> None:
     p.add_argument("--sizes", default="1m,30m,300m")
     p.add_argument("--ranks", default="1,2")
     p.add_argument("--algo", default="vapo", choices=["vapo", "grpo"])
+    p.add_argument("--lora", type=int, default=0, help="adapter rank (0: the whole models trained)")
+    p.add_argument("--model", type=Path, help="an HF model directory measured in place of --sizes")
+    p.add_argument("--groups", type=int, default=2, help="prompts in the batch")
+    p.add_argument("--group-size", type=int, default=2, help="responses per prompt")
     p.add_argument("--trim", action="store_true",
                    help="hand glibc's freed memory back (malloc_trim) at each phase: the peak of live memory")
     p.add_argument("--updates", type=int, default=2, help="updates measured (the peak of all)")
@@ -303,7 +340,8 @@ def main() -> None:
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        r = one_size(args.one, args.model_dir, args.algo, args.trim, args.updates)
+        r = one_size(args.one, args.model_dir, args.algo, args.trim, args.updates, args.lora, args.groups,
+                     args.group_size)
         Path(f"{args.result}.{r['rank']}").write_text(json.dumps(r))
         return
     from weight_sync import build_model
@@ -311,41 +349,68 @@ def main() -> None:
     # rows of earlier runs for other (size, ranks) are kept: sizes can be measured one at a time
     out = args.out
     old = json.loads(out.read_text()).get("results", []) if out.exists() else []
-    wanted = {(z, n, args.algo) for z in args.sizes.split(",") for n in map(int, args.ranks.split(","))}
-    rows = [r for r in old if (r["size"], r.get("ranks", 1), r.get("algo", "vapo")) not in wanted
-            and "state_bytes" in r]
-    for size in args.sizes.split(","):
+    sizes = [args.model.name] if args.model else args.sizes.split(",")
+    batch = f"{args.groups}x{args.group_size}"
+
+    def key(r: dict) -> tuple:
+        return r["size"], r.get("ranks", 1), r.get("algo", "vapo"), r.get("lora", 0), r.get("batch", "2x2")
+    wanted = {(z, n, args.algo, args.lora, batch) for z in sizes for n in map(int, args.ranks.split(","))}
+    rows = [r for r in old if key(r) not in wanted and "state_bytes" in r]
+
+    def measure(size: str, d: str) -> None:
+        for ranks in map(int, args.ranks.split(",")):
+            print(f"[learner_memory] {size} {args.algo} lora {args.lora} batch {batch} on {ranks} rank(s) ...",
+                  file=sys.stderr, flush=True)
+            rows.extend(run(size, ranks, d, args.algo, args.trim, args.updates, args.glibc_default, args.lora,
+                            args.groups, args.group_size))
+    if args.model:
+        measure(args.model.name, str(args.model.resolve()))
+    for size in [] if args.model else sizes:
         with tempfile.TemporaryDirectory() as d:
             model, _ = build_model(size, Path(d))
             del model
-            for ranks in map(int, args.ranks.split(",")):
-                print(f"[learner_memory] {size} on {ranks} rank(s) ...", file=sys.stderr, flush=True)
-                rows += run(size, ranks, d, args.algo, args.trim, args.updates, args.glibc_default)
+            measure(size, d)
     order = {"1m": 0, "30m": 1, "300m": 2}
     for r in rows:
         r.setdefault("algo", "vapo")
-    rows.sort(key=lambda r: (r["algo"] != "vapo", order.get(r["size"], 9), r["ranks"], r["rank"]))
-    one = {(r["size"], r["algo"]): r["state_bytes"] for r in rows if r["ranks"] == 1 and "state_bytes" in r}
+        r.setdefault("lora", 0)
+        r.setdefault("batch", "2x2")
+    rows.sort(key=lambda r: (r["algo"] != "vapo", order.get(r["size"], 9), r["batch"], r["lora"], r["ranks"],
+                             r["rank"]))
+    one = {(r["size"], r["algo"], r["lora"], r["batch"]): r for r in rows if r["ranks"] == 1 and "state_bytes" in r}
     for r in rows:
-        if (r["size"], r["algo"]) in one and "state_bytes" in r:
-            r["state_vs_1_rank"] = r["state_bytes"] / one[(r["size"], r["algo"])]
-    print(f"{'algo':>5} {'size':>5} {'ranks':>5} {'rank':>4} {'params':>12} {'state MiB':>10} {'vs 1 rank':>9} "
-          f"{'after load MiB':>14} {'peak RSS MiB':>12} {'update s':>8} {'grown MiB':>9} {'plan MiB':>8} "
-          f"{'plan/grown':>10}")
-    for r in rows:
-        if "failed" in r:
-            print(f"{r['algo']:>5} {r['size']:>5} {r['ranks']:>5} {r['rank']:>4} failed: {r['failed']}")
+        if "state_bytes" not in r:
             continue
-        print(f"{r['algo']:>5} {r['size']:>5} {r['ranks']:>5} {r['rank']:>4} {r['params']:>12,} "
+        if (r["size"], r["algo"], r["lora"], r["batch"]) in one:
+            r["state_vs_1_rank"] = r["state_bytes"] / one[(r["size"], r["algo"], r["lora"], r["batch"])]["state_bytes"]
+        full = one.get((r["size"], r["algo"], 0, r["batch"]))
+        if r["lora"] and full is not None and r["ranks"] == 1:  # the adapters beside the full fine-tune
+            r["vs_full"] = {k: r[k] / full[k] for k in ("state_bytes", "grown_mib", "update_s")}
+    print(f"{'algo':>5} {'size':>22} {'batch':>5} {'lora':>4} {'ranks':>5} {'rank':>4} {'params':>12} "
+          f"{'trained':>12} {'state MiB':>10} {'vs 1 rank':>9} {'after load MiB':>14} {'peak RSS MiB':>12} "
+          f"{'update s':>8} {'grown MiB':>9} {'plan MiB':>8} {'plan/grown':>10}")
+    for r in rows:
+        head = f"{r['algo']:>5} {r['size']:>22} {r['batch']:>5} {r['lora']:>4} {r['ranks']:>5} {r['rank']:>4}"
+        if "failed" in r:
+            print(f"{head} failed: {r['failed']}")
+            continue
+        print(f"{head} {r['params']:>12,} {r.get('trained_params', r['params']):>12,} "
               f"{r['state_bytes'] / 2**20:>10.0f} {r.get('state_vs_1_rank', float('nan')):>9.3f} "
               f"{r['rss_after_load_mib']:>14.0f} "
               f"{r['rss_peak_mib']:>12.0f} {r['update_s']:>8.1f} {r.get('grown_mib', float('nan')):>9.0f} "
               f"{r.get('plan_mib', float('nan')):>8.0f} {r.get('plan_vs_grown', float('nan')):>10.3f}")
+    for r in rows:
+        if "vs_full" in r:
+            v = r["vs_full"]
+            print(f"[learner_memory] {r['algo']} {r['size']} batch {r['batch']}, LoRA rank {r['lora']} against the "
+                  f"full fine-tune: state {v['state_bytes']:.3f}x, grown {v['grown_mib']:.3f}x, seconds per update "
+                  f"{v['update_s']:.3f}x")
     out.parent.mkdir(parents=True, exist_ok=True)
     flags = " --glibc-default --out " + str(out.relative_to(ROOT) if out.is_relative_to(ROOT) else out) \
         if args.glibc_default else ""
     out.write_text(json.dumps({"command": f"python benchmarks/learner_memory.py --sizes SIZE --ranks 1,2 [--algo grpo]"
-                                          f"{flags} (one size at a time here; rows of other sizes are kept)",
+                                          f" [--lora RANK] [--model DIR --groups G --group-size K]{flags} (one "
+                                          f"size at a time here; rows of other sizes and settings are kept)",
                                "results": rows}, indent=2) + "\n")
 
 

@@ -2,6 +2,10 @@
 
     .venv/bin/python benchmarks/lora_push.py                                   # the embedded tiny model
     .venv/bin/python benchmarks/lora_push.py --model models/smollm2-135m-instruct --tokens 16 --prompts 4
+    .venv/bin/python benchmarks/lora_push.py --size 300m --pushes 3 --prompts 4 --n 2 --tokens 32
+
+``--size`` (30m, 300m: benchmarks/weight_sync.py's random Qwen2-architecture models with the character tokenizer)
+measures a model built in a temporary directory; its result file is named by the size (``random-300m-r16.json``).
 
 One engine at a time (the machine is shared), each with one OpenMP thread:
 
@@ -104,6 +108,7 @@ def zmq_pushes(engine, make_publisher, tensors, pushes: int) -> list[float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF directory (default: the embedded tiny base model)")
+    ap.add_argument("--size", default=None, help="a random model of this size (30m, 300m) in place of --model")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--pushes", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=16)
@@ -127,7 +132,17 @@ def main() -> None:
     from async_vapo.weights.receive import load_announced
 
     model = args.model
-    if model is None:
+    built = None
+    if args.size:
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from weight_sync import build_model
+
+        built = tempfile.TemporaryDirectory(prefix=f"random-{args.size}-")
+        model = str(Path(built.name) / f"random-{args.size}")
+        del build_model(args.size, Path(model))[0]
+    elif model is None:
         from async_vapo.config import load_config
         from async_vapo.models.base_model import ensure_base_model
 
@@ -198,6 +213,8 @@ def main() -> None:
     result["eager_without_lora"] = args.eager
     path = out / f"{result['model']}-r{args.rank}{'' if args.eager else '-compiled'}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
+    if built is not None:
+        built.cleanup()
     print(json.dumps(result["summary"], indent=2))
     print(path)
 
