@@ -10,6 +10,9 @@ seconds per update (its median ``time/learn_s`` + ``time/weight_push_s``, waits 
 far over the bound the run came, the learner's wait for a batch per update (and the seconds of the waits that overlapped
 an evaluation), the evaluations' seconds, and rollout restarts (supervisor starts after the first).
 Writes ``summary.json`` and ``updates_vs_time.png`` (updates against wall-clock, evaluations marked) in ``--out``.
+The evaluations are rollout 0's: rows an evaluator outside the training engines wrote (``"source": "checkpoint"``,
+``cluster.evaluator.mode``, at their checkpoints' wall-clock) are counted apart (``checkpoint_evaluations``), neither
+marked nor matched against the learner's waits.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ def figures(run: Path) -> dict:
     base = analyse_cluster_run(run)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     train = sorted((r for r in rows if r["kind"] == "train"), key=lambda r: r["step"])
-    evals = [r for r in rows if r["kind"] == "eval" and r["step"] > 0]
+    evals = [r for r in rows if r["kind"] == "eval" and r["step"] > 0 and r.get("source") != "checkpoint"]
+    outside = [r for r in rows if r["kind"] == "eval" and r.get("source") == "checkpoint"]
+    algo = json.loads((run / "config.resolved.json").read_text())["algo"]["name"]
     per_update = base["seconds_per_update"]
     # the waits for a batch that overlapped an evaluation (eval_spans); an update's
     # wait is the start of its step (wall_s - time/step_s) for time/wait_batch_s
@@ -38,7 +43,8 @@ def figures(run: Path) -> dict:
         if any(start < b and start + r["time/wait_batch_s"] > a for a, b in spans):
             during_eval.append(r["time/wait_batch_s"])
     log = (run / "logs" / "rollout-0.log").read_text(errors="replace") if (run / "logs").is_dir() else ""
-    return {"run": str(run), "updates": base["updates"], "window_s": base["window_s"], "s_per_update": per_update,
+    return {"run": str(run), "algo": algo, "updates": base["updates"], "window_s": base["window_s"],
+            "s_per_update": per_update,
             "learner_own_s": base["learner_own_s"], "over_bound": base["over_learner_own"],
             "busy_fraction": base["busy_fraction"],
             "wait_s_per_update": base["wait_s_per_update"], "wait_s_during_eval": sum(during_eval),
@@ -47,6 +53,7 @@ def figures(run: Path) -> dict:
             "wait_s": sum(r["time/wait_batch_s"] for r in train[1:]),  # the window's
             "evaluations": len(evals), "eval_s": [round(e["time/eval_s"], 1) for e in evals],
             "eval_accuracy": [(e["step"], e["eval/accuracy"]) for e in evals],
+            "checkpoint_evaluations": len(outside),
             "rollout_restarts": max(0, log.count("[supervise] rollout-0: start") - 1),
             "curve": [(r["wall_s"], r["step"]) for r in train], "eval_at": [e["wall_s"] for e in evals]}
 
@@ -71,6 +78,8 @@ def main() -> None:
               f"{f['over_bound']:+6.1%} {f['wait_s_per_update']:8.1f} {f['wait_s_during_eval']:13.0f}s "
               f"{f['evaluations']:5d} {per_eval:7.0f}s  {f['rollout_restarts']}")
         print(f"         evaluation seconds {f['eval_s']}")
+        if f["checkpoint_evaluations"]:
+            print(f"         {f['checkpoint_evaluations']} checkpoint evaluations outside the training engines")
         if f["engine_lent_s"]:
             print(f"         the engine on every core {f['engine_lent_s']:.0f} s, the learner waiting "
                   f"{f['wait_s']:.0f} s")
@@ -94,7 +103,9 @@ def main() -> None:
             ax.axvline((t - t0) / 60, color=color, alpha=0.25, lw=1)
     ax.set_xlabel("minutes since the first update")
     ax.set_ylabel("updates")
-    ax.set_title("SmolLM2 GRPO, services: " + ", ".join(runs) + " (when and how rollout 0 evaluates)", fontsize=10)
+    algos = " / ".join(dict.fromkeys(f["algo"].upper() for f in runs.values()))
+    ax.set_title(f"SmolLM2 {algos}, services: " + ", ".join(runs) + "\n(when and how rollout 0 evaluates)",
+                 fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(args.out / "updates_vs_time.png", dpi=120)
