@@ -141,7 +141,7 @@ def main() -> None:
 
         built = tempfile.TemporaryDirectory(prefix=f"random-{args.size}-")
         model = str(Path(built.name) / f"random-{args.size}")
-        del build_model(args.size, Path(model))[0]
+        build_model(args.size, Path(model))  # written to the directory; the model itself is dropped
     elif model is None:
         from async_vapo.config import load_config
         from async_vapo.models.base_model import ensure_base_model
