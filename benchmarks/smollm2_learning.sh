@@ -7,7 +7,8 @@
 #   bash benchmarks/smollm2_learning.sh [key.sub=value ...]
 #   (ALGOS="grpo vapo" SEEDS="0 1" MINUTES=55 EVAL_EVERY=10 SAMPLES=2 OUT=benchmarks/results/smollm2_learning)
 # ALGOS may also name vapo_critic, vapo_critic_nopretrain, vapo_frozen, vapo_frozen_nopretrain, vapo_frozen_window,
-# vapo_frozen_window_lam1, vapo_frozen_lam1 and vapo_v0 (issue 45, below) and the objectives of configs/baselines/ (issue 49): gspo gspo_token cispo rloo reinforce_pp
+# vapo_frozen_window_lam1, vapo_frozen_lam1 and vapo_v0 (issue 45, below), grpo_lora and vapo_frozen_lora (issue 50:
+# the policy as a LoRA adapter, below) and the objectives of configs/baselines/ (issue 49): gspo gspo_token cispo rloo reinforce_pp
 # reinforce_pp_baseline dr_grpo, each with its baseline config's settings over the shared ones below, e.g.
 #   ALGOS="gspo cispo rloo reinforce_pp dr_grpo" SEEDS=0 bash benchmarks/smollm2_learning.sh
 # With one optimiser step per update on fresh samples every ratio is 1 at the step: GSPO's and CISPO's clips
@@ -73,6 +74,12 @@ vapo_frozen_window=("${vapo_frozen[@]}" algo.critic_epochs=1 algo.critic_replay_
 vapo_frozen_window_lam1=("${vapo_frozen_window[@]}" algo.length_adaptive_gae=false algo.lam_policy=1.0)
 # and the same lambda_policy 1 without the window (plan.md, the next diagnostic row)
 vapo_frozen_lam1=("${vapo_frozen[@]}" algo.length_adaptive_gae=false algo.lam_policy=1.0)
+# issue 50: the policy as a rank-16 adapter on every linear layer of the decoder (model.lora), at LoRA's usual ten
+# times the full fine-tune's learning rate (as configs/qwen2.5-7b_grpo_lora.toml; not tuned); the engine serves each
+# version as its adapter
+lora=(model.lora.rank=16 model.lora.alpha=32 optim.actor_lr=3e-4)
+grpo_lora=("${grpo[@]}" "${lora[@]}")
+vapo_frozen_lora=("${vapo_frozen[@]}" "${lora[@]}")
 # through the services: one step behind at most, continuous generation, a request keeps its version's weights when a
 # new one lands mid-response; 1000 updates (the minutes stop it first), an evaluation every EVAL_EVERY, a checkpoint at
 # the end
