@@ -51,7 +51,8 @@ def _grade(groups, problems, encoder, cfg, answer_format: str) -> dict:
             "by_level": {str(k): sum(v) / len(v) for k, v in sorted(by_level.items())}}
 
 
-def _plot(rows: list[dict], out: Path) -> None:
+def _plot(rows: list[dict], out: Path, algo: str = "vapo") -> None:
+    """Held-out and training accuracy per update, and each update's time split, as ``out`` (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -67,7 +68,8 @@ def _plot(rows: list[dict], out: Path) -> None:
             ax[0].plot([r["step"] for r in evals], [r[key] for r in evals], ".--", label=f"held-out, level {lv}")
     ax[0].plot([r["step"] for r in steps], [r["rollout/accuracy"] for r in steps], "x:", alpha=0.6,
                label="training samples")
-    ax[0].set(xlabel="VAPO update", ylabel="accuracy", title="SmolLM2-135M-Instruct on word problems", ylim=(0, 1))
+    ax[0].set(xlabel=f"{algo.upper()} update", ylabel="accuracy", title="SmolLM2-135M-Instruct on word problems",
+              ylim=(0, 1))
     ax[0].legend(fontsize=8)
     parts = ["time/generate_s", "time/verify_s", "time/learn_s", "time/weight_push_s"]
     bottom = [0.0] * len(steps)
@@ -75,7 +77,7 @@ def _plot(rows: list[dict], out: Path) -> None:
         vals = [r.get(key, 0.0) for r in steps]
         ax[1].bar([r["step"] for r in steps], vals, bottom=bottom, label=key.split("/")[1])
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    ax[1].set(xlabel="VAPO update", ylabel="seconds", title="time per update (this CPU, shared)")
+    ax[1].set(xlabel=f"{algo.upper()} update", ylabel="seconds", title="time per update")
     ax[1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.copy(cfg.run_dir() / name, out / name)
     if not args.keep_checkpoint:
         shutil.rmtree(cfg.run_dir() / "checkpoints", ignore_errors=True)
-    _plot(rows, out / "curve.png")
+    _plot(rows, out / "curve.png", cfg.algo.name)
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     _write_md(result, out / "smollm2.md")
     print((out / "smollm2.md").read_text())
