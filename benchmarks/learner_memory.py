@@ -365,11 +365,12 @@ def main() -> None:
                             args.groups, args.group_size))
     if args.model:
         measure(args.model.name, str(args.model.resolve()))
-    for size in [] if args.model else sizes:
-        with tempfile.TemporaryDirectory() as d:
-            model, _ = build_model(size, Path(d))
-            del model
-            measure(size, d)
+    else:
+        for size in sizes:
+            with tempfile.TemporaryDirectory() as d:
+                model, _ = build_model(size, Path(d))
+                del model
+                measure(size, d)
     order = {"1m": 0, "30m": 1, "300m": 2}
     for r in rows:
         r.setdefault("algo", "vapo")
