@@ -5,15 +5,18 @@ responses are graded by the sandboxed verifier pool of ``cfg.verifier``, and the
 ``rollout.generate.run_evaluation``, the code the in-training evaluation runs. What is evaluated:
 
 * a checkpoint (``runs/NAME/checkpoints/step_N``: ``policy/`` and ``learner_state.pt``), with its run's
-  ``config.resolved.json`` unless ``--config`` is given;
-* an HF model directory (``config.json``), with ``--config`` (default: the schema's defaults);
+  ``config.resolved.json`` unless ``--config`` is given; a LoRA policy's (``policy_adapter/``, ``model.lora``) is
+  evaluated as its adapter merged into the run's base model, by peft, on an engine without LoRA;
+* an HF model directory (``config.json``), or a PEFT adapter directory (``adapter_config.json``, merged over the
+  config's model), with ``--config`` (default: the schema's defaults);
 * nothing: the config's own starting policy (``model.path`` or the embedded base model);
-* a run directory (``runs/NAME``): every checkpoint of the run with HF weights (``step_N/policy``, whole or pruned by
-  ``train.keep_checkpoints``) not evaluated yet, and the starting policy as update 0, with one engine
-  (:func:`eval_run`). Each becomes an ``eval`` row of the run's ``metrics.jsonl`` (``"source": "checkpoint"``, the
-  wall-clock and samples of that update's training row), so ``async-vapo plot`` and ``report`` draw the curve as if
-  the run had evaluated itself; ``--watch`` follows a run still training, an evaluator outside the training engines
-  (the services' ``cluster.rollout.eval = false``; on a GPU host, on a device of its own), until the run is done.
+* a run directory (``runs/NAME``): every checkpoint of the run with HF weights or an adapter (``step_N/policy`` or
+  ``step_N/policy_adapter``, whole or pruned by ``train.keep_checkpoints``) not evaluated yet, and the starting policy
+  as update 0, with one engine (:func:`eval_run`). Each becomes an ``eval`` row of the run's ``metrics.jsonl``
+  (``"source": "checkpoint"``, the wall-clock and samples of that update's training row), so ``async-vapo plot`` and
+  ``report`` draw the curve as if the run had evaluated itself; ``--watch`` follows a run still training, an evaluator
+  outside the training engines (the services' ``cluster.rollout.eval = false``; on a GPU host, on a device of its own),
+  until the run is done.
 
 Outputs in ``--out`` (default ``runs/eval/<label>``; for a run directory ``RUN_DIR/eval/step_N``): ``samples.jsonl``
 (one record per sample: problem, difficulty, response, verdict), ``metrics.json`` (the figures and how they were made).
@@ -21,6 +24,7 @@ Outputs in ``--out`` (default ``runs/eval/<label>``; for a run directory ``RUN_D
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -39,17 +43,33 @@ def resolve_target(path: str | None, configs: Sequence[str], overrides: Sequence
         return cfg, None, f"{cfg.train.name}-base"
     p = Path(path).expanduser()
     checkpoint = (p / "learner_state.pt").is_file() or p.parent.name == "checkpoints"  # whole, or pruned to weights
-    if (p / "policy" / "config.json").is_file() and checkpoint:
+    if checkpoint and (policy := checkpoint_policy(p)) is not None:
         run_config = p.parent.parent / "config.resolved.json"
         if not configs and not run_config.is_file():
             raise ConfigError(f"{p} is a checkpoint, but its run has no {run_config}: pass --config")
         cfg = load_config(configs or [run_config], overrides)
-        return cfg, p / "policy", f"{cfg.train.name}-{p.name}"
-    if (p / "config.json").is_file():
+        return cfg, policy, f"{cfg.train.name}-{p.name}"
+    if (p / "config.json").is_file() or _is_adapter(p):
         cfg = load_config(configs, overrides)
         return cfg, p, p.name
-    raise ConfigError(f"{p} is neither an HF model directory (config.json) nor a checkpoint (policy/ and "
-                      "learner_state.pt)")
+    raise ConfigError(f"{p} is neither an HF model directory (config.json), a PEFT adapter directory "
+                      "(adapter_config.json, over the config's model) nor a checkpoint (policy/ or policy_adapter/, "
+                      "and learner_state.pt)")
+
+
+def _is_adapter(path: Path) -> bool:
+    from async_vapo.models.lora import ADAPTER_CONFIG
+
+    return (path / ADAPTER_CONFIG).is_file()
+
+
+def checkpoint_policy(ckpt: Path) -> Path | None:
+    """The policy a checkpoint holds as a directory: ``policy/`` (HF weights) or, for a LoRA policy, its PEFT adapter
+    ``policy_adapter/`` (evaluated merged over the run's base model); None when it has neither (a sharded learner's
+    ``dcp/`` alone)."""
+    if (ckpt / "policy" / "config.json").is_file():
+        return ckpt / "policy"
+    return ckpt / "policy_adapter" if _is_adapter(ckpt / "policy_adapter") else None
 
 
 def is_run_dir(path: str | Path) -> bool:
@@ -59,18 +79,18 @@ def is_run_dir(path: str | Path) -> bool:
 
 
 def run_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """(step, policy directory) of every checkpoint of the run with HF weights, by step. A checkpoint without them (a
-    sharded learner's, or a LoRA policy's adapter) is an error that says how to get them."""
+    """(step, policy directory) of every checkpoint of the run with HF weights or a LoRA adapter
+    (:func:`checkpoint_policy`), by step. A checkpoint with neither (a sharded learner's) is an error that says how
+    to get them."""
     from async_vapo.learner.rundir import checkpoint_dirs
 
     out = []
     for step, p in checkpoint_dirs(run_dir, resumable=False):
-        if (p / "policy" / "config.json").is_file():
-            out.append((step, p / "policy"))
-        elif (p / "policy_adapter").is_dir() or (p / "dcp").is_dir():
-            raise ConfigError(f"{p} has no HF policy weights (policy/config.json): a LoRA adapter or a sharded "
-                              f"learner's checkpoint; write them with `async-vapo export {p} --merge` and evaluate "
-                              "that directory")
+        if (policy := checkpoint_policy(p)) is not None:
+            out.append((step, policy))
+        elif (p / "dcp").is_dir():
+            raise ConfigError(f"{p} has no HF policy weights (policy/config.json): a sharded learner's checkpoint; "
+                              f"write them with `async-vapo export {p}` and evaluate that directory")
     return out
 
 
@@ -173,9 +193,10 @@ def run_eval(cfg: Config, policy: Path | None, *, out_dir: Path, n: int | None =
         raise ConfigError(f"--limit must be at least 1, got {limit}")
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    if policy is not None and (policy / "tokenizer_config.json").is_file():
+    adapter = policy is not None and _is_adapter(policy)
+    if policy is not None and not adapter and (policy / "tokenizer_config.json").is_file():
         tok_dir = policy
-    else:  # the config's starting policy, or a checkpoint (whose tokenizer is its base model's)
+    else:  # the config's starting policy, or a checkpoint or adapter (whose tokenizer is its base model's)
         tok_dir = ensure_base_model(cfg, progress=progress)
         policy = tok_dir if policy is None else policy
     tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
@@ -183,12 +204,18 @@ def run_eval(cfg: Config, policy: Path | None, *, out_dir: Path, n: int | None =
     problems = (eval_set if split == "eval" else train_set)[:limit]
     encoder = PromptEncoder.from_config(cfg, tokenizer)
     own_engine = engine is None and not keep_engine
+    # a LoRA policy is evaluated as its merged weights (W + (alpha / r) B A, by peft over the config's base model) on
+    # an engine without LoRA: one adapter for every request gains nothing from vLLM's LoRA path, which is slower
+    weights = _merged_policy(policy, tok_dir) if adapter else None
     if engine is None:
-        engine = VLLMEngine(EngineSpec.from_config(cfg, policy, longest_prompt=encoder.longest(problems)))
+        spec = EngineSpec.from_config(cfg, tok_dir if adapter else policy, longest_prompt=encoder.longest(problems))
+        engine = VLLMEngine(dataclasses.replace(spec, max_lora_rank=0))
+        if weights is not None:
+            engine.load_weights(weights, engine.version + 1)
     else:
         from async_vapo.models.rl import load_policy
 
-        engine.load_weights(load_policy(policy).state_dict(), engine.version + 1)
+        engine.load_weights(weights if weights is not None else load_policy(policy).state_dict(), engine.version + 1)
     verifier = VerifierPool.from_config(cfg.verifier)
     try:
         ev = run_evaluation(Rollout(cfg, engine, verifier, encoder), problems, cfg, n=n, ks=ks)
@@ -208,6 +235,20 @@ def run_eval(cfg: Config, policy: Path | None, *, out_dir: Path, n: int | None =
               "metrics": ev.metrics}
     (out_dir / "metrics.json").write_text(json.dumps(result, indent=2, allow_nan=False, default=str) + "\n")
     return result | ({"engine": engine} if keep_engine else {})
+
+
+def _merged_policy(adapter: Path, base: Path) -> dict:
+    """The weights of the PEFT adapter directory ``adapter`` merged into the model ``base``, under the plain model's
+    names (peft's own merge, outside the learner's code)."""
+    from peft import PeftModel
+
+    from async_vapo.models.rl import load_policy
+
+    try:
+        model = PeftModel.from_pretrained(load_policy(base), str(adapter))
+    except (ValueError, RuntimeError, KeyError) as e:
+        raise ConfigError(f"{adapter}: the adapter does not load over {base} ({e}); pass the run's --config") from e
+    return model.merge_and_unload().state_dict()
 
 
 def format_table(metrics: dict[str, float], ks: Sequence[int]) -> str:

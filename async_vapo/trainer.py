@@ -106,16 +106,17 @@ def _start_engine(cfg: Config, spec: EngineSpec, version: int) -> VLLMEngine:
 
 class _EnginePublisher:
     """How the one-process trainer hands a version to its engine: the learner's weights, the ``engine_weights``
-    experiment's copy of them, or, with ``model.lora`` on a LoRA engine, the version's adapter (``weights.adapter``)
-    in place of the merged weights. Called as ``publish(version)``, or ``publish(version, state)`` with the weights
-    already taken (``StepLoop``'s hook); returns the seconds it took. The learner's weights are taken only where
-    they are sent, so a LoRA version that goes as its adapter never builds the merged state."""
+    experiment's copy of them, or, with ``model.lora`` served as adapters on a LoRA engine, the version's adapter
+    (``weights.adapter``) in place of the merged weights (``model.lora.serve = "merged"``: those). Called as
+    ``publish(version)``, or ``publish(version, state)`` with the weights already taken (``StepLoop``'s hook); returns
+    the seconds it took. The learner's weights are taken only where they are sent, so a LoRA version that goes as its
+    adapter never builds the merged state."""
 
     def __init__(self, engine: VLLMEngine, learner, base_path: Path,
                  engine_weights: Callable[[dict, int], dict] | None):
         self.engine, self.learner, self.engine_weights = engine, learner, engine_weights
         self.adapters = None
-        if learner.lora is not None and engine.spec.max_lora_rank:
+        if learner.publishes_adapter and engine.spec.max_lora_rank:
             from async_vapo.weights.adapter import AdapterPublisher
 
             self.adapters = AdapterPublisher(None, learner.lora, base_model=str(base_path))

@@ -181,10 +181,25 @@ class LoraConfig(_Section):
     target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
     """Names (last component) of the linear layers that get adapters. The default: every linear layer of each
     decoder layer, which vLLM's LoRA supports for Qwen2 and Llama models."""
+    serve: Literal["adapter", "merged"] = "adapter"
+    """How the engines serve the policy's versions (``model.lora`` only; a critic is never served). "adapter": a
+    version is its adapter, loaded by vLLM's LoRA support over the frozen base (megabytes a push; in continuous
+    generation a group keeps the adapter it started with). "merged": a version is the merged weights
+    W + (alpha / r) B A, sent as whole weights are (``cluster.weights.transfer``, "dist" included) to engines started
+    without LoRA: a push is the whole model's size and an update pauses as ``rollout.weight_update`` says, but
+    generation runs at the speed of an engine without LoRA. On the CPU that is the faster choice for small models
+    (vLLM's CPU LoRA path turns compilation off and copies adapter weights per token: SmolLM2-135M's training batch
+    of 64 responses took 8.7x as long under an adapter, docs/guides/lora.md). The learner trains and checkpoints the
+    adapter alone either way."""
 
     @property
     def enabled(self) -> bool:
         return self.rank > 0
+
+    @property
+    def adapter_versions(self) -> bool:
+        """Whether each version goes to the engines as its adapter (LoRA on, ``serve = "adapter"``)."""
+        return self.enabled and self.serve == "adapter"
 
 
 class ModelConfig(_Section):
@@ -1001,8 +1016,8 @@ class ClusterEvaluatorConfig(_Section):
     GPUs no service uses, and refuses a plan that leaves none), on a CPU host on the same cores as the services (it
     slows them while it evaluates). ``after``: once the learner is done and the services are stopped,
     ``start_cluster.sh --wait`` evaluates every checkpoint on the learner's host with the whole machine (needs
-    ``--wait``). Either way the run's checkpoints need HF weights: not a LoRA policy or a sharded learner (evaluate
-    ``async-vapo export --merge`` of those)."""
+    ``--wait``). Either way the run's checkpoints need HF weights or a LoRA adapter (evaluated merged into the base
+    model): not a sharded learner's (evaluate ``async-vapo export`` of those)."""
 
 
 class ClusterReplayConfig(_Section):
@@ -1306,20 +1321,21 @@ class Config(_Section):
                 raise ValueError('model.critic_trunk = "frozen" with a sharded learner (async.learner_devices = '
                                  f"{self.async_.learner_devices}, learner.fsdp = {self.learner.fsdp!r}) is not "
                                  "supported yet: its hidden-state cache is one process's")
-        if self.cluster.evaluator.mode != "off" and (
-                self.model.lora.enabled or self.async_.learner_devices > 1 or self.learner.fsdp == "on"):
-            why = ("a LoRA policy's checkpoints hold its adapter" if self.model.lora.enabled else
-                   f"a sharded learner (async.learner_devices = {self.async_.learner_devices}, learner.fsdp = "
-                   f"{self.learner.fsdp!r}) writes no HF weights")
+        if self.cluster.evaluator.mode != "off" and (self.async_.learner_devices > 1 or self.learner.fsdp == "on"):
             raise ValueError(f"cluster.evaluator.mode = {self.cluster.evaluator.mode!r} evaluates the checkpoints' HF "
-                             f"weights, and {why}: evaluate `async-vapo export CHECKPOINT --merge` instead, or use "
-                             "cluster.rollout.eval")
+                             f"weights, and a sharded learner (async.learner_devices = {self.async_.learner_devices}, "
+                             f"learner.fsdp = {self.learner.fsdp!r}) writes no HF weights: evaluate `async-vapo export "
+                             "CHECKPOINT` instead, or use cluster.rollout.eval")
         if self.model.critic_lora.enabled and not self.algo.uses_critic:
             raise ValueError(f"model.critic_lora: algo.name = {self.algo.name!r} builds no critic (set "
                              "model.critic_lora.rank = 0)")
-        if self.model.lora.enabled and self.cluster.weights.transfer == "dist":
+        if self.model.lora.adapter_versions and self.cluster.weights.transfer == "dist":
             raise ValueError('model.lora with cluster.weights.transfer = "dist": a LoRA version is its adapter, which '
-                             'is not streamed over torch.distributed groups; use "auto", "shm", "zmq" or "file"')
+                             'is not streamed over torch.distributed groups; use "auto", "shm", "zmq" or "file", or '
+                             'model.lora.serve = "merged" (whole merged weights, which "dist" streams)')
+        if self.model.critic_lora.serve != "adapter":
+            raise ValueError('model.critic_lora.serve: the critic is never served by an engine (model.lora.serve says '
+                             "how the policy's versions are)")
         if self.async_.rollout_devices % self.rollout.tensor_parallel_size:
             raise ValueError(f"async.rollout_devices ({self.async_.rollout_devices}) is not a multiple of "
                              f"rollout.tensor_parallel_size ({self.rollout.tensor_parallel_size}): every engine "

@@ -467,7 +467,8 @@ def estimate(cfg, shape: ModelShape, cl: Cluster, *, engines: int, budget: int |
     em = engine_memory(shape, tp, gpu_bytes=gpu_bytes, utilization=r.gpu_memory_utilization, dtype_bytes=dt,
                        seq_tokens=s.seq_tokens)
     ws = weight_sync(shape, engines, dtype_bytes=dt, bandwidth_bytes_s=cl.bandwidth_gbytes_s * 1e9,
-                     adapter_params=shape.lora_params(s.lora_rank, s.lora_targets) if s.lora_rank else 0)
+                     adapter_params=(shape.lora_params(s.lora_rank, s.lora_targets)
+                                     if s.lora_rank and cfg.model.lora.serve == "adapter" else 0))
     mean_resp = cl.mean_response(cfg)
     profile = cl.profile or published_profile(
         shape, GPUS[cl.gpu], tp=tp, dtype_bytes=dt, utilization=r.gpu_memory_utilization,

@@ -206,14 +206,14 @@ class StepLoop:
     """Runs value pretraining and the updates of one run (see the module docstring).
 
     ``leader``: this rank writes rows, publishes, evaluates and checkpoints, and decides when to stop.
-    Hooks, each optional: ``publish(version, state) -> seconds`` (the version to the engines; ``state`` is the
-    policy's weights, or with ``model.lora`` its adapter, that a sharded learner gathers on every rank for it
-    (``publish_state()``), else None: the hook takes from the
-    learner what it sends, ``policy_state()`` or with ``model.lora`` the adapter alone, so no merged copy is built
-    that nothing reads), or instead ``publish_collective(version) -> row metrics``, run
-    on every rank of a sharded learner, which gathers what it sends itself (``learner.sharding.publish_sharded``:
-    one bucket at a time where every engine takes the version over its weight group) and returns the leader's
-    ``time/weight_push_s`` and any other figures for its row; ``evaluate(step)``
+    Hooks, each optional: ``publish(version, state) -> seconds`` (the version to the engines; ``state`` is the policy's
+    weights, or with ``model.lora`` served as adapters its adapter, that a sharded learner gathers on every rank for it
+    (``publish_state()``), else None: the hook takes from the learner what it sends, ``policy_state()`` or with
+    ``model.lora`` the adapter alone, so no merged copy is built that nothing reads (``model.lora.serve = "merged"``:
+    the merged weights are what it sends)), or instead ``publish_collective(version) -> row metrics``, run on every rank
+    of a sharded learner, which gathers what it sends itself (``learner.sharding.publish_sharded``: one bucket at a time
+    where every engine takes the version over its weight group) and returns the leader's ``time/weight_push_s`` and any
+    other figures for its row; ``evaluate(step)``
     (held-out evaluation, which writes its own row), ``on_row(row)`` (after each row is written, e.g. to
     Prometheus), ``busy(stage)`` (a context manager around learning), ``should_stop()`` (checked between
     steps), ``wall()`` (the rows' ``wall_s``), ``heldout_critic()`` (every rank: the critic's quality on held-out

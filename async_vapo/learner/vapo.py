@@ -268,6 +268,9 @@ class Learner:
         # A sharded LoRA model is sharded like any other (its frozen base weights and its adapters alike, per decoder
         # layer); a version is its adapter, gathered on every rank (adapter_state), never the base's weight stream
         self.lora = lora.config_of(cfg)
+        self.publishes_adapter = cfg.model.lora.adapter_versions
+        """A version goes to the engines as its adapter (``model.lora.serve = "adapter"``), else as the policy's weights
+        (merged with ``serve = "merged"``)."""
         # model.critic_lora: adapters on the critic's trunk, its value head trained in full (models.lora)
         self.critic_lora = lora.config_of(cfg, "critic") if self.algo.uses_critic else None
         self.policy = self._load(lambda: self._with_lora(build_policy(policy_path, attn_implementation=attn)),
@@ -850,9 +853,10 @@ class Learner:
         return lora.adapter_tensors({k: _full(v).cpu() for k, v in self.policy.state_dict().items() if ".lora_" in k})
 
     def publish_state(self) -> dict[str, torch.Tensor]:
-        """What a version sends: the adapter with ``model.lora`` (:meth:`adapter_state`), else the weights
-        (:meth:`policy_state`). A collective when the learner is sharded."""
-        return self.adapter_state() if self.lora is not None else self.policy_state()
+        """What a version sends: the adapter with ``model.lora`` served as adapters (:meth:`adapter_state`), else the
+        weights (:meth:`policy_state`: merged with ``model.lora.serve = "merged"``). A collective when the learner is
+        sharded."""
+        return self.adapter_state() if self.publishes_adapter else self.policy_state()
 
     def _train_state(self) -> dict:
         """Models and optimisers as torch.distributed.checkpoint state (each rank's shards when sharded)."""

@@ -116,7 +116,7 @@ class EngineSpec:
                    gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
                    max_num_seqs=r.max_num_seqs, tensor_parallel_size=r.tensor_parallel_size,
                    dist_backend=cfg.cluster.weights.dist_backend, idle_spin_s=r.idle_spin_s,
-                   max_lora_rank=vllm_max_lora_rank(cfg.model.lora.rank) if cfg.model.lora.enabled else 0)
+                   max_lora_rank=vllm_max_lora_rank(cfg.model.lora.rank) if cfg.model.lora.adapter_versions else 0)
 
 
 def engine_cpu_env(cpus: Sequence[int]) -> dict[str, str]:

@@ -477,11 +477,12 @@ class LearnerService:
 
     def publish(self, version: int, state: dict | None = None) -> float:
         """Version ``version`` to the engines: the policy's weights (``state`` when a sharded learner gathered them
-        on every rank, else taken here), or with ``model.lora`` the policy's adapter alone (``weights.adapter``: the
-        engines load it over their base; the merged weights are never built)."""
+        on every rank, else taken here), or with ``model.lora`` served as adapters the policy's adapter alone
+        (``weights.adapter``: the engines load it over their base; the merged weights are never built; with
+        ``model.lora.serve = "merged"`` the merged weights, as whole weights go)."""
         if state is None:  # an unsharded learner's (a sharded one gathered it on every rank: publish_state)
             state = self.learner.publish_state()
-        elif self.learner.lora is not None and not all(k.startswith(lora.PEFT_PREFIX) for k in state):
+        elif self.learner.publishes_adapter and not all(k.startswith(lora.PEFT_PREFIX) for k in state):
             raise ValueError("a LoRA version is its adapter (Learner.publish_state), not the policy's weights")
         return self.sync.publish(version, state, self.floor(version))
 
@@ -514,7 +515,7 @@ class LearnerService:
         state = None
         if self.streams:  # a collective
             self.publish_all(v)
-        elif self.learner.lora is None or self.learner.sharded:
+        elif not self.learner.publishes_adapter or self.learner.sharded:
             state = self.learner.publish_state()  # a collective when the learner is sharded
         if self.rank != 0:
             self.loop.run()

@@ -40,9 +40,10 @@ yet) the version is gathered whole on rank 0 in one walk and published as above.
 
 With ``model.lora`` a version is its adapter (``async_vapo.weights.adapter``): the publish writes a PEFT directory
 (``publish``'s tensors are ``Learner.adapter_state()``), engines read it where it lies ("shm", "file", "auto" on this
-host) or fetch its files from the ``weights_fetch`` server ("zmq", "auto" elsewhere); no group is offered or
-streamed, and "dist" is refused (by the config). Announces, acks, rotation, liveness and the heartbeats' repeated
-announce (a late engine loads the current adapter) are as for whole weights.
+host) or fetch its files from the ``weights_fetch`` server ("zmq", "auto" elsewhere); no group is offered or streamed,
+and "dist" is refused (by the config). With ``model.lora.serve = "merged"`` a version is the merged weights
+(``Learner.policy_state()``), published as any whole version is. Announces, acks, rotation, liveness and the heartbeats'
+repeated announce (a late engine loads the current adapter) are as for whole weights.
 
 ``cluster.weights.transfer = "auto"`` chooses per engine (``async_vapo.weights.choose.WayChooser``, fed by the acks,
 which say the way each version came): an engine on this host maps its slot; one on another host fetches, asks for a
@@ -197,8 +198,9 @@ class WeightBroadcast:
         self.failed_loads = m.get("weight_load_failures_total")
         from async_vapo.models import lora
 
-        self.lora = lora.config_of(ctx.cfg)
-        """``model.lora``: each version is its adapter (``weights.adapter``), never streamed over a group."""
+        self.lora = lora.config_of(ctx.cfg) if ctx.cfg.model.lora.adapter_versions else None
+        """``model.lora`` served as adapters: each version is its adapter (``weights.adapter``), never streamed over a
+        group (``model.lora.serve = "merged"``: None, a version is whole weights like any other)."""
         self.dist = c.weights.transfer in ("dist", "auto") and self.lora is None
         """Engines may get torch.distributed groups ("dist"; "auto" for engines on other hosts)."""
         self.chooser = WayChooser(c.weights.transfer == "auto", c.weights.auto_trials)

@@ -172,3 +172,41 @@ def test_whole_weights_on_a_lora_engine_replace_the_adapter(lora_engine, learner
     assert lora_engine.version == 21 and lora_engine._lora is None
     assert lora_engine.update_stats[-1].mode == lora_engine.weight_update  # a whole load pauses, an adapter's not
     assert_engine_serves(lora_engine, learner.policy, tok)
+
+
+def test_a_lora_run_served_merged_loads_whole_weights_into_an_engine_without_lora(vllm_engine, tiny_cfg, tiny_base):
+    """``model.lora.serve = "merged"``: the one-process trainer trains the adapter alone, and each version reaches an
+    engine started without LoRA (the session's plain engine) as the merged weights; after the run that engine serves
+    exactly the policy of the final checkpoint's adapter over the base, loaded by peft outside our code."""
+    import json
+
+    from peft import PeftModel
+
+    from async_vapo.models.rl import load_policy
+    from async_vapo.trainer import train
+
+    cfg = tiny_cfg.model_copy(deep=True)
+    cfg.model.lora.rank, cfg.model.lora.alpha, cfg.model.lora.serve = 4, 8.0, "merged"
+    cfg.train.name = "lora-merged-run"
+    assert vllm_engine.spec.max_lora_rank == 0
+    summary = train(cfg, progress=False, engine=vllm_engine)
+    assert vllm_engine.version == 3 == summary["steps"]
+    rows = [json.loads(x) for x in (cfg.run_dir() / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows if r["kind"] == "train"] == [1, 2, 3]
+    ckpt = cfg.run_dir() / "checkpoints" / "step_3"
+    assert (ckpt / "policy_adapter").is_dir() and not (ckpt / "policy").exists()  # the adapter is what is kept
+    tok = AutoTokenizer.from_pretrained(str(tiny_base))
+    policy = PeftModel.from_pretrained(load_policy(tiny_base), str(ckpt / "policy_adapter")).eval()
+    assert_engine_serves(vllm_engine, policy, tok)
+    base = load_policy(tiny_base)
+    with pytest.raises(AssertionError):  # the adapter learned something: the engine no longer serves the base
+        assert_engine_serves(vllm_engine, base, tok)
+    # async-vapo eval of the run: each checkpoint's adapter merged into the base, loaded into the plain engine
+    from async_vapo.evaluation import eval_run, resolve_target
+
+    assert resolve_target(str(ckpt), [], [])[1] == ckpt / "policy_adapter"
+    vllm_engine.apply_weights(0, lambda: vllm_engine.load_weights(base.state_dict(), version=0))
+    rows = eval_run(cfg.run_dir(), engine=vllm_engine, limit=8, progress=False, log=lambda m: None)
+    assert rows[0]["step"] == 0 and rows[-1]["step"] == 3 and all(0 <= r["eval/accuracy"] <= 1 for r in rows)
+    assert_engine_serves(vllm_engine, policy, tok)  # the last one evaluated: step 3's adapter, merged
+    vllm_engine.apply_weights(0, lambda: vllm_engine.load_weights(base.state_dict(), version=0))  # other tests share it

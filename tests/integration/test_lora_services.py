@@ -169,6 +169,53 @@ def test_a_fetched_adapter_is_checked_before_anything_is_written(tmp_path):
         transport.close()
 
 
+def test_served_merged_the_learner_service_publishes_whole_weights_to_an_engine_without_lora(tiny_cfg, tiny_base,
+                                                                                             vllm_engine, tmp_path):
+    """``model.lora.serve = "merged"``: the learner service trains the adapter but publishes each version as the
+    merged weights, whole, by the ordinary way ("shm" here); the session's plain engine (no LoRA) loads them and
+    serves exactly the learner's adapted policy."""
+    from transformers import AutoTokenizer
+
+    from async_vapo.models.rl import load_policy
+    from async_vapo.services.learner import LearnerService
+    from async_vapo.services.rollout import RolloutService
+    from async_vapo.tasks import load_task
+    from async_vapo.transport import InprocTransport
+
+    cfg = load_config([], [*TINY_TEST_OVERRIDES, f"model.cache_dir={tiny_cfg.model.cache_dir}",
+                           "model.lora.rank=4", "model.lora.alpha=8", "model.lora.serve=merged",
+                           "cluster.weights.transfer=shm", f"cluster.weights.dir={tmp_path / 'w'}",
+                           "cluster.wire.heartbeat_s=0.1"])
+    ctxs = {s: make_context(s, cfg=cfg, run_dir=tmp_path / "run", serve_metrics=False, install_signals=False)
+            for s in ("learner", "rollout")}
+    tok = AutoTokenizer.from_pretrained(str(tiny_base))
+    transport = InprocTransport()
+    learner = LearnerService(ctxs["learner"], transport)
+    rollout = None
+    try:
+        set_adapter(learner.learner, seed=4)
+        learner.publish(1)
+        a = learner.sync.latest
+        full = sum(t.numel() * t.element_size() for t in learner.learner.policy_state().values())
+        assert a.transfer == "shm" and a.nbytes >= full, (a.transfer, a.nbytes, full)  # whole weights, not an adapter
+        train_set, eval_set = load_task(cfg)
+        rollout = RolloutService(ctxs["rollout"], transport, vllm_engine, tok, train_set, eval_set,
+                                 pretrain_batches=1)
+        rollout.weights.start()
+        serve(learner, rollout, 1)
+        assert counter(rollout.ctx.metrics.rollout.weight_transfers_total, via="shm") == 1
+        assert_engine_serves(vllm_engine, learner.learner.policy, tok)
+        with pytest.raises(AssertionError):  # the adapter moved the policy off the base
+            assert_engine_serves(vllm_engine, load_policy(tiny_base), tok)
+    finally:
+        if rollout is not None:
+            rollout.close()
+        learner.close()
+        transport.close()
+        base = load_policy(tiny_base).state_dict()
+        vllm_engine.apply_weights(0, lambda: vllm_engine.load_weights(base, version=0))  # other tests share it
+
+
 def test_adapters_over_weight_groups_are_refused_naming_the_ways_that_work(tmp_path):
     from async_vapo.models import lora
     from async_vapo.weights.publish import make_publisher

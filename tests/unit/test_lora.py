@@ -178,6 +178,45 @@ def test_the_step_loop_publishes_a_lora_version_without_building_the_merged_weig
     assert any(not torch.equal(got[0][2][k], v) for k, v in got[1][2].items())  # each version its own adapter
 
 
+def test_served_merged_a_version_is_the_merged_weights_and_the_engine_has_no_lora(cache, tmp_path):
+    """``model.lora.serve = "merged"``: the learner still trains the adapter alone, but what a version sends
+    (``publish_state``, the step loop's hook) is the merged weights under the plain model's names, equal to peft's own
+    merge; the engine is started without LoRA and "dist" is accepted. The critic is never served."""
+    from peft.tuners.lora import LoraLayer
+
+    from async_vapo.learner.loop import StepLoop
+    from async_vapo.rollout.engine import EngineSpec
+
+    learner, _, base = make(cache, "model.lora.serve=merged", "train.total_steps=1", "train.eval_every=100",
+                            "train.checkpoint_every=0")
+    randomise_b(learner)
+    assert not learner.publishes_adapter and learner.lora is not None
+    sent = learner.publish_state()
+    plain = AutoModelForCausalLM.from_pretrained(str(base))
+    assert set(sent) == set(plain.state_dict()) and not any("lora" in k or "base_layer" in k for k in sent)
+    want = {}
+    for name, m in learner.policy.named_modules():
+        if isinstance(m, LoraLayer):
+            w = m.get_base_layer().weight.detach().clone()
+            w += m.get_delta_weight(lora.ADAPTER)
+            want[f"{name}.weight"] = w
+    assert want and all(torch.allclose(sent[k], w, atol=1e-6) for k, w in want.items())
+    assert not torch.equal(sent[next(iter(want))], plain.state_dict()[next(iter(want))])  # the adapter is in it
+    tok = AutoTokenizer.from_pretrained(str(base))
+    got = []
+    assert StepLoop(learner.cfg, learner, _Groups(tok), pad_id=tok.pad_token_id, run_dir=tmp_path,
+                    publish=lambda v, state: got.append(learner.publish_state()) or 0.0).run()
+    assert set(got[0]) == set(sent)
+    assert EngineSpec.from_config(learner.cfg, base, longest_prompt=8).max_lora_rank == 0
+    adapter_cfg = load_config([], FAST + LORA)
+    assert EngineSpec.from_config(adapter_cfg, base, longest_prompt=8).max_lora_rank == 8
+    load_config([], FAST + LORA + ["model.lora.serve=merged", "cluster.weights.transfer=dist"])
+    with pytest.raises(ValueError, match='serve = "merged"'):
+        load_config([], FAST + LORA + ["cluster.weights.transfer=dist"])
+    with pytest.raises(ValueError, match="critic is never served"):
+        load_config([], FAST + ["algo.name=vapo", "model.critic_lora.rank=4", "model.critic_lora.serve=merged"])
+
+
 def test_lora_refuses_what_it_does_not_support(cache):
     with pytest.raises(ValueError, match="less than or equal to 0"):
         load_config([], FAST + ["model.lora.rank=4", "model.lora.dropout=0.1"])

@@ -82,6 +82,8 @@ def test_plan_fits_the_7b_lora_config_on_the_host_it_names(tmp_path):
     assert "(1 rank)" in out and "7 engine(s)" in out and "LoRA rank 16" in out
     # 4 B x 7.62e9 frozen base + 16 B x 40,370,176 adapter params = 29.0 GiB; the version is the fp32 adapter
     assert "29.0 GiB" in out and "63.5 GiB  (fits)" in out and "0.2 GB" in out
+    merged = plan(str(LORA_7B), *where, "model.lora.serve=merged")  # a version is the whole bf16 model
+    assert merged.returncode == 0 and "15.2 GB" in merged.stdout and "63.5 GiB  (fits)" in merged.stdout
     full = plan(str(LORA_7B), *where, "model.lora.rank=0")
     assert full.returncode == 1 and "DOES NOT FIT 80 GiB" in full.stdout
     vapo = plan(str(LORA_7B), *where, "algo.name=vapo")

@@ -247,10 +247,12 @@ def test_start_cluster_starts_the_evaluator_as_asked_and_refuses_after_without_w
     assert not (tmp_path / "run2" / "pids").exists()
 
 
-@pytest.mark.parametrize("over", [["model.lora.rank=8"], ["async.learner_devices=2"], ["learner.fsdp=on"]])
+@pytest.mark.parametrize("over", [["async.learner_devices=2"], ["learner.fsdp=on"]])
 def test_config_refuses_an_evaluator_of_checkpoints_without_hf_weights(over):
     from async_vapo.config import ConfigError, load_config
 
     assert load_config([], over).cluster.evaluator.mode == "off"
     with pytest.raises(ConfigError, match=r"cluster.evaluator.mode = 'watch' evaluates the checkpoints' HF weights"):
         load_config([], [*over, "cluster.evaluator.mode=watch"])
+    # a LoRA policy's checkpoints hold its adapter, which the evaluator merges into the base model
+    assert load_config([], ["model.lora.rank=8", "cluster.evaluator.mode=watch"]).cluster.evaluator.mode == "watch"
