@@ -8,7 +8,7 @@
 #   (ALGOS="grpo vapo" SEEDS="0 1" MINUTES=55 EVAL_EVERY=10 SAMPLES=2 OUT=benchmarks/results/smollm2_learning)
 # ALGOS may also name vapo_critic, vapo_critic_nopretrain, vapo_frozen, vapo_frozen_nopretrain, vapo_frozen_window,
 # vapo_frozen_window_lam1, vapo_frozen_lam1 and vapo_v0 (issue 45, below), grpo_lora and vapo_frozen_lora (issue 50:
-# the policy as a LoRA adapter, below) and the objectives of configs/baselines/ (issue 49): gspo gspo_token cispo rloo reinforce_pp
+# the policy as a LoRA adapter, below; grpo_lora_merged and vapo_frozen_lora_merged serve its versions merged) and the objectives of configs/baselines/ (issue 49): gspo gspo_token cispo rloo reinforce_pp
 # reinforce_pp_baseline dr_grpo, each with its baseline config's settings over the shared ones below, e.g.
 #   ALGOS="gspo cispo rloo reinforce_pp dr_grpo" SEEDS=0 bash benchmarks/smollm2_learning.sh
 # With one optimiser step per update on fresh samples every ratio is 1 at the step: GSPO's and CISPO's clips
@@ -80,6 +80,10 @@ vapo_frozen_lam1=("${vapo_frozen[@]}" algo.length_adaptive_gae=false algo.lam_po
 lora=(model.lora.rank=16 model.lora.alpha=32 optim.actor_lr=3e-4)
 grpo_lora=("${grpo[@]}" "${lora[@]}")
 vapo_frozen_lora=("${vapo_frozen[@]}" "${lora[@]}")
+# the same adapters, each version sent to an engine without LoRA as the merged weights (model.lora.serve): vLLM's CPU
+# LoRA path took 8.7x as long per batch
+grpo_lora_merged=("${grpo_lora[@]}" model.lora.serve=merged)
+vapo_frozen_lora_merged=("${vapo_frozen_lora[@]}" model.lora.serve=merged)
 # through the services: one step behind at most, continuous generation, a request keeps its version's weights when a
 # new one lands mid-response; 1000 updates (the minutes stop it first), an evaluation every EVAL_EVERY, a checkpoint at
 # the end
