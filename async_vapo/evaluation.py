@@ -206,7 +206,7 @@ def run_eval(cfg: Config, policy: Path | None, *, out_dir: Path, n: int | None =
     own_engine = engine is None and not keep_engine
     # a LoRA policy is evaluated as its merged weights (W + (alpha / r) B A, by peft over the config's base model) on
     # an engine without LoRA: one adapter for every request gains nothing from vLLM's LoRA path, which is slower
-    weights = _merged_policy(policy, tok_dir) if adapter else None
+    weights = adapter_merged_weights(policy, tok_dir) if adapter else None
     if engine is None:
         spec = EngineSpec.from_config(cfg, tok_dir if adapter else policy, longest_prompt=encoder.longest(problems))
         engine = VLLMEngine(dataclasses.replace(spec, max_lora_rank=0))
@@ -237,7 +237,7 @@ def run_eval(cfg: Config, policy: Path | None, *, out_dir: Path, n: int | None =
     return result | ({"engine": engine} if keep_engine else {})
 
 
-def _merged_policy(adapter: Path, base: Path) -> dict:
+def adapter_merged_weights(adapter: Path, base: Path) -> dict:
     """The weights of the PEFT adapter directory ``adapter`` merged into the model ``base``, under the plain model's
     names (peft's own merge, outside the learner's code)."""
     from peft import PeftModel

@@ -144,6 +144,13 @@ def test_export_writes_a_peft_adapter_and_with_merge_an_hf_model(cache, tmp_path
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
     assert not any("lora" in k for k in merged.state_dict())
     torch.testing.assert_close(logprobs(merged, batch), want, rtol=0, atol=2e-5)
+    # what async-vapo eval loads into its engine for this checkpoint: the adapter merged over the base by peft
+    from async_vapo.evaluation import adapter_merged_weights, checkpoint_policy
+
+    assert checkpoint_policy(ckpt) == ckpt / "policy_adapter"
+    evaluated = AutoModelForCausalLM.from_pretrained(str(base)).eval()
+    evaluated.load_state_dict(adapter_merged_weights(ckpt / "policy_adapter", base))
+    torch.testing.assert_close(logprobs(evaluated, batch), want, rtol=0, atol=2e-5)
 
 
 class _Groups(SourceBase):
