@@ -102,6 +102,26 @@ def test_an_env_token_has_zero_gradient_and_is_out_of_the_denominator(learner):
     assert all(torch.isfinite(torch.tensor(v)) for v in stats.values() if isinstance(v, float))
 
 
+@pytest.mark.parametrize("packed", ["mask", "shared"])
+def test_packed_and_shared_prompt_forwards_keep_the_env_tokens_as_context(learner, packed):
+    """``learner.packing`` and ``learner.share_prompts`` on multi-turn samples: the environment's tokens stay in the
+    packed row (each sample's model tokens after them read them), so every model token's log-prob equals the padded
+    forward's; with shared prompts the row holds the group's prompt once and every response token, the environment's
+    included."""
+    from async_vapo.algo.utils import logprobs_from_logits
+    from async_vapo.models.rl import model_inputs, response_logits
+
+    lrn, tok = learner
+    tb = make_rollout_batch([_group([(3, 3)])], tok.pad_token_id).tokens
+    mask = tb.response_mask.bool()
+    with torch.no_grad():
+        want = logprobs_from_logits(response_logits(lrn.policy, tb), tb.response_ids)[mask]
+        got = logprobs_from_logits(response_logits(lrn.policy, tb, packed=packed), tb.response_ids)[mask]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    row = model_inputs(tb, packed=packed).kwargs["input_ids"].shape[1]
+    assert row == {"mask": 2 * 3 + 8 + 4, "shared": 3 + 8 + 4}[packed]  # the 3 environment tokens are in it
+
+
 def test_rollout_env_settings_are_checked_before_any_generation():
     from async_vapo.rollout.env import EnvRunner
 
