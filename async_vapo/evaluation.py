@@ -9,7 +9,8 @@ responses are graded by the sandboxed verifier pool of ``cfg.verifier``, and the
   evaluated as its adapter merged into the run's base model, by peft, on an engine without LoRA;
 * an HF model directory (``config.json``), or a PEFT adapter directory (``adapter_config.json``, merged over the
   config's model), with ``--config`` (default: the schema's defaults);
-* nothing: the config's own starting policy (``model.path`` or the embedded base model);
+* nothing: the config's own starting policy (``model.path`` or the embedded base model; with
+  ``model.lora.init_from``, that adapter merged over it);
 * a run directory (``runs/NAME``): every checkpoint of the run with HF weights or an adapter (``step_N/policy`` or
   ``step_N/policy_adapter``, whole or pruned by ``train.keep_checkpoints``) not evaluated yet, and the starting policy
   as update 0, with one engine (:func:`eval_run`). Each becomes an ``eval`` row of the run's ``metrics.jsonl``
@@ -193,6 +194,8 @@ def run_eval(cfg: Config, policy: Path | None, *, out_dir: Path, n: int | None =
         raise ConfigError(f"--limit must be at least 1, got {limit}")
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
+    if policy is None and cfg.model.lora.enabled and cfg.model.lora.init_from:  # the starting policy: its adapter
+        policy = Path(cfg.model.lora.init_from)
     adapter = policy is not None and _is_adapter(policy)
     if policy is not None and not adapter and (policy / "tokenizer_config.json").is_file():
         tok_dir = policy

@@ -180,7 +180,7 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
     if engine is None:
         engine = _start_engine(cfg, spec, learner.version)
     publish = _EnginePublisher(engine, learner, base_path, engine_weights)
-    if not own_engine or engine_weights is not None:
+    if not own_engine or engine_weights is not None or cfg.model.lora.init_from:  # not the engine's own weights
         publish(learner.version)
     verifier = VerifierPool.from_config(cfg.verifier)
     rollout = Rollout(cfg, engine, verifier, encoder)

@@ -181,6 +181,11 @@ class LoraConfig(_Section):
     target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
     """Names (last component) of the linear layers that get adapters. The default: every linear layer of each
     decoder layer, which vLLM's LoRA supports for Qwen2 and Llama models."""
+    init_from: str | None = None
+    """A PEFT adapter directory to start the adapter from (verl's ``lora_adapter_path``): an ``async-vapo export``
+    of a LoRA checkpoint, a checkpoint's ``policy_adapter/``, or an adapter trained elsewhere with peft over the same
+    base model. Its rank, alpha and target modules must be this section's (checked when the learner starts, naming
+    what differs). None: B = 0, the first policy is the base model. Policy only."""
     serve: Literal["adapter", "merged"] = "adapter"
     """How the engines serve the policy's versions (``model.lora`` only; a critic is never served). "adapter": a
     version is its adapter, loaded by vLLM's LoRA support over the frozen base (megabytes a push; in continuous
@@ -1333,6 +1338,10 @@ class Config(_Section):
             raise ValueError('model.lora with cluster.weights.transfer = "dist": a LoRA version is its adapter, which '
                              'is not streamed over torch.distributed groups; use "auto", "shm", "zmq" or "file", or '
                              'model.lora.serve = "merged" (whole merged weights, which "dist" streams)')
+        if self.model.lora.init_from is not None and not self.model.lora.enabled:
+            raise ValueError("model.lora.init_from names an adapter, but model.lora.rank = 0 (LoRA is off)")
+        if self.model.critic_lora.init_from is not None:
+            raise ValueError("model.critic_lora.init_from: only the policy's adapter starts from a directory")
         if self.model.critic_lora.serve != "adapter":
             raise ValueError('model.critic_lora.serve: the critic is never served by an engine (model.lora.serve says '
                              "how the policy's versions are)")

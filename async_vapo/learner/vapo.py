@@ -274,7 +274,8 @@ class Learner:
         # model.critic_lora: adapters on the critic's trunk, its value head trained in full (models.lora)
         self.critic_lora = lora.config_of(cfg, "critic") if self.algo.uses_critic else None
         self.policy = self._load(lambda: self._with_lora(build_policy(policy_path, attn_implementation=attn)),
-                                 lambda: self._with_lora(load_policy(policy_path, attn_implementation=attn)))
+                                 lambda: self._with_lora(load_policy(policy_path, attn_implementation=attn),
+                                                         start=True))
         self._sources = {"policy": policy_path, "critic": critic_path or policy_path}  # for the HF files of a save
         self.actor_opt = torch.optim.AdamW([p for p in self.policy.parameters() if p.requires_grad],
                                            lr=cfg.optim.actor_lr,
@@ -317,9 +318,16 @@ class Learner:
         self.reuse_first_logprobs = True
         """Take the first mini-batch's old log-probs from its own first forward (exact; see ``update``)."""
 
-    def _with_lora(self, model: torch.nn.Module) -> torch.nn.Module:
-        """``model`` with the adapter of ``model.lora`` injected (base frozen), or as it is without LoRA."""
-        return model if self.lora is None else lora.add_lora(model, self.lora)
+    def _with_lora(self, model: torch.nn.Module, start: bool = False) -> torch.nn.Module:
+        """``model`` with the adapter of ``model.lora`` injected (base frozen), or as it is without LoRA; ``start``
+        (the weights' load, not a sharded learner's meta-device build): the adapter set from ``model.lora.init_from``
+        when given (a resume then restores the checkpoint's over it)."""
+        if self.lora is None:
+            return model
+        model = lora.add_lora(model, self.lora)
+        if start and self.cfg.model.lora.init_from:
+            lora.load_adapter(model, self.cfg.model.lora.init_from, self.lora)
+        return model
 
     def _with_critic_lora(self, critic: torch.nn.Module) -> torch.nn.Module:
         """``critic`` with the adapter of ``model.critic_lora`` on its trunk (trunk frozen, value head trainable),

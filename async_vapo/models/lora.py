@@ -152,6 +152,40 @@ def load_adapter_config(directory: str | Path):
     return LoraConfig.from_pretrained(str(directory))
 
 
+def load_adapter(model: torch.nn.Module, directory: str | Path, config) -> torch.nn.Module:
+    """Set the adapter of ``model`` (:func:`add_lora` with ``config``) from the PEFT adapter directory ``directory``
+    (``model.lora.init_from``: an exported adapter, a checkpoint's ``policy_adapter/``, or one trained elsewhere with
+    peft). Its rank, alpha and target modules must be ``config``'s, and its tensors exactly the model's adapter's, by
+    name and shape; anything else is a ``ValueError`` that says what differs, before any tensor is set."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    if not (directory / ADAPTER_CONFIG).is_file() or not (directory / ADAPTER_WEIGHTS).is_file():
+        raise ValueError(f"{directory} is not a PEFT adapter directory ({ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
+    saved = load_adapter_config(directory)
+    differ = [f"{name}: {a} there, {b} here" for name, a, b in (
+        ("rank", saved.r, config.r), ("alpha", float(saved.lora_alpha), float(config.lora_alpha)),
+        ("target_modules", sorted(saved.target_modules), sorted(config.target_modules))) if a != b]
+    if differ:
+        raise ValueError(f"the adapter in {directory} is not the one model.lora builds ({'; '.join(differ)})")
+    tensors = load_file(str(directory / ADAPTER_WEIGHTS))
+    own = {}  # PEFT name -> the model's parameter
+    for k, p in model.named_parameters():
+        for part in ("lora_A", "lora_B"):
+            mod = _module_of(k, part)
+            if mod is not None:
+                own[f"{PEFT_PREFIX}{mod}.{part}.weight"] = p
+    missing, extra = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+    wrong = sorted(k for k in set(own) & set(tensors) if tuple(own[k].shape) != tuple(tensors[k].shape))
+    if missing or extra or wrong:
+        raise ValueError(f"the adapter in {directory} does not fit this model: {len(missing)} tensors missing "
+                         f"{missing[:2]}, {len(extra)} unknown {extra[:2]}, {len(wrong)} of another shape {wrong[:2]}")
+    with torch.no_grad():
+        for k, p in own.items():
+            p.copy_(tensors[k].to(p.dtype))
+    return model
+
+
 def vllm_max_lora_rank(rank: int) -> int:
     """The smallest ``max_lora_rank`` vLLM accepts that serves an adapter of ``rank``."""
     for r in VLLM_LORA_RANKS:

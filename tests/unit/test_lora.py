@@ -153,6 +153,24 @@ def test_export_writes_a_peft_adapter_and_with_merge_an_hf_model(cache, tmp_path
     torch.testing.assert_close(logprobs(evaluated, batch), want, rtol=0, atol=2e-5)
 
 
+def test_the_adapter_starts_from_a_directory_and_a_mismatch_is_named(cache, tmp_path):
+    """``model.lora.init_from`` (verl's ``lora_adapter_path``): a learner started from another's adapter directory
+    has its policy exactly; an adapter of another rank, or a directory that is none, is refused saying why."""
+    learner, batch, base = make(cache)
+    randomise_b(learner)
+    learner.update(batch)
+    saved = lora.save_adapter(tmp_path / "adapter", learner.adapter_state(), learner.lora, str(base))
+    again, _, _ = make(cache, f"model.lora.init_from={saved}")
+    torch.testing.assert_close(logprobs(again.policy, batch), logprobs(learner.policy, batch), rtol=0, atol=1e-6)
+    assert not any(p.requires_grad for n, p in again.policy.named_parameters() if ".lora_" not in n)
+    with pytest.raises(ValueError, match=r"rank: 4 there, 8 here"):
+        make(cache, f"model.lora.init_from={saved}", "model.lora.rank=8")
+    with pytest.raises(ValueError, match="is not a PEFT adapter directory"):
+        make(cache, f"model.lora.init_from={tmp_path}")
+    with pytest.raises(ValueError, match="LoRA is off"):
+        load_config([], FAST + [f"model.lora.init_from={saved}"])
+
+
 class _Groups(SourceBase):
     """The step loop's source: the same two groups each step."""
 
