@@ -174,7 +174,8 @@ def test_whole_weights_on_a_lora_engine_replace_the_adapter(lora_engine, learner
     assert_engine_serves(lora_engine, learner.policy, tok)
 
 
-def test_a_lora_run_served_merged_loads_whole_weights_into_an_engine_without_lora(vllm_engine, tiny_cfg, tiny_base):
+def test_a_lora_run_served_merged_loads_whole_weights_into_an_engine_without_lora(vllm_engine, tiny_cfg, tiny_base,
+                                                                                 tmp_path):
     """``model.lora.serve = "merged"``: the one-process trainer trains the adapter alone, and each version reaches an
     engine started without LoRA (the session's plain engine) as the merged weights; after the run that engine serves
     exactly the policy of the final checkpoint's adapter over the base, loaded by peft outside our code."""
@@ -201,12 +202,15 @@ def test_a_lora_run_served_merged_loads_whole_weights_into_an_engine_without_lor
     base = load_policy(tiny_base)
     with pytest.raises(AssertionError):  # the adapter learned something: the engine no longer serves the base
         assert_engine_serves(vllm_engine, base, tok)
-    # async-vapo eval of the run: each checkpoint's adapter merged into the base, loaded into the plain engine
-    from async_vapo.evaluation import eval_run, resolve_target
+    # async-vapo eval of the checkpoint (and of the run's, which lists it): its adapter merged into the base, loaded
+    # into the plain engine
+    from async_vapo.evaluation import resolve_target, run_checkpoints, run_eval
 
-    assert resolve_target(str(ckpt), [], [])[1] == ckpt / "policy_adapter"
+    assert run_checkpoints(cfg.run_dir())[-1] == (3, ckpt / "policy_adapter")
+    run_cfg, target, _ = resolve_target(str(ckpt), [], [])
+    assert target == ckpt / "policy_adapter"
     vllm_engine.apply_weights(0, lambda: vllm_engine.load_weights(base.state_dict(), version=0))
-    rows = eval_run(cfg.run_dir(), engine=vllm_engine, limit=8, progress=False, log=lambda m: None)
-    assert rows[0]["step"] == 0 and rows[-1]["step"] == 3 and all(0 <= r["eval/accuracy"] <= 1 for r in rows)
-    assert_engine_serves(vllm_engine, policy, tok)  # the last one evaluated: step 3's adapter, merged
+    result = run_eval(run_cfg, target, out_dir=tmp_path / "eval", limit=8, engine=vllm_engine, progress=False)
+    assert result["problems"] == 8 and 0 <= result["metrics"]["eval/accuracy"] <= 1
+    assert_engine_serves(vllm_engine, policy, tok)  # what it evaluated: step 3's adapter, merged
     vllm_engine.apply_weights(0, lambda: vllm_engine.load_weights(base.state_dict(), version=0))  # other tests share it
