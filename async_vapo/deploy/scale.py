@@ -468,7 +468,7 @@ def estimate(cfg, shape: ModelShape, cl: Cluster, *, engines: int, budget: int |
                        seq_tokens=s.seq_tokens)
     ws = weight_sync(shape, engines, dtype_bytes=dt, bandwidth_bytes_s=cl.bandwidth_gbytes_s * 1e9,
                      adapter_params=(shape.lora_params(s.lora_rank, s.lora_targets)
-                                     if s.lora_rank and cfg.model.lora.serve == "adapter" else 0))
+                                     if cfg.model.lora.adapter_versions else 0))
     mean_resp = cl.mean_response(cfg)
     profile = cl.profile or published_profile(
         shape, GPUS[cl.gpu], tp=tp, dtype_bytes=dt, utilization=r.gpu_memory_utilization,

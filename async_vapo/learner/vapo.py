@@ -268,9 +268,6 @@ class Learner:
         # A sharded LoRA model is sharded like any other (its frozen base weights and its adapters alike, per decoder
         # layer); a version is its adapter, gathered on every rank (adapter_state), never the base's weight stream
         self.lora = lora.config_of(cfg)
-        self.publishes_adapter = cfg.model.lora.adapter_versions
-        """A version goes to the engines as its adapter (``model.lora.serve = "adapter"``), else as the policy's weights
-        (merged with ``serve = "merged"``)."""
         # model.critic_lora: adapters on the critic's trunk, its value head trained in full (models.lora)
         self.critic_lora = lora.config_of(cfg, "critic") if self.algo.uses_critic else None
         self.policy = self._load(lambda: self._with_lora(build_policy(policy_path, attn_implementation=attn)),
@@ -859,6 +856,12 @@ class Learner:
         if self.lora is None:
             raise ValueError("the policy has no LoRA adapter (model.lora.rank = 0)")
         return lora.adapter_tensors({k: _full(v).cpu() for k, v in self.policy.state_dict().items() if ".lora_" in k})
+
+    @property
+    def publishes_adapter(self) -> bool:
+        """A version goes to the engines as its adapter (``model.lora.serve = "adapter"``), else as the policy's weights
+        (merged with ``serve = "merged"``)."""
+        return self.cfg.model.lora.adapter_versions
 
     def publish_state(self) -> dict[str, torch.Tensor]:
         """What a version sends: the adapter with ``model.lora`` served as adapters (:meth:`adapter_state`), else the
