@@ -277,11 +277,18 @@ def run_trl(seed: int, updates: int, every: int, work: Path, python: str, thread
                         "--out", str(out)], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, check=True)
     timing = json.loads((out / "timing.json").read_text())
     ckpts = {int(p.name.split("_")[1]): str(p) for p in out.glob("step_*")}
-    return {"side": "trl", "seed": seed, "threads": threads,
-            "t": {r["update"]: r["train_s"] for r in timing["updates"]},
-            "process_t": {r["update"]: r["process_s"] for r in timing["updates"]},
-            "cpu_t": {r["update"]: r["cpu_s"] for r in timing["updates"]},
-            "checkpoints": ckpts, "trl_settings": timing["settings"], "process_s": time.perf_counter() - t0}
+    rows = timing["updates"]
+    run = {"side": "trl", "seed": seed, "threads": threads,
+           "t": {r["update"]: r["train_s"] for r in rows},
+           "process_t": {r["update"]: r["process_s"] for r in rows},
+           "cpu_t": {r["update"]: r["cpu_s"] for r in rows},
+           "checkpoints": ckpts, "trl_settings": timing["settings"], "process_s": time.perf_counter() - t0}
+    if rows and all("generate_s" in r for r in rows):  # trl_grpo.py times TRL's _generate (runs before it did not)
+        steps = [b["train_s"] - a["train_s"] for a, b in zip([{"train_s": 0.0}] + rows, rows, strict=False)]
+        gen = [r["generate_s"] for r in rows]
+        run["generate_s_mean"] = sum(gen) / len(gen)
+        run["learn_s_mean"] = sum(s - g for s, g in zip(steps, gen, strict=True)) / len(gen)  # scoring included
+    return run
 
 
 def evaluate_checkpoints(runs: list[dict], setting: str = "tiny") -> None:

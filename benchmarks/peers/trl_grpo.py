@@ -10,7 +10,9 @@ Input (``--spec``, written by ``run.py``): the base model directory, the trainin
 (the chat template filled, for a chat task), and the hyper-parameters. Output (``--out``): ``step_N/`` (policy
 weights, tokenizer) every ``save_every`` updates and at the last, and ``timing.json``: per update the training
 seconds since the first step started (``train_s``) and the seconds since ``run.py`` launched this process
-(``process_s``: imports, model load and TRL's set-up included), saves excluded from both. With ``max_seconds`` the
+(``process_s``: imports, model load and TRL's set-up included), saves excluded from both, and the update's seconds
+in TRL's ``_generate`` (``generate_s``: the completions, with transformers' ``generate`` or vLLM; the rest of the
+update is scoring, the forwards and backwards and the optimiser step). With ``max_seconds`` the
 run stops at the first update whose ``process_s`` reaches it.
 
 One update here is what one update is in ``async-vapo train``: prompts x group samples generated, then one optimiser
@@ -75,6 +77,16 @@ def main() -> None:
             self.t0 = None
             self.paused = 0.0
             self.rows = []
+            self.generate_s = 0.0  # seconds in TRL's _generate (the completions alone) since the last update
+
+        def timed(self, generate):
+            def wrapper(*a, **kw):
+                t = time.perf_counter()
+                try:
+                    return generate(*a, **kw)
+                finally:
+                    self.generate_s += time.perf_counter() - t
+            return wrapper
 
         def on_step_begin(self, a, state, control, **kw):
             if self.t0 is None:
@@ -86,7 +98,8 @@ def main() -> None:
             update = state.global_step // steps_per_update
             process_s = time.time() - launched - self.paused
             self.rows.append({"update": update, "train_s": time.perf_counter() - self.t0 - self.paused,
-                              "process_s": process_s, "cpu_s": time.process_time()})
+                              "process_s": process_s, "cpu_s": time.process_time(), "generate_s": self.generate_s})
+            self.generate_s = 0.0
             last = update == spec["updates"] or process_s >= (spec.get("max_seconds") or float("inf"))
             if update % spec["save_every"] == 0 or last:
                 t = time.perf_counter()
@@ -99,6 +112,7 @@ def main() -> None:
     clock = Clock()
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data,
                           processing_class=tokenizer, callbacks=[clock])
+    trainer._generate = clock.timed(trainer._generate)  # where an update's time goes: generation and the rest
     trainer.train()
     logs = [r for r in trainer.state.log_history if "loss" in r]
     (out / "timing.json").write_text(json.dumps({"updates": clock.rows, "settings": config_summary(config),
