@@ -283,12 +283,16 @@ def run_trl(seed: int, updates: int, every: int, work: Path, python: str, thread
            "process_t": {r["update"]: r["process_s"] for r in rows},
            "cpu_t": {r["update"]: r["cpu_s"] for r in rows},
            "checkpoints": ckpts, "trl_settings": timing["settings"], "process_s": time.perf_counter() - t0}
-    if rows and all("generate_s" in r for r in rows):  # trl_grpo.py times TRL's _generate (runs before it did not)
-        steps = [b["train_s"] - a["train_s"] for a, b in zip([{"train_s": 0.0}] + rows, rows, strict=False)]
-        gen = [r["generate_s"] for r in rows]
-        run["generate_s_mean"] = sum(gen) / len(gen)
-        run["learn_s_mean"] = sum(s - g for s, g in zip(steps, gen, strict=True)) / len(gen)  # scoring included
-    return run
+    return run | trl_time_split(rows)
+
+
+def trl_time_split(rows: list[dict]) -> dict:
+    """Mean seconds per update in TRL's ``_generate`` and in the rest of its update (rewards, forwards, backwards,
+    the optimiser step), from ``timing.json``'s rows; empty for runs made before trl_grpo.py timed ``_generate``."""
+    if not rows or any("generate_s" not in r for r in rows):
+        return {}
+    gen = sum(r["generate_s"] for r in rows) / len(rows)
+    return {"generate_s_mean": gen, "learn_s_mean": rows[-1]["train_s"] / len(rows) - gen}
 
 
 def evaluate_checkpoints(runs: list[dict], setting: str = "tiny") -> None:

@@ -195,3 +195,13 @@ def test_services_process_clock_runs_from_the_launch(tmp_path):
     (tmp_path / "pids/cluster.env").write_text("STOP_GRACE=30\n")
     with pytest.raises(ValueError, match="no ASYNC_VAPO_T0"):
         clock_origin(tmp_path)
+
+
+def test_trl_time_split_from_the_committed_profile():
+    """TRL's update split into its _generate seconds and the rest (raw/trl_s1_profile: 90.8, 89.4, 108.8 s per update,
+    22.2, 22.1, 33.6 s of it generation); a run timed before generate_s existed gives no split."""
+    rows = json.loads((RESULTS / "smollm2/raw/trl_s1_profile/timing.json").read_text())["updates"]
+    split = _harness().trl_time_split(rows)
+    assert split["generate_s_mean"] == pytest.approx((22.2 + 22.1 + 33.6) / 3, abs=0.05)
+    assert split["learn_s_mean"] == pytest.approx((90.8 + 89.4 + 108.8 - 22.2 - 22.1 - 33.6) / 3, abs=0.1)
+    assert _harness().trl_time_split([{k: v for k, v in r.items() if k != "generate_s"} for r in rows]) == {}
