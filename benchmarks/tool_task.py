@@ -5,6 +5,7 @@ two-digit), each after worked examples, as problem files for ``task.kind = "file
     .venv/bin/python benchmarks/tool_task.py --out data/tool_task --no-tool  # the same problems, mental examples
     async-vapo train --config configs/smollm2_tool_cpu.toml
     .venv/bin/python benchmarks/tool_task.py --figures runs/x/eval           # a pilot's figures (async-vapo eval --out)
+    .venv/bin/python benchmarks/tool_task.py --summary OUT                   # benchmarks/tool_task_learning.sh's runs
 
 ``--no-tool`` writes the same problems (same seed) with worked examples that answer without the tool, for the run
 with the tool disabled (``rollout.env`` unset) that item 4 compares against. A record is verl's form: ``prompt`` the
@@ -16,8 +17,8 @@ Measured (benchmarks/results/tool_task/README.md: the untrained SmolLM2-135M-Ins
 sample each): with one worked example (``--shots 1``, the first design) it never calls the tool and scores 0/48;
 with two it calls it in 27 % of responses (6/48); with four (the default) in 96 % (18/48 and 15/48 on two sampling
 seeds), against 4/48 without the tool (``--no-tool``, four mental examples). ``--system short`` scored the same;
-a first turn opened with the code fence (``rollout.env_first_turn_prefix``) did not help. Not measured yet: the RL
-runs.
+a first turn opened with the code fence (``rollout.env_first_turn_prefix``) did not help. The RL runs
+(``benchmarks/tool_task_learning.sh``) are not measured yet.
 """
 
 from __future__ import annotations
@@ -114,6 +115,93 @@ def figures(out_dir: str | Path) -> dict:
             "response_tokens_mean": e["eval/response_length"], "wall_s": m["wall_s"]}
 
 
+def run_summary(run_dir: str | Path) -> dict:
+    """One RL run of ``benchmarks/tool_task_learning.sh`` (``OUT/ALGO_TOOL_seedN/metrics.jsonl``): its held-out
+    evaluation before the first update and after the last (accuracy, tool calls per response, the share that ran,
+    model turns per response), its updates and seconds per update, and the training batches' tool calls per
+    conversation over the first and the last five updates."""
+    run_dir = Path(run_dir)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    train = [r for r in rows if r.get("kind") == "train"]
+    if len(evals) < 2 or not train:
+        raise SystemExit(f"{run_dir}: needs an evaluation before and after its updates, and an update")
+    stem, seed = run_dir.name.rsplit("_seed", 1)
+    tool = "no_tool" if stem.endswith("_no_tool") else "tool"
+    algo = stem.removesuffix("_" + tool)
+
+    def ev(r: dict) -> dict:
+        calls = r.get("eval/tool_calls", 0.0)
+        return {"accuracy": r["eval/accuracy"], "tool_calls": calls, "turns": r.get("eval/turns", 1.0),
+                "calls_that_ran": None if not calls else 1 - r.get("eval/tool_errors", 0.0) / calls}
+
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs) if xs else float("nan")
+
+    return {"run": run_dir.name, "algo": algo, "tool": tool, "seed": int(seed), "updates": train[-1]["step"],
+            "minutes": round(evals[-1]["wall_s"] / 60, 1),
+            "s_per_update": round(mean([r["time/step_s"] for r in train if "time/step_s" in r]), 1),
+            "before": ev(evals[0]), "after": ev(evals[-1]),
+            "train_tool_calls_first5": mean([r.get("rollout/tool_calls", 0.0) for r in train[:5]]),
+            "train_tool_calls_last5": mean([r.get("rollout/tool_calls", 0.0) for r in train[-5:]]),
+            "train_accuracy_first5": mean([r["rollout/accuracy"] for r in train[:5]]),
+            "train_accuracy_last5": mean([r["rollout/accuracy"] for r in train[-5:]]),
+            "curve": [(round(r["wall_s"] / 60, 2), r["rollout/accuracy"], r.get("rollout/tool_calls", 0.0))
+                      for r in train]}
+
+
+def summary(out: str | Path) -> str:
+    """``OUT/summary.{md,json}`` and ``OUT/curves.png`` over every run in ``OUT``; the table as markdown."""
+    out = Path(out)
+    runs = [run_summary(d) for d in sorted(out.glob("*_seed*")) if (d / "metrics.jsonl").exists()]
+    if not runs:
+        raise SystemExit(f"{out}: no runs (ALGO_TOOL_seedN/metrics.jsonl)")
+
+    def f(x: float | None, d: int = 3) -> str:
+        return "–" if x is None else f"{x:.{d}f}"
+
+    lines = ["| run | updates | minutes | s / update | held-out before → after | tool calls / response | calls that "
+             "ran | turns / response | training batches' tool calls, first → last 5 updates |",
+             "|---|---:|---:|---:|---|---|---|---|---|"]
+    for r in runs:
+        b, a = r["before"], r["after"]
+        cells = [r["run"], r["updates"], r["minutes"], r["s_per_update"],
+                 f"{f(b['accuracy'])} → {f(a['accuracy'])}", f"{f(b['tool_calls'], 2)} → {f(a['tool_calls'], 2)}",
+                 f"{f(b['calls_that_ran'], 2)} → {f(a['calls_that_ran'], 2)}",
+                 f"{f(b['turns'], 2)} → {f(a['turns'], 2)}",
+                 f"{f(r['train_tool_calls_first5'], 2)} → {f(r['train_tool_calls_last5'], 2)}"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    by = {(r["algo"], r["seed"], r["tool"]): r for r in runs}
+    pairs = [(k[0], k[1], by[k]["after"]["accuracy"] - by[(k[0], k[1], "no_tool")]["after"]["accuracy"])
+             for k in sorted(by) if k[2] == "tool" and (k[0], k[1], "no_tool") in by]
+    if pairs:
+        lines += ["", "| algorithm, seed | held-out after RL: with the tool − without (equal minutes) |", "|---|---:|"]
+        lines += [f"| {algo}, seed {seed} | {d:+.3f} |" for algo, seed, d in pairs]
+    table = "\n".join(lines) + "\n"
+    (out / "summary.md").write_text(table)
+    (out / "summary.json").write_text(json.dumps(runs, indent=1) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, r in enumerate(runs):
+        t, acc, calls = zip(*r["curve"], strict=True)
+        style = dict(color=f"C{i}", label=r["run"], lw=1.2)
+        ax1.plot(t, acc, **style)
+        ax2.plot(t, calls, **style)
+    ax1.set(xlabel="trainer wall-clock (minutes)", ylabel="training batch accuracy", ylim=(0, 1))
+    ax2.set(xlabel="trainer wall-clock (minutes)", ylabel="tool calls per conversation (training batches)")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    ax1.legend(fontsize=7)
+    fig.suptitle("tool task: RL with the tool and without it")
+    fig.tight_layout()
+    fig.savefig(out / "curves.png", dpi=110)
+    return table
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="data/tool_task")
@@ -126,7 +214,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--system", default="long", choices=("long", "short", "none"),
                     help="the system message: the long instructions, a one-line one, or none (the template's own)")
     ap.add_argument("--figures", metavar="EVAL_OUT", help="print a pilot's figures from an eval --out folder, and stop")
+    ap.add_argument("--summary", metavar="RUNS_OUT", help="the table and curves of benchmarks/tool_task_learning.sh's "
+                                                          "runs in this folder, and stop")
     a = ap.parse_args(argv)
+    if a.summary:
+        print(summary(a.summary), end="")
+        return
     if a.figures:
         print(json.dumps(figures(a.figures), indent=1))
         return
