@@ -11,7 +11,7 @@
 #    DATA=data/tool_task)
 # Each run is alone on the machine (one run needs about 8 GiB with the config's shared prompts) and adds
 # OUT/ALGO_TOOL_seedN/ (metrics.jsonl, config.resolved.json, run.json); a run of the same name is replaced. Then
-# benchmarks/tool_task.py --summary writes OUT/summary.{md,json} over every run in OUT.
+# benchmarks/tool_task.py --summary writes OUT/summary.{md,json} and OUT/curves.png over every run in OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/setup.sh
