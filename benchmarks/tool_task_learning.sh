@@ -9,6 +9,8 @@
 #   bash benchmarks/tool_task_learning.sh [key.sub=value ...]
 #   (ALGOS="grpo vapo" SEEDS="0 1" TOOLS="tool no_tool" MINUTES=55 OUT=benchmarks/results/tool_task/learning
 #    DATA=data/tool_task)
+# ALGOS may also name vapo_frozen: VAPO with the value-model issue's frozen-trunk critic (below); vapo is the config's
+# own critic, a full trunk initialised from the base model.
 # Each run is alone on the machine (one run needs about 8 GiB with the config's shared prompts) and adds
 # OUT/ALGO_TOOL_seedN/ (metrics.jsonl, config.resolved.json, run.json); a run of the same name is replaced. Then
 # benchmarks/tool_task.py --summary writes OUT/summary.{md,json} and OUT/curves.png over every run in OUT.
@@ -28,6 +30,14 @@ echo "ALGOS=\"$ALGOS\" SEEDS=\"$SEEDS\" TOOLS=\"$TOOLS\" MINUTES=$MINUTES OUT=$o
   "bash benchmarks/tool_task_learning.sh $*" >> "$out/command.txt"
 grpo=(algo.name=grpo algo.value_pretrain_steps=0)
 vapo=(algo.name=vapo)
+# benchmarks/smollm2_learning.sh's vapo_frozen (benchmarks/results/value_model/plan.md, design 2): two MLP layers and
+# the head train on the frozen trunk's states at lr 1e-3, four passes of 8-response steps per update, value
+# pretraining up to 320 steps with a stopping rule; its pool 16 batches of this config's 16 responses (256 against
+# the word problems' 32 x 64), the critic scored on 50 held-out problems x 2 before and after RL
+vapo_frozen=(algo.name=vapo model.critic_trunk=frozen model.critic_head_layers=2 algo.critic_mini_batch_size=8
+             algo.critic_epochs=4 algo.value_pretrain_pool=16 algo.value_pretrain_steps=320
+             algo.value_pretrain_epochs=2 algo.value_pretrain_min_steps=128 algo.value_pretrain_patience=64
+             optim.critic_head_lr=1e-3 rollout.critic_eval_problems=50 rollout.critic_eval_samples=2)
 tool=("task.train_path=$data/train.jsonl" "task.eval_path=$data/eval.jsonl")
 no_tool=(rollout.env=none "task.train_path=$data/train_no_tool.jsonl" "task.eval_path=$data/eval_no_tool.jsonl")
 for t in $TOOLS; do
