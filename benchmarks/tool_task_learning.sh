@@ -11,9 +11,11 @@
 #    DATA=data/tool_task)
 # ALGOS may also name vapo_frozen: VAPO with the value-model issue's frozen-trunk critic (below); vapo is the config's
 # own critic, a full trunk initialised from the base model.
-# Each run is alone on the machine (one run needs about 8 GiB with the config's shared prompts) and adds
-# OUT/ALGO_TOOL_seedN/ (metrics.jsonl, config.resolved.json, run.json); a run of the same name is replaced. Then
-# benchmarks/tool_task.py --summary writes OUT/summary.{md,json} and OUT/curves.png over every run in OUT.
+# The minutes end every run (train.total_steps 1000 is never reached: without the tool an update takes ~14 s against
+# ~40 s with it, and the config's 100 would stop that run at 25 minutes). Each run is alone on the machine (one run
+# needs about 8 GiB with the config's shared prompts) and adds OUT/ALGO_TOOL_seedN/ (metrics.jsonl,
+# config.resolved.json, run.json, samples.jsonl); a run of the same name is replaced. Then benchmarks/tool_task.py
+# --summary writes OUT/summary.{md,json} and OUT/curves.png over every run in OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/setup.sh
@@ -49,9 +51,12 @@ for t in $TOOLS; do
       echo "[tool_task_learning] $name -> $out/$name" >&2
       declare -n a="$algo" d="$t"
       .venv/bin/async-vapo train --config configs/smollm2_tool_cpu.toml "${a[@]}" "${d[@]}" train.seed="$seed" \
-        rollout.seed="$seed" "train.max_minutes=$MINUTES" "train.output_dir=$dir" train.checkpoint_every=0 "$@"
+        rollout.seed="$seed" "train.max_minutes=$MINUTES" train.total_steps=1000 "train.output_dir=$dir" \
+        train.checkpoint_every=0 "$@"
       mkdir -p "$out/$name"
       cp "$dir"/{metrics.jsonl,config.resolved.json,run.json} "$out/$name"/
+      # the trainer's logged conversations (a few held-out problems before the first update and after the last)
+      [ ! -f "$dir/samples.jsonl" ] || cp "$dir/samples.jsonl" "$out/$name"/
       rm -rf "$dir/checkpoints"
     done
   done
