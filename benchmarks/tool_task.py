@@ -172,11 +172,14 @@ def summary(out: str | Path) -> str:
                  f"{f(r['train_tool_calls_first5'], 2)} → {f(r['train_tool_calls_last5'], 2)}"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     by = {(r["algo"], r["seed"], r["tool"]): r for r in runs}
-    pairs = [(k[0], k[1], by[k]["after"]["accuracy"] - by[(k[0], k[1], "no_tool")]["after"]["accuracy"])
+    pairs = [(k[0], k[1], by[k], by[(k[0], k[1], "no_tool")])
              for k in sorted(by) if k[2] == "tool" and (k[0], k[1], "no_tool") in by]
     if pairs:
-        lines += ["", "| algorithm, seed | held-out after RL: with the tool − without (equal minutes) |", "|---|---:|"]
-        lines += [f"| {algo}, seed {seed} | {d:+.3f} |" for algo, seed, d in pairs]
+        # the minutes of each side, so that a pair whose runs did not train equally long shows it
+        lines += ["", "| algorithm, seed | held-out after RL: with the tool − without | minutes with / without |",
+                  "|---|---:|---|"]
+        lines += [f"| {algo}, seed {seed} | {w['after']['accuracy'] - wo['after']['accuracy']:+.3f} | "
+                  f"{w['minutes']} / {wo['minutes']} |" for algo, seed, w, wo in pairs]
     table = "\n".join(lines) + "\n"
     (out / "summary.md").write_text(table)
     (out / "summary.json").write_text(json.dumps(runs, indent=1) + "\n")

@@ -30,6 +30,8 @@ mkdir -p "$out"
 [ -f "$data/train_no_tool.jsonl" ] || .venv/bin/python benchmarks/tool_task.py --out "$data" --no-tool
 echo "ALGOS=\"$ALGOS\" SEEDS=\"$SEEDS\" TOOLS=\"$TOOLS\" MINUTES=$MINUTES OUT=$out DATA=$data" \
   "bash benchmarks/tool_task_learning.sh $*" >> "$out/command.txt"
+# grpo is GRPO's group-normalised advantages in the config's loss, the same loss as vapo's (token-level, clip-higher
+# 0.2 / 0.28, the positive-example LM loss 0.1, actor lr 1e-6): grpo and vapo differ in the advantage alone
 grpo=(algo.name=grpo algo.value_pretrain_steps=0)
 vapo=(algo.name=vapo)
 # benchmarks/smollm2_learning.sh's vapo_frozen (benchmarks/results/value_model/plan.md, design 2): two MLP layers and

@@ -52,7 +52,7 @@ def test_summary_of_runs_with_and_without_the_tool(tmp_path):
     assert (n["algo"], n["tool"]) == ("grpo", "no_tool")
     assert n["before"]["calls_that_ran"] is None and n["before"]["turns"] == 1.0
     assert (runs["vapo_frozen_tool_seed1"]["algo"], runs["vapo_frozen_tool_seed1"]["seed"]) == ("vapo_frozen", 1)
-    assert "| grpo, seed 0 | +0.500 |" in table  # 0.6 with the tool against 0.1 without
+    assert "| grpo, seed 0 | +0.500 | 3.0 / 3.0 |" in table  # 0.6 with the tool against 0.1 without
     assert "vapo_frozen, seed 1 |" not in table
     assert "| grpo_no_tool_seed0 | 6 | 3.0 | 10.0 | 0.050 → 0.100 | 0.00 → 0.00 | – → – | 1.00 → 1.00 |" in table
     assert (tmp_path / "curves.png").stat().st_size > 0
