@@ -147,7 +147,8 @@ def run_summary(run_dir: str | Path) -> dict:
             "train_accuracy_first5": mean([r["rollout/accuracy"] for r in train[:5]]),
             "train_accuracy_last5": mean([r["rollout/accuracy"] for r in train[-5:]]),
             "curve": [(round(r["wall_s"] / 60, 2), r["rollout/accuracy"], r.get("rollout/tool_calls", 0.0))
-                      for r in train]}
+                      for r in train],
+            "held_out": [(round(r["wall_s"] / 60, 2), r["eval/accuracy"]) for r in evals]}
 
 
 def summary(out: str | Path) -> str:
@@ -193,8 +194,10 @@ def summary(out: str | Path) -> str:
         t, acc, calls = zip(*r["curve"], strict=True)
         style = dict(color=f"C{i}", label=r["run"], lw=1.2)
         ax1.plot(t, acc, **style)
+        et, eacc = zip(*r["held_out"], strict=True)  # the held-out evaluations, larger markers on a dashed line
+        ax1.plot(et, eacc, color=f"C{i}", ls="--", marker="o", ms=7, lw=1, label=f"{r['run']}: held-out")
         ax2.plot(t, calls, **style)
-    ax1.set(xlabel="trainer wall-clock (minutes)", ylabel="training batch accuracy", ylim=(0, 1))
+    ax1.set(xlabel="trainer wall-clock (minutes)", ylabel="accuracy: training batches, held-out (o)", ylim=(0, 1))
     ax2.set(xlabel="trainer wall-clock (minutes)", ylabel="tool calls per conversation (training batches)")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)

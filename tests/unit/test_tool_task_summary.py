@@ -48,6 +48,7 @@ def test_summary_of_runs_with_and_without_the_tool(tmp_path):
     assert g["train_tool_calls_first5"] == pytest.approx(0.8)  # (1 + 1 + 0.8 + 0.6 + 0.6) / 5
     assert g["train_tool_calls_last5"] == pytest.approx(0.68)
     assert g["train_accuracy_first5"] == pytest.approx(0.3)
+    assert [a for _, a in g["held_out"]] == [0.3, 0.6]
     n = runs["grpo_no_tool_seed0"]
     assert (n["algo"], n["tool"]) == ("grpo", "no_tool")
     assert n["before"]["calls_that_ran"] is None and n["before"]["turns"] == 1.0
