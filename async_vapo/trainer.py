@@ -200,9 +200,13 @@ def train(cfg: Config, *, resume: str | None = None, progress: bool = True,
             publish(learner.version, learner.policy_state())
         m, examples = ev.metrics, ev.examples(rollout.encoder.decode)
         if learner.critic is not None:
+            t0 = time.perf_counter()
             critic, timing = _heldout_critic(cfg, rollout, ev, tokenizer.pad_token_id)
             heldout[:] = [critic]
             m = {**m, **timing, **critic(learner)}
+            # the held-out batch made and the critic's forward pass over it, each response's whole prompt included
+            # (time/critic_eval_s, where set, is the generation of its fresh responses)
+            m["time/critic_score_s"] = time.perf_counter() - t0 - timing.get("time/critic_eval_s", 0.0)
         row = {"kind": "eval", "step": step, "version": learner.version, "wall_s": elapsed(),
                "samples_seen": loop.samples_seen, **m}
         log.write(row)

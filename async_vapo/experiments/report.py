@@ -76,10 +76,20 @@ def _intersection(x: list[tuple[float, float]], y: list[tuple[float, float]]) ->
     return out
 
 
+EVAL_SECONDS = ("time/eval_s", "time/critic_eval_s", "time/critic_score_s")
+"""An eval row's seconds: the evaluation's generation and grading, the critic's fresh held-out responses
+(``rollout.critic_eval_problems``), and scoring the critic on its held-out responses."""
+
+
+def eval_seconds(row: dict) -> float:
+    """What one eval row's evaluation cost, in seconds (the parts of :data:`EVAL_SECONDS` the row has)."""
+    return sum(row.get(k, 0.0) for k in EVAL_SECONDS)
+
+
 def eval_spans(rows: list[dict]) -> list[tuple[float, float]]:
-    """Each held-out evaluation's span in a run's metrics rows: its row's ``wall_s`` less its ``time/eval_s``, to
-    ``wall_s``."""
-    return [(r["wall_s"] - r.get("time/eval_s", 0.0), r["wall_s"]) for r in rows if r.get("kind") == "eval"]
+    """Each held-out evaluation's span in a run's metrics rows: its row's ``wall_s`` less its
+    :func:`eval_seconds`, to ``wall_s``."""
+    return [(r["wall_s"] - eval_seconds(r), r["wall_s"]) for r in rows if r.get("kind") == "eval"]
 
 
 def analyse_cluster_run(run: Path) -> dict:
@@ -127,7 +137,7 @@ def analyse_cluster_run(run: Path) -> dict:
                                    for e in engines) / updates) if engines else None
     bound = max(own, engine_own or 0.0)
     # seconds per update between evaluations: the intervals between consecutive updates that no held-out
-    # evaluation's span ([wall_s - time/eval_s, wall_s]) overlaps; with the rest, what the evaluations cost
+    # evaluation's span (eval_spans) overlaps; with the rest, what the evaluations cost
     spans = eval_spans(rows)
     gaps = [(a["wall_s"], b["wall_s"]) for a, b in zip(train, train[1:], strict=False)]
     between = [b - a for a, b in gaps if not any(s <= b and e >= a for s, e in spans)]

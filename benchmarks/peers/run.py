@@ -39,6 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from async_vapo.experiments.report import eval_seconds  # noqa: E402
 from benchmarks.peers.report import SIDES, summarize, summarize_time_to, write_report  # noqa: E402
 
 # Per setting, each side's config and overrides. ``smollm2``'s are benchmarks/smollm2_learning.sh's: level-1 word
@@ -111,12 +112,13 @@ def run_ours(side: str, seed: int, updates: int, every: int, work: Path, threads
 def ours_process_clock(rows: list[dict], started: float) -> dict[int, float]:
     """Per update, seconds from the process's launch to the update's end, its held-out evaluations taken out (TRL's
     are made after its run): ``started`` (launch to the trainer's clock start: imports, written when the run
-    directory's ``config.resolved.json`` is) + the trainer's ``wall_s`` − the ``time/eval_s`` of the evaluations
-    before it. Model load and engine start stay in."""
+    directory's ``config.resolved.json`` is) + the trainer's ``wall_s`` − the seconds of the evaluations before it
+    (``async_vapo.experiments.report.eval_seconds``: generation and grading, and scoring the critic on the held-out
+    responses). Model load and engine start stay in."""
     clock, evals = {}, 0.0
     for r in rows:
         if r["kind"] == "eval":
-            evals += r["time/eval_s"]
+            evals += eval_seconds(r)
         elif r["kind"] == "train":
             clock[r["step"]] = started + r["wall_s"] - evals
     return clock

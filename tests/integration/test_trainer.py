@@ -127,6 +127,7 @@ def test_the_critic_is_scored_on_its_own_heldout_responses(tiny_cfg, vllm_engine
     for r in evals:
         assert r["critic/heldout_responses"] == 15  # 5 x 3, where the evaluation sampled 24 x 1
         assert r["time/critic_eval_s"] > 0
+        assert r["time/critic_score_s"] > 0  # the critic's pass over the 15, apart from their generation
         assert "critic/heldout_ev" in r  # null where the 15 returns are all equal (an untrained tiny policy)
 
 

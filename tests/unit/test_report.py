@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from async_vapo.experiments.report import _covered, _intersection, analyse_cluster_run, report_async
+from async_vapo.experiments.report import _covered, _intersection, analyse_cluster_run, eval_spans, report_async
 
 
 def test_covered_merges_overlaps_and_clips_to_the_window():
@@ -93,6 +93,15 @@ def test_cluster_run_seconds_per_update_between_evaluations(tmp_path):
     assert fig["between_evals_updates"] == 3
     assert fig["between_evals_s_per_update"] == pytest.approx(8.0)
     assert fig["over_learner_own_between_evals"] == pytest.approx(8 / 6 - 1)
+
+
+def test_an_evaluations_span_includes_the_critics_held_out_scoring():
+    rows = [{"kind": "eval", "wall_s": 500.0, "time/eval_s": 100.0, "time/critic_score_s": 390.0},
+            {"kind": "eval", "wall_s": 900.0, "time/eval_s": 20.0, "time/critic_eval_s": 30.0,
+             "time/critic_score_s": 5.0},
+            {"kind": "eval", "wall_s": 1000.0, "time/eval_s": 50.0},  # a run without a critic
+            {"kind": "train", "wall_s": 950.0, "time/eval_s": 99.0}]
+    assert eval_spans(rows) == [(10.0, 500.0), (845.0, 900.0), (950.0, 1000.0)]
 
 
 def test_async_report_ratios_against_the_synchronous_run(tmp_path):
