@@ -138,6 +138,23 @@ def run_summary(run_dir: str | Path) -> dict:
     def mean(xs: list[float]) -> float:
         return sum(xs) / len(xs) if xs else float("nan")
 
+    pretrain = [r for r in rows if r.get("kind") == "pretrain"]
+    critic = None
+    if "critic/heldout_ev" in evals[0] or any("critic/explained_variance" in r for r in train):
+        # the critic's explained variance on the held-out responses (at the first evaluation, after value
+        # pretraining, at the last evaluation), on each update's batch before it trains (first and last five
+        # updates), and the seconds of scoring it at each evaluation
+        scored = [r for r in pretrain if "critic/heldout_ev" in r]
+        critic = {"heldout_ev_before": evals[0].get("critic/heldout_ev"),
+                  "heldout_ev_pretrained": scored[-1]["critic/heldout_ev"] if scored else None,
+                  "heldout_ev_after": evals[-1].get("critic/heldout_ev"),
+                  "train_ev_first5": mean([r["critic/explained_variance"] for r in train[:5]
+                                           if "critic/explained_variance" in r]),
+                  "train_ev_last5": mean([r["critic/explained_variance"] for r in train[-5:]
+                                          if "critic/explained_variance" in r]),
+                  "pretrain_steps": len(pretrain), "pretrain_minutes": round(sum(
+                      r.get("time/step_s", 0.0) for r in pretrain) / 60, 1),
+                  "score_s": [round(r["time/critic_score_s"], 1) for r in evals if "time/critic_score_s" in r]}
     return {"run": run_dir.name, "algo": algo, "tool": tool, "seed": int(seed), "updates": train[-1]["step"],
             "minutes": round(evals[-1]["wall_s"] / 60, 1),
             "s_per_update": round(mean([r["time/step_s"] for r in train if "time/step_s" in r]), 1),
@@ -148,7 +165,7 @@ def run_summary(run_dir: str | Path) -> dict:
             "train_accuracy_last5": mean([r["rollout/accuracy"] for r in train[-5:]]),
             "curve": [(round(r["wall_s"] / 60, 2), r["rollout/accuracy"], r.get("rollout/tool_calls", 0.0))
                       for r in train],
-            "held_out": [(round(r["wall_s"] / 60, 2), r["eval/accuracy"]) for r in evals]}
+            "held_out": [(round(r["wall_s"] / 60, 2), r["eval/accuracy"]) for r in evals], "critic": critic}
 
 
 def summary(out: str | Path) -> str:
@@ -181,6 +198,17 @@ def summary(out: str | Path) -> str:
                   "|---|---:|---|"]
         lines += [f"| {algo}, seed {seed} | {w['after']['accuracy'] - wo['after']['accuracy']:+.3f} | "
                   f"{w['minutes']} / {wo['minutes']} |" for algo, seed, w, wo in pairs]
+    critics = [r for r in runs if r["critic"]]
+    if critics:
+        lines += ["", "| run | critic's held-out EV: first evaluation → after value pretraining → last evaluation | "
+                  "training batches' EV, first → last 5 updates | value pretraining: steps, minutes | "
+                  "scoring the critic at each evaluation (s) |", "|---|---|---|---|---|"]
+        for r in critics:
+            c = r["critic"]
+            lines.append(f"| {r['run']} | {f(c['heldout_ev_before'])} → {f(c['heldout_ev_pretrained'])} → "
+                         f"{f(c['heldout_ev_after'])} | {f(c['train_ev_first5'])} → {f(c['train_ev_last5'])} | "
+                         f"{c['pretrain_steps']}, {c['pretrain_minutes']} | "
+                         f"{', '.join(str(x) for x in c['score_s']) or '–'} |")
     table = "\n".join(lines) + "\n"
     (out / "summary.md").write_text(table)
     (out / "summary.json").write_text(json.dumps(runs, indent=1) + "\n")

@@ -67,3 +67,26 @@ def test_summary_refuses_a_run_without_its_evaluations(tmp_path):
                                                  "rollout/accuracy": 0.5}) + "\n")
     with pytest.raises(SystemExit, match="needs an evaluation before and after"):
         t.summary(tmp_path)
+
+
+def test_summary_reports_a_critics_explained_variance(tmp_path):
+    t = _tool_task()
+    d = tmp_path / "vapo_tool_seed0"
+    _write_run(d, 0.3, 0.6, [1.0] * 6, tool=True)
+    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    rows[0] |= {"critic/heldout_ev": 0.0, "time/critic_score_s": 44.0}
+    rows[-1] |= {"critic/heldout_ev": 0.4, "time/critic_score_s": 40.0}
+    for k, r in enumerate(rows[1:-1]):
+        r["critic/explained_variance"] = 0.1 * k  # 0.0 ... 0.5
+    pretrain = [{"kind": "pretrain", "step": k, "wall_s": 60.0 + k, "time/step_s": 30.0, "critic/heldout_ev": ev}
+                for k, ev in enumerate([0.05, 0.2])]
+    rows = rows[:1] + pretrain + rows[1:]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _write_run(tmp_path / "grpo_tool_seed0", 0.3, 0.6, [1.0] * 6, tool=True)  # no critic: no row
+    table = t.summary(tmp_path)
+    c = {r["run"]: r for r in json.loads((tmp_path / "summary.json").read_text())}["vapo_tool_seed0"]["critic"]
+    assert c["heldout_ev_before"] == 0.0 and c["heldout_ev_pretrained"] == 0.2 and c["heldout_ev_after"] == 0.4
+    assert c["train_ev_first5"] == pytest.approx(0.2) and c["train_ev_last5"] == pytest.approx(0.3)
+    assert (c["pretrain_steps"], c["pretrain_minutes"], c["score_s"]) == (2, 1.0, [44.0, 40.0])
+    assert "| vapo_tool_seed0 | 0.000 → 0.200 → 0.400 | 0.200 → 0.300 | 2, 1.0 | 44.0, 40.0 |" in table
+    assert "| grpo_tool_seed0 | –" not in table and table.count("| grpo_tool_seed0 |") == 1
