@@ -145,13 +145,15 @@ def run_summary(run_dir: str | Path) -> dict:
         # pretraining, at the last evaluation), on each update's batch before it trains (first and last five
         # updates), and the seconds of scoring it at each evaluation
         scored = [r for r in pretrain if "critic/heldout_ev" in r]
+
+        def ev_mean(rs: list[dict]) -> float | None:  # null where every return of a batch was equal
+            xs = [r["critic/explained_variance"] for r in rs if r.get("critic/explained_variance") is not None]
+            return mean(xs) if xs else None
+
         critic = {"heldout_ev_before": evals[0].get("critic/heldout_ev"),
                   "heldout_ev_pretrained": scored[-1]["critic/heldout_ev"] if scored else None,
                   "heldout_ev_after": evals[-1].get("critic/heldout_ev"),
-                  "train_ev_first5": mean([r["critic/explained_variance"] for r in train[:5]
-                                           if "critic/explained_variance" in r]),
-                  "train_ev_last5": mean([r["critic/explained_variance"] for r in train[-5:]
-                                          if "critic/explained_variance" in r]),
+                  "train_ev_first5": ev_mean(train[:5]), "train_ev_last5": ev_mean(train[-5:]),
                   "pretrain_steps": len(pretrain), "pretrain_minutes": round(sum(
                       r.get("time/step_s", 0.0) for r in pretrain) / 60, 1),
                   "score_s": [round(r["time/critic_score_s"], 1) for r in evals if "time/critic_score_s" in r]}

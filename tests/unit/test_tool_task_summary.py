@@ -83,10 +83,17 @@ def test_summary_reports_a_critics_explained_variance(tmp_path):
     rows = rows[:1] + pretrain + rows[1:]
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     _write_run(tmp_path / "grpo_tool_seed0", 0.3, 0.6, [1.0] * 6, tool=True)  # no critic: no row
+    d = tmp_path / "vapo_no_tool_seed0"  # every return equal: the explained variance is null, not a number
+    _write_run(d, 0.0, 0.0, [], tool=False)
+    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    for r in rows[1:-1]:
+        r["critic/explained_variance"] = None
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     table = t.summary(tmp_path)
     c = {r["run"]: r for r in json.loads((tmp_path / "summary.json").read_text())}["vapo_tool_seed0"]["critic"]
     assert c["heldout_ev_before"] == 0.0 and c["heldout_ev_pretrained"] == 0.2 and c["heldout_ev_after"] == 0.4
     assert c["train_ev_first5"] == pytest.approx(0.2) and c["train_ev_last5"] == pytest.approx(0.3)
     assert (c["pretrain_steps"], c["pretrain_minutes"], c["score_s"]) == (2, 1.0, [44.0, 40.0])
     assert "| vapo_tool_seed0 | 0.000 → 0.200 → 0.400 | 0.200 → 0.300 | 2, 1.0 | 44.0, 40.0 |" in table
+    assert "| vapo_no_tool_seed0 | – → – → – | – → – | 0, 0.0 | – |" in table
     assert "| grpo_tool_seed0 | –" not in table and table.count("| grpo_tool_seed0 |") == 1
